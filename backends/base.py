@@ -1,0 +1,150 @@
+"""What an attention backend is: a Protocol, its capabilities as class data, and the typed hooks.
+
+Every hook takes exactly one argument, the batch. Backend-specific switches are constructor config, never
+per-call arguments. The runtime decides what to do from ``capabilities`` (data), never from ``isinstance``
+or ``hasattr``.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from runtime.batch import ForwardBatch, ForwardMode
+
+
+class CudaGraphLevel(enum.IntEnum):
+    """How much of a forward mode a backend can run inside a captured CUDA graph (vLLM's ordering)."""
+
+    NEVER = 0
+    SINGLE_TOKEN_DECODE = 1  # one new token per request
+    UNIFORM_BATCH = 2  # every request has the same number of new tokens
+    ALWAYS = 3
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do; read by validation, the container and the graph runner.
+
+    Attributes
+    ----------
+    forward_modes : frozenset of ForwardMode
+    cuda_graph : tuple of (ForwardMode, CudaGraphLevel)
+        Graph level per mode; a mode not listed is NEVER.
+    mha_chunked_prefill : bool
+        Implements :class:`MHAChunkPrefill` (decompressed-KV ragged prefill with prefix chunks).
+    sparse : bool
+        Attends to top-k selected tokens (DeepSeek sparse attention); may be used with HiSparse.
+    builds_own_kv_indices : bool
+        ``init_forward_metadata`` builds its own kv indices; a multi-step driver skips the shared pass.
+    page_sizes : frozenset of int or None
+        Page sizes the kernels accept; None means any.
+    min_compute_capability : tuple of int or None
+        Lowest CUDA compute capability (major, minor); None when the backend also runs on the CPU.
+    dtypes : frozenset of torch.dtype
+        KV/query dtypes the kernels accept.
+    devices : frozenset of str
+        "cpu" and/or "cuda".
+    workspaces : frozenset of str
+        Ledger workspaces the backend consumes (``flashinfer_float`` is the shared FlashInfer buffer).
+    packages : tuple of str
+        Python modules the backend imports (checked at validation, with the install fix).
+    """
+
+    forward_modes: frozenset[ForwardMode]
+    cuda_graph: tuple[tuple[ForwardMode, CudaGraphLevel], ...] = ()
+    mha_chunked_prefill: bool = False
+    sparse: bool = False
+    builds_own_kv_indices: bool = False
+    page_sizes: frozenset[int] | None = None
+    min_compute_capability: tuple[int, int] | None = None
+    dtypes: frozenset[torch.dtype] = field(
+        default_factory=lambda: frozenset({torch.bfloat16, torch.float16, torch.float32})
+    )
+    devices: frozenset[str] = frozenset({"cuda"})
+    workspaces: frozenset[str] = frozenset()
+    packages: tuple[str, ...] = ()
+
+    def graph_level(self, mode: ForwardMode) -> CudaGraphLevel:
+        return dict(self.cuda_graph).get(mode, CudaGraphLevel.NEVER)
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Absorbed-MLA attention over the paged latent KV cache.
+
+    ``q_nope`` is already multiplied by W_UK, so both forwards return the output in the latent space
+    ([T, H, kv_lora_rank]); the model applies W_UV.
+    """
+
+    capabilities: ClassVar[BackendCapabilities]
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Host-side planning for one step, shared by every layer; outside any CUDA graph."""
+        ...
+
+    def forward_decode(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q_nope [B, H, kv_lora_rank], q_pe [B, H, rope] -> [B, H, kv_lora_rank] in q's dtype."""
+        ...
+
+    def forward_extend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q_nope [T, H, kv_lora_rank], q_pe [T, H, rope], causal bottom-right over each request's KV
+        (prefix + new tokens, already written) -> [T, H, kv_lora_rank] in q's dtype."""
+        ...
+
+
+@runtime_checkable
+class MHAChunkPrefill(Protocol):
+    """Prefill with decompressed K/V: a causal ragged pass over the new tokens, then one non-causal pass per
+    prefix chunk (``batch.prefix_chunks``), merged through their log-sum-exp.
+
+    Shapes: q [T, H, qk_head], k [N, H, qk_head], v [N, H, v_head]; out [T, H, v_head]; lse [T, H] float32
+    in whatever base the backend uses (``merge_states`` of the same backend consumes it).
+    """
+
+    def init_mha_chunk_metadata(self, batch: ForwardBatch) -> None:
+        """Plan the ragged pass and every prefix chunk of ``batch``. One argument, always."""
+        ...
+
+    def forward_mha_extend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward_mha_prefix_chunk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int, layer_id: int, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def merge_states(
+        self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def hook_signature_problems(obj: object, protocol: type) -> list[str]:
+    """Every method of ``protocol`` that ``obj`` lacks or whose parameters differ from the Protocol's.
+
+    This is a *static check of a typed interface* done once at startup (so a wrapper that lacks a hook fails
+    then, naming the hook), not a runtime decision about what a backend can do.
+    """
+    problems = []
+    for name, proto_fn in inspect.getmembers(protocol, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        impl = inspect.getattr_static(type(obj), name, None)
+        if impl is None:
+            problems.append(f"{type(obj).__name__} has no method {name}{inspect.signature(proto_fn)}")
+            continue
+        want = [p.name for p in inspect.signature(proto_fn).parameters.values()]
+        got = [p.name for p in inspect.signature(impl).parameters.values()]
+        if len(want) != len(got):
+            problems.append(
+                f"{type(obj).__name__}.{name} takes ({', '.join(got)}); the hook Protocol takes ({', '.join(want)})"
+            )
+    return problems

@@ -1,0 +1,122 @@
+"""Our own Triton MLA kernels: split-KV absorbed decode, causal absorbed extend.
+
+The backend consumes one workspace, ``triton_split_kv`` (partial outputs and log-sum-exps of the split-KV
+decode), and never the FlashInfer buffer. The kernels live in ``backends/kernels`` and are imported when
+the backend is built, so the module imports on machines without Triton (validation says what is missing).
+Under ``TRITON_INTERPRET=1`` the kernels also run on the CPU (slowly), which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+
+from backends.base import BackendCapabilities, CudaGraphLevel
+from runtime.batch import ForwardBatch, ForwardMode
+from runtime.kv_pool import MLAKVPool, ReqToTokenPool
+from runtime.model_spec import ModelSpec
+from runtime.workspace import WorkspaceSpec
+
+WORKSPACE = "triton_split_kv"
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def split_slots(backend_cfg: dict) -> int:
+    return int(backend_cfg["split_slots"])
+
+
+def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpec:
+    """Partial outputs (float32 [slots, H, kv_lora]) and LSEs (float32 [slots, H]) of the split-KV decode.
+
+    ``split_slots`` bounds (batch x splits): a decode batch of B requests gets at most
+    ``min(max_splits, split_slots // B)`` splits per request, so the scratch does not grow with the batch.
+    """
+    slots, h = split_slots(backend_cfg), model.num_heads
+    return WorkspaceSpec(WORKSPACE, nbytes=slots * h * (model.kv_lora_rank + 1) * 4, zero_init=False, shareable=False)
+
+
+class TritonMLABackend:
+    """Absorbed MLA over the paged cache with our Triton kernels.
+
+    Parameters
+    ----------
+    req_to_token_pool : ReqToTokenPool
+    kv_pool : MLAKVPool
+    model : ModelSpec
+    split_kv_workspace : torch.Tensor
+        uint8 [nbytes] from the ledger (see :func:`split_kv_workspace_spec`).
+    config : dict
+        The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h.
+    """
+
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
+        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),
+        mha_chunked_prefill=False,
+        builds_own_kv_indices=True,
+        page_sizes=None,
+        min_compute_capability=(8, 0),
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        devices=frozenset({"cuda", "cpu"} if _INTERPRET else {"cuda"}),
+        workspaces=frozenset({WORKSPACE}),
+        packages=("triton",),
+    )
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: MLAKVPool,
+        model: ModelSpec,
+        split_kv_workspace: torch.Tensor,
+        config: dict,
+    ):
+        from backends.kernels.mla_decode import mla_decode
+        from backends.kernels.mla_extend import mla_extend
+
+        self._decode_kernel, self._extend_kernel = mla_decode, mla_extend
+        self.req_to_token_pool, self.kv_pool, self.model = req_to_token_pool, kv_pool, model
+        self.workspace = split_kv_workspace
+        self.max_splits = int(config["max_splits"])
+        self.split_slots = split_slots(config)
+        self.min_tokens_per_split = int(config["min_tokens_per_split"])
+        self.block_n, self.block_h = int(config["block_n"]), int(config["block_h"])
+        self.page_size = kv_pool.page_size
+        self.page_table = torch.empty(0, 0, dtype=torch.int32)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Page table [B, ceil(max_len / page_size)] int32, gathered on the device from the request table."""
+        width = -(-batch.max_seq_len // self.page_size)
+        table = self.req_to_token_pool.req_to_token
+        cols = torch.arange(0, width * self.page_size, self.page_size, device=table.device)
+        cols = cols.clamp_max(table.shape[1] - 1)
+        self.page_table = (table[batch.req_pool_indices[:, None], cols[None, :]] // self.page_size).to(torch.int32)
+
+    def _partials(self, batch_size: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        splits = max(1, min(self.max_splits, self.split_slots // max(batch_size, 1)))
+        n_out = batch_size * heads * splits * self.model.kv_lora_rank
+        f32 = self.workspace.view(torch.float32)
+        partial_out = f32[:n_out].view(batch_size, heads, splits, self.model.kv_lora_rank)
+        partial_lse = f32[n_out : n_out + batch_size * heads * splits].view(batch_size, heads, splits)
+        return partial_out, partial_lse, splits
+
+    def forward_decode(self, q_nope, q_pe, layer_id, batch):
+        b, h = q_nope.shape[:2]
+        out = torch.empty(b, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
+        partial_out, partial_lse, splits = self._partials(b, h)
+        self._decode_kernel(
+            q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.seq_lens, self.model.sm_scale,
+            out, partial_out, partial_lse, max_splits=splits, min_tokens_per_split=self.min_tokens_per_split,
+            block_n=self.block_n, block_h=self.block_h,
+        )
+        return out
+
+    def forward_extend(self, q_nope, q_pe, layer_id, batch):
+        t, h = q_nope.shape[:2]
+        out = torch.empty(t, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
+        self._extend_kernel(
+            q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.qo_indptr, batch.seq_lens,
+            self.model.sm_scale, out, max_q_len=batch.max_extend_len,
+        )
+        return out

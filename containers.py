@@ -1,0 +1,175 @@
+"""The whole object graph of a runtime, in build order: read it top to bottom.
+
+device -> pools -> HiSparse coordinator slot -> workspace ledger and named workspaces -> backend (chosen
+by ``config.backend.name``) -> model -> engine. Every object receives its collaborators in ``__init__``.
+Only what the engine needs is built: the selected backend, and the workspaces that backend asks for.
+
+``build(cfg)`` is the one public way to get a wired runtime. It validates first (every problem, one
+error, nothing allocated), then builds, recording the order in which providers ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dependency_injector import containers, providers
+from omegaconf import DictConfig, OmegaConf
+
+from backends.base import MHAChunkPrefill
+from backends.torch_mla import TorchMLABackend
+from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
+from runtime.device import DeviceInfo, probe_device
+from runtime.dump import AttentionDumper
+from runtime.engine import Engine
+from runtime.errors import ConfigError
+from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.model import MLAModel
+from runtime.model_spec import ModelSpec
+from runtime.validation import validate
+from runtime.workspace import WorkspaceLedger
+
+# name -> class, for validation (capabilities are class data, read before anything is built). The
+# Selector below has one provider per name; a test checks the two agree.
+BACKENDS: dict[str, type] = {
+    "torch_mla": TorchMLABackend,
+    "triton_mla": TritonMLABackend,
+}
+WORKSPACES = ("flashinfer_float", "flashinfer_int", "triton_split_kv")
+
+
+class BuildLog:
+    """Names of the providers in the order they built their object."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+
+def _record(log: BuildLog, name: str, obj: Any) -> Any:
+    log.names.append(name)
+    return obj
+
+
+def _step(log: providers.Provider, name: str, factory: providers.Provider) -> providers.Singleton:
+    """A singleton that builds ``factory`` once (its dependencies first) and records ``name``."""
+    return providers.Singleton(_record, log, name, factory)
+
+
+def _mha_prefill_hook(backend: Any, backend_cfg: dict) -> MHAChunkPrefill | None:
+    """The backend as the MHA chunked-prefill hook when its capabilities declare it and its config does not
+    switch ragged prefill off; None sends prefill down the absorbed path."""
+    if type(backend).capabilities.mha_chunked_prefill and not backend_cfg.get("disable_ragged", False):
+        return backend
+    return None
+
+
+class Container(containers.DeclarativeContainer):
+    config = providers.Configuration(strict=True)
+    build_log = providers.Singleton(BuildLog)
+
+    # 1. device --------------------------------------------------------------------------------------
+    device_info = _step(build_log, "device", providers.Factory(probe_device, config.device.kind, config.device.index))
+    device = providers.Callable(lambda info: info.torch_device, device_info)
+    model_spec = providers.Singleton(ModelSpec.from_config, config.model)
+
+    # 2. pools ---------------------------------------------------------------------------------------
+    req_to_token_pool = _step(build_log, "req_to_token_pool", providers.Factory(
+        ReqToTokenPool, config.kv.max_requests, model_spec.provided.max_context, device))
+    page_allocator = _step(build_log, "page_allocator", providers.Factory(
+        PageAllocator, config.kv.num_pages, config.kv.page_size))
+    token_slots = _step(build_log, "token_slots", providers.Factory(TokenSlots, req_to_token_pool, page_allocator))
+    kv_pool = _step(build_log, "kv_pool", providers.Factory(
+        MLAKVPool,
+        layer_ids=model_spec.provided.kv_cache_layers,
+        num_pages=config.kv.num_pages,
+        page_size=config.kv.page_size,
+        kv_lora_rank=model_spec.provided.kv_lora_rank,
+        qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
+        dtype=model_spec.provided.dtype,
+        device=device,
+    ))
+
+    # 3. HiSparse coordinator slot: the sparse-attention issue builds it here, before any backend.
+    #    Until a sparse backend ships, validation refuses hisparse.enabled=true.
+    hisparse_coordinator = providers.Object(None)
+
+    # 4. workspaces: the ledger, then one provider per named workspace (built only if consumed) -------
+    workspace_ledger = _step(build_log, "workspace_ledger", providers.Factory(WorkspaceLedger, device, known=WORKSPACES))
+    triton_split_kv_workspace = _step(build_log, "workspace:triton_split_kv", providers.Factory(
+        workspace_ledger.provided.acquire.call(
+            providers.Factory(split_kv_workspace_spec, model_spec, config.backend),
+            "triton_mla",
+        )
+    ))
+
+    # 5. backend: only the selected one is built ------------------------------------------------------
+    backend = providers.Selector(
+        config.backend.name,
+        torch_mla=_step(build_log, "backend:torch_mla", providers.Factory(
+            TorchMLABackend, req_to_token_pool, kv_pool, model_spec, config.backend.compute_dtype)),
+        triton_mla=_step(build_log, "backend:triton_mla", providers.Factory(
+            TritonMLABackend, req_to_token_pool, kv_pool, model_spec, triton_split_kv_workspace,
+            config.backend)),
+    )
+    mha_prefill = providers.Callable(_mha_prefill_hook, backend, config.backend)
+
+    # 6. model and engine -----------------------------------------------------------------------------
+    dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
+    model = _step(build_log, "model", providers.Factory(
+        MLAModel, model_spec, device, kv_pool, backend, mha_prefill, dumper))
+    engine = _step(build_log, "engine", providers.Factory(
+        Engine, model, backend, mha_prefill, token_slots, config.workload, device))
+
+
+# The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
+# selected backend consumes it.
+BUILD_STAGES = (
+    "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "hisparse_coordinator",
+    "workspace_ledger", "backend", "model", "engine",
+)
+
+
+@dataclass
+class Runtime:
+    """A wired runtime: the container (for the report and tests), its engine, and what was built."""
+
+    container: Container
+    config: dict
+    device: DeviceInfo
+
+    @property
+    def engine(self) -> Engine:
+        return self.container.engine()
+
+    @property
+    def build_order(self) -> list[str]:
+        return list(self.container.build_log().names)
+
+
+def to_plain(cfg: DictConfig | dict) -> dict:
+    """The resolved plain dict the container reads (enums as their names)."""
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
+    plain = dict(cfg)
+    plain.setdefault("dump_dir", None)
+    return plain
+
+
+def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime:
+    """Validate ``cfg`` (all problems at once, nothing allocated), then build the runtime.
+
+    Parameters
+    ----------
+    cfg : the composed root config (DictConfig) or its resolved plain dict.
+    container : a Container whose providers a test has overridden; a fresh one otherwise.
+    """
+    plain = to_plain(cfg)
+    container = container or Container()
+    info = probe_device(plain["device"]["kind"], plain["device"]["index"])
+    problems = validate(plain, BACKENDS, info)
+    if problems:
+        raise ConfigError(problems)
+    container.config.from_dict(plain)
+    for stage in BUILD_STAGES:  # top to bottom; each stage builds what it depends on first
+        getattr(container, stage)()
+    return Runtime(container=container, config=plain, device=info)

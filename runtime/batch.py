@@ -1,0 +1,131 @@
+"""One forward step, as data: the batch every backend and hook receives (their one argument)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ForwardMode(str, enum.Enum):
+    EXTEND = "extend"  # prefill / chunked prefill: n new tokens per request over a cached prefix
+    DECODE = "decode"  # one new token per request
+    TARGET_VERIFY = "target_verify"  # speculative: verify draft tokens (uniform n per request)
+    DRAFT_EXTEND = "draft_extend"  # speculative: extend the draft model with accepted tokens
+
+
+@dataclass(frozen=True)
+class PrefixChunk:
+    """A slice of every request's cached prefix, for the MHA chunked-prefix prefill.
+
+    Attributes
+    ----------
+    kv_slots : torch.Tensor
+        [N] int64 on the device: KV-pool slots of the chunk's tokens, request by request, in token order.
+    kv_indptr : torch.Tensor
+        [B+1] int32 on the device: rows of request b are ``kv_indptr[b]:kv_indptr[b+1]`` (may be empty).
+    kv_indptr_cpu : torch.Tensor
+        [B+1] int32 host mirror of ``kv_indptr``.
+    """
+
+    kv_slots: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indptr_cpu: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.kv_indptr_cpu[-1])
+
+
+@dataclass
+class ForwardBatch:
+    """What one forward step runs. Device tensors have a host mirror so no step needs a device-to-host copy.
+
+    Attributes
+    ----------
+    mode : ForwardMode
+    req_pool_indices : torch.Tensor
+        [B] int64 device: rows of the request -> token table.
+    req_pool_indices_cpu : torch.Tensor
+        [B] int64 host mirror.
+    seq_lens : torch.Tensor
+        [B] int32 device: KV length of each request after this step's new tokens are written.
+    seq_lens_cpu : torch.Tensor
+        [B] int32 host mirror of ``seq_lens``.
+    extend_lens_cpu : torch.Tensor
+        [B] int32 host: new tokens per request (1 for DECODE).
+    qo_indptr : torch.Tensor
+        [B+1] int32 device: new tokens of request b are rows ``qo_indptr[b]:qo_indptr[b+1]`` of q.
+    qo_indptr_cpu : torch.Tensor
+        [B+1] int32 host mirror.
+    out_cache_loc : torch.Tensor
+        [T] int64 device: KV-pool slot of every new token (slot = page * page_size + offset).
+    positions : torch.Tensor
+        [T] int64 device: absolute position of every new token (for RoPE).
+    prefix_chunks : list of PrefixChunk
+        Filled by the runtime for an EXTEND batch that takes the MHA chunked-prefix path; empty otherwise.
+    """
+
+    mode: ForwardMode
+    req_pool_indices: torch.Tensor
+    req_pool_indices_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    extend_lens_cpu: torch.Tensor
+    qo_indptr: torch.Tensor
+    qo_indptr_cpu: torch.Tensor
+    out_cache_loc: torch.Tensor
+    positions: torch.Tensor
+    prefix_chunks: list[PrefixChunk] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens_cpu.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr_cpu[-1])
+
+    @property
+    def prefix_lens_cpu(self) -> torch.Tensor:
+        """[B] int32 host: tokens already cached before this step."""
+        return self.seq_lens_cpu - self.extend_lens_cpu
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens_cpu.max()) if self.batch_size else 0
+
+    @property
+    def max_extend_len(self) -> int:
+        return int(self.extend_lens_cpu.max()) if self.batch_size else 0
+
+
+def make_batch(
+    mode: ForwardMode,
+    req_pool_indices: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    out_cache_loc: torch.Tensor,
+    device: torch.device,
+) -> ForwardBatch:
+    """Build a batch from host lists; one host-to-device copy per field, no device-to-host copy."""
+    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    seq_cpu = torch.tensor(seq, dtype=torch.int32)
+    ext_cpu = torch.tensor(extend_lens, dtype=torch.int32)
+    qo_cpu = torch.zeros(len(seq) + 1, dtype=torch.int32)
+    qo_cpu[1:] = torch.cumsum(ext_cpu, 0)
+    req_cpu = torch.tensor(req_pool_indices, dtype=torch.int64)
+    positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)])
+    return ForwardBatch(
+        mode=mode,
+        req_pool_indices=req_cpu.to(device, non_blocking=True),
+        req_pool_indices_cpu=req_cpu,
+        seq_lens=seq_cpu.to(device, non_blocking=True),
+        seq_lens_cpu=seq_cpu,
+        extend_lens_cpu=ext_cpu,
+        qo_indptr=qo_cpu.to(device, non_blocking=True),
+        qo_indptr_cpu=qo_cpu,
+        out_cache_loc=out_cache_loc,
+        positions=positions.to(device, non_blocking=True),
+    )

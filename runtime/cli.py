@@ -1,0 +1,73 @@
+"""What `python -m runtime` does: compose, validate, build, run, check parity, report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+from rich.console import Console
+
+from containers import build, to_plain
+from runtime.errors import ConfigError, Problem
+from runtime.parity import compare, reference_config
+from runtime.report import make_report, memory_plan, print_report, write_report
+
+EXTRA_KEYS = {"dump_dir": "a directory path (+dump_dir=DIR)", "explain": "true or false (+explain=true)"}
+
+
+def _extras(plain: dict) -> list[Problem]:
+    problems = []
+    if plain.get("explain") is not None and not isinstance(plain["explain"], bool):
+        problems.append(Problem("explain", repr(plain["explain"]), "true or false", "+explain=true"))
+    if plain.get("dump_dir") is not None and not isinstance(plain["dump_dir"], str):
+        problems.append(Problem("dump_dir", repr(plain["dump_dir"]), "a directory path", "+dump_dir=dumps/run1"))
+    known = set(EXTRA_KEYS) | {"backend", "model", "workspace", "hisparse", "speculative", "graph", "workload",
+                               "device", "kv", "check", "progress"}
+    for key in sorted(set(plain) - known):
+        problems.append(Problem(f"key '{key}'", f"+{key}=...", f"one of {sorted(known)}",
+                                f"drop +{key}, or fix its spelling"))
+    return problems
+
+
+def explain(runtime, console: Console) -> None:
+    console.print("[bold]build order[/bold]: " + " -> ".join(runtime.build_order))
+    plan = memory_plan(runtime.container)
+    console.print("[bold]memory plan[/bold] (bytes):")
+    rows = {"kv_pool": plan["kv_pool_bytes"], "req_to_token": plan["req_to_token_bytes"],
+            "weights": plan["weights_bytes"], **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
+    for name, n in rows.items():
+        console.print(f"  {name:<32} {n:>16,d}")
+    console.print(f"  {'total':<32} {plan['total_bytes']:>16,d}")
+
+
+def run(cfg: DictConfig, output_dir: Path) -> int:
+    console = Console()
+    plain = to_plain(cfg)
+    try:
+        problems = _extras(plain)
+        if problems:
+            raise ConfigError(problems)
+        runtime = build(plain)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if plain.get("explain"):
+        explain(runtime, console)
+        return 0
+    res = runtime.engine.run(progress=plain["progress"])
+    parity = None
+    if plain["check"] == "reference":
+        ref = build(reference_config(plain))
+        ref_res = ref.engine.run(forced=res.outputs)
+        parity = compare(res, ref_res, plain["model"]["dtype"]).as_dict()
+    dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
+    report = make_report(runtime, res, parity, dumps)
+    print_report(report, console)
+    path = write_report(report, output_dir)
+    console.print(f"report: {path}")
+    if parity is not None and not parity["ok"]:
+        print("parity check FAILED: the backend's output differs from the torch reference (see report)",
+              file=sys.stderr)
+        return 1
+    return 0

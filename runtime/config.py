@@ -1,0 +1,215 @@
+"""Typed schemas of every config group, registered in Hydra's ConfigStore.
+
+Each YAML option under ``conf/<group>/`` starts from one of these schemas (its defaults list names
+``/schema/<group>/<name>``), so a typo or a wrong type fails when Hydra composes the config, before the
+runtime sees it. Cross-field rules (a buffer smaller than top-k, a GPU-only backend on the CPU) live in
+:mod:`runtime.validation`, which reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+MiB = 1 << 20
+
+
+class DeviceKind(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float64 = "float64"
+
+
+class LayerKind(str, enum.Enum):
+    full = "full"  # dense MLA attention
+    linear = "linear"  # linear attention (hybrid models)
+    sparse = "sparse"  # DeepSeek sparse attention (top-k selected KV)
+
+
+class CheckMode(str, enum.Enum):
+    off = "off"
+    reference = "reference"
+
+
+class LengthDist(str, enum.Enum):
+    fixed = "fixed"  # always `mean`
+    uniform = "uniform"  # uniform integers in [min, max]
+    normal = "normal"  # N(mean, std) clamped to [min, max]
+
+
+# ---------------------------------------------------------------------------------------------- backend
+@dataclass
+class BackendConfig:
+    """Fields every backend has. Backend-specific switches live in the subclasses and reach the backend's
+    constructor; they are never per-call arguments."""
+
+    name: str = MISSING
+
+
+@dataclass
+class TorchMLAConfig(BackendConfig):
+    name: str = "torch_mla"
+    compute_dtype: DType = DType.float32  # float64 on request, for the strictest oracle
+
+
+@dataclass
+class TritonMLAConfig(BackendConfig):
+    name: str = "triton_mla"
+    max_splits: int = 128  # split-KV partitions per request at most
+    split_slots: int = 2048  # partials in the scratch workspace: a batch of B gets min(max_splits, slots // B)
+    min_tokens_per_split: int = 256  # a request gets ceil(len / this) splits, capped as above
+    block_n: int = 64  # KV tokens per tile
+    block_h: int = 16  # heads per program (each KV tile is read once per head block)
+
+
+@dataclass
+class FlashInferMLAConfig(BackendConfig):
+    name: str = "flashinfer_mla"
+    kernel: str = "auto"  # auto | fa3 | fa2
+    disable_ragged: bool = False  # MHA prefill: skip the ragged kernel and use the absorbed path
+
+
+# ----------------------------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    """MLA dimensions. ``layer_pattern`` is repeated over ``num_layers``: ``[full]`` for DeepSeek-V3,
+    ``[linear, linear, linear, full]`` for a hybrid whose every fourth layer is full attention."""
+
+    name: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_heads: int = MISSING
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    vocab_size: int = 512
+    max_context: int = 4096
+    dtype: DType = DType.bfloat16
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    layer_pattern: List[LayerKind] = field(default_factory=lambda: [LayerKind.full])
+    weight_seed: int = 1234
+
+
+# ------------------------------------------------------------------------------------- memory and pools
+@dataclass
+class WorkspaceConfig:
+    skip: bool = False  # true: the shared FlashInfer float buffer is never created
+    flashinfer_bytes: int = 128 * MiB
+
+
+@dataclass
+class KVCacheConfig:
+    page_size: int = 16
+    num_pages: int = 1024
+    max_requests: int = 64  # rows of the request -> token table
+
+
+@dataclass
+class HiSparseConfig:
+    enabled: bool = False
+    top_k: int = 2048
+    device_buffer_size: int = 4096  # tokens per request kept on the device
+    host_to_device_ratio: float = 4.0  # host KV pool size / device KV pool size
+
+
+@dataclass
+class SpeculativeConfig:
+    enabled: bool = False
+    num_steps: int = 3
+    topk: int = 1
+    draft_layers: int = 1
+
+
+@dataclass
+class GraphConfig:
+    enabled: bool = False
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+
+
+@dataclass
+class LengthConfig:
+    dist: LengthDist = LengthDist.uniform
+    mean: int = 32
+    std: int = 8
+    min: int = 1
+    max: int = 64
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING
+    num_requests: int = 8
+    prompt_len: LengthConfig = field(default_factory=LengthConfig)
+    output_len: LengthConfig = field(default_factory=lambda: LengthConfig(mean=8, std=2, min=1, max=16))
+    seed: int = 0
+    max_running_requests: int = 32
+    max_tokens_per_batch: int = 2048
+    chunked_prefill_size: int = 512  # new tokens of one request per prefill step at most
+    mha_prefix_chunk_tokens: int = 4096  # prefix tokens decompressed per MHA chunk
+
+
+@dataclass
+class DeviceConfig:
+    kind: DeviceKind = DeviceKind.auto
+    index: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ root
+@dataclass
+class Config:
+    backend: BackendConfig = MISSING
+    model: ModelConfig = MISSING
+    workspace: WorkspaceConfig = MISSING
+    hisparse: HiSparseConfig = MISSING
+    speculative: SpeculativeConfig = MISSING
+    graph: GraphConfig = MISSING
+    workload: WorkloadConfig = MISSING
+    device: DeviceConfig = MISSING
+    kv: KVCacheConfig = field(default_factory=KVCacheConfig)
+    check: CheckMode = CheckMode.reference
+    progress: bool = True  # progress bar on long runs (off anyway when stdout is not a terminal)
+
+
+# Every option name registered per group, for the error messages of `validation` and the tests.
+BACKEND_SCHEMAS: dict[str, type[BackendConfig]] = {
+    "torch_mla": TorchMLAConfig,
+    "triton_mla": TritonMLAConfig,
+    "flashinfer_mla": FlashInferMLAConfig,
+}
+
+_GROUP_SCHEMAS: dict[str, Any] = {
+    "model": ModelConfig,
+    "workspace": WorkspaceConfig,
+    "hisparse": HiSparseConfig,
+    "speculative": SpeculativeConfig,
+    "graph": GraphConfig,
+    "workload": WorkloadConfig,
+    "device": DeviceConfig,
+}
+
+
+def register_configs() -> None:
+    """Store the root schema and one schema per group option (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=Config)
+    for name, node in BACKEND_SCHEMAS.items():
+        cs.store(group="schema/backend", name=name, node=node)
+    for group, node in _GROUP_SCHEMAS.items():
+        cs.store(group=f"schema/{group}", name=group, node=node)
+
+
+register_configs()

@@ -1,0 +1,37 @@
+"""Which device the config resolves to, probed without allocating anything."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    requested: str  # auto | cpu | cuda
+    kind: str  # cpu | cuda: what `requested` resolves to here
+    index: int
+    cuda_available: bool
+    compute_capability: tuple[int, int] | None
+    name: str
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.kind, self.index) if self.kind == "cuda" else torch.device("cpu")
+
+
+def probe_device(requested: str, index: int = 0) -> DeviceInfo:
+    """Resolve ``auto`` (cuda if a GPU is visible, else cpu) and read the GPU's compute capability."""
+    available = torch.cuda.is_available()
+    kind = ("cuda" if available else "cpu") if requested == "auto" else requested
+    cc, name = None, "cpu"
+    if kind == "cuda" and available and index < torch.cuda.device_count():
+        cc = torch.cuda.get_device_capability(index)
+        name = torch.cuda.get_device_name(index)
+    return DeviceInfo(requested, kind, index, available, cc, name)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,231 @@
+"""The engine loop: continuous batching with chunked prefill, decode, and retraction on KV exhaustion.
+
+Each step the scheduler prefers prefill (new or partly prefilled requests, up to the token budget), and
+otherwise decodes every running request. Before a step it counts the pages the step needs; if the pool
+cannot hold them it queues new requests, or retracts the most recently started ones (their pages return to
+the pool, their generated tokens are kept, and they are prefilled again later). No request is lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from backends.base import AttentionBackend, MHAChunkPrefill
+from runtime.batch import ForwardMode, make_batch
+from runtime.device import synchronize
+from runtime.kv_pool import TokenSlots
+from runtime.model import MLAModel
+from runtime.prefix_chunks import plan_prefix_chunks
+from runtime.progress import Progress
+from runtime.workload import Request, make_requests
+
+
+@dataclass
+class StepRecord:
+    mode: ForwardMode
+    batch_size: int
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class RunResult:
+    """What one run of the workload produced.
+
+    Attributes
+    ----------
+    outputs : rid -> generated token ids (the forced ones when the run was forced)
+    argmax : rid -> the model's own greedy choice at every generated position
+    margins : rid -> top-1 minus top-2 logit at every generated position
+    hidden : rid -> [num_generated, hidden] float32 final-normed hidden states that produced each token
+    """
+
+    outputs: dict[int, list[int]] = field(default_factory=dict)
+    argmax: dict[int, list[int]] = field(default_factory=dict)
+    margins: dict[int, list[float]] = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+    prompt_tokens: int = 0
+    finished: int = 0
+    retracted: int = 0
+    queued_for_memory: int = 0
+    lost: int = 0
+
+
+class StalledError(RuntimeError):
+    """No step can run: the pool cannot hold even the oldest running request's next step."""
+
+
+class Engine:
+    """Runs the `workload` config over the injected model.
+
+    Parameters
+    ----------
+    model : MLAModel
+    backend : AttentionBackend
+    mha_prefill : MHAChunkPrefill or None
+        Planned before an EXTEND step when the model takes the MHA chunked-prefix path.
+    token_slots : TokenSlots
+    workload : dict
+        The resolved `workload` config.
+    device : torch.device
+    """
+
+    def __init__(
+        self,
+        model: MLAModel,
+        backend: AttentionBackend,
+        mha_prefill: MHAChunkPrefill | None,
+        token_slots: TokenSlots,
+        workload: dict,
+        device: torch.device,
+    ):
+        self.model, self.backend, self.mha_prefill = model, backend, mha_prefill
+        self.slots, self.workload, self.device = token_slots, workload, device
+
+    # -------------------------------------------------------------------------------------------- run
+    def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False) -> RunResult:
+        """Run every request to completion. ``forced`` (rid -> tokens) feeds those tokens instead of the
+        greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too."""
+        requests = make_requests(self.workload, self.model.spec.vocab_size)
+        res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
+        for r in requests:
+            res.argmax[r.rid], res.margins[r.rid] = [], []
+        hidden: dict[int, list[torch.Tensor]] = {r.rid: [] for r in requests}
+        waiting: deque[Request] = deque(requests)
+        running: list[Request] = []  # admitted, in admission order
+        total_new = sum(r.max_new_tokens for r in requests)
+        with Progress(total_new, enabled=progress) as bar:
+            while waiting or running:
+                step = self._prefill_step(waiting, running, res)
+                if step is None:
+                    step = self._decode_step(waiting, running, res)
+                if step is None:
+                    raise StalledError(self._stall_message(waiting, running))
+                reqs, batch, ids, sample_rows = step
+                t0 = time.perf_counter()
+                self.backend.init_forward_metadata(batch)
+                if batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None:
+                    batch.prefix_chunks = plan_prefix_chunks(
+                        batch, self.slots.req_to_token_pool, self.workload["mha_prefix_chunk_tokens"]
+                    )
+                    self.mha_prefill.init_mha_chunk_metadata(batch)
+                h = self.model.forward(ids, batch)
+                sel = h[sample_rows]
+                top2 = torch.topk(self.model.logits(sel), 2, dim=-1)
+                synchronize(self.device)
+                res.steps.append(StepRecord(batch.mode, batch.batch_size, batch.num_tokens, time.perf_counter() - t0))
+                values, choices = top2.values.cpu(), top2.indices[:, 0].tolist()
+                sel_cpu = sel.float().cpu()
+                new_tokens = self._finish_step(reqs, choices, values, sel_cpu, forced, res, hidden, running)
+                bar.advance(new_tokens)
+        res.hidden = {rid: (torch.stack(v) if v else torch.empty(0)) for rid, v in hidden.items()}
+        res.outputs = {r.rid: list(r.output) for r in requests}
+        res.lost = sum(1 for r in requests if not r.done)
+        return res
+
+    # --------------------------------------------------------------------------------- scheduling
+    def _prefill_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
+        """Chunks of prefill for partly prefilled requests, then new ones, within the token budget."""
+        budget = self.workload["max_tokens_per_batch"]
+        chosen: list[tuple[Request, int]] = []
+        pages_free = self.slots.pages.available
+        blocked = False  # a partly prefilled request cannot grow: admit nobody new
+        for r in [r for r in running if not r.decoding]:
+            n = min(len(r.tokens) - r.cached, self.workload["chunked_prefill_size"], budget)
+            need = self.slots.pages_needed(r.row, r.cached + n)
+            if n <= 0 or need > pages_free:
+                blocked = True
+                break
+            chosen.append((r, n))
+            budget, pages_free = budget - n, pages_free - need
+        while not blocked and waiting and budget > 0 and len(running) < self.workload["max_running_requests"]:
+            r = waiting[0]
+            n = min(len(r.tokens), self.workload["chunked_prefill_size"], budget)
+            need = -(-n // self.slots.page_size)
+            if need > pages_free or self.slots.req_to_token_pool.available == 0:
+                res.queued_for_memory += 1
+                break
+            waiting.popleft()
+            r.row, r.cached, r.decoding = self.slots.open(), 0, False
+            running.append(r)
+            chosen.append((r, n))
+            budget, pages_free = budget - n, pages_free - need
+        if not chosen:
+            return None
+        reqs = [r for r, _ in chosen]
+        locs = [self.slots.reserve(r.row, r.cached, r.cached + n) for r, n in chosen]
+        ids = torch.tensor([t for r, n in chosen for t in r.tokens[r.cached : r.cached + n]], dtype=torch.int64)
+        batch = make_batch(
+            ForwardMode.EXTEND, [r.row for r in reqs], [r.cached for r in reqs], [n for _, n in chosen],
+            torch.cat(locs).to(self.device, non_blocking=True), self.device,
+        )
+        for r, n in chosen:
+            r.cached += n
+        # sample only for requests whose whole sequence is now cached
+        sample_rows = [int(batch.qo_indptr_cpu[i + 1]) - 1 for i, r in enumerate(reqs)]
+        complete = [r.cached == len(r.tokens) for r in reqs]
+        rows = torch.tensor([row for row, c in zip(sample_rows, complete) if c], dtype=torch.int64)
+        return [r for r, c in zip(reqs, complete) if c], batch, ids.to(self.device, non_blocking=True), rows.to(self.device)
+
+    def _decode_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
+        decoding = [r for r in running if r.decoding]
+        while decoding:
+            need = sum(self.slots.pages_needed(r.row, r.cached + 1) for r in decoding)
+            if need <= self.slots.pages.available:
+                break
+            if len(running) == 1:
+                return None
+            self._retract(running[-1], waiting, running, res)
+            decoding = [r for r in running if r.decoding]
+        if not decoding:
+            prefilling = [r for r in running if not r.decoding]
+            if prefilling and len(running) > 1:  # partly prefilled requests hold pages none can grow: free one
+                self._retract(running[-1], waiting, running, res)
+                return self._prefill_step(waiting, running, res)
+            return None
+        locs = [self.slots.reserve(r.row, r.cached, r.cached + 1) for r in decoding]
+        ids = torch.tensor([r.tokens[r.cached] for r in decoding], dtype=torch.int64)
+        batch = make_batch(
+            ForwardMode.DECODE, [r.row for r in decoding], [r.cached for r in decoding], [1] * len(decoding),
+            torch.cat(locs).to(self.device, non_blocking=True), self.device,
+        )
+        for r in decoding:
+            r.cached += 1
+        rows = torch.arange(len(decoding), dtype=torch.int64, device=self.device)
+        return decoding, batch, ids.to(self.device, non_blocking=True), rows
+
+    def _retract(self, r: Request, waiting: deque[Request], running: list[Request], res: RunResult) -> None:
+        """Return every page of ``r`` and queue it first; its generated tokens are kept."""
+        self.slots.release(r.row)
+        running.remove(r)
+        r.row, r.cached, r.decoding = None, 0, False
+        r.retractions += 1
+        res.retracted += 1
+        waiting.appendleft(r)
+
+    def _finish_step(self, reqs, choices, top2_values, hidden_cpu, forced, res, hidden, running) -> int:
+        for i, r in enumerate(reqs):
+            res.argmax[r.rid].append(choices[i])
+            res.margins[r.rid].append(float(top2_values[i, 0] - top2_values[i, 1]))
+            hidden[r.rid].append(hidden_cpu[i])
+            token = forced[r.rid][len(r.output)] if forced is not None else choices[i]
+            r.output.append(token)
+            r.decoding = True
+            if r.done:
+                self.slots.release(r.row)
+                running.remove(r)
+                r.row = None
+                res.finished += 1
+        return len(reqs)
+
+    def _stall_message(self, waiting, running) -> str:
+        return (
+            f"the engine cannot make progress: {len(running)} running, {len(waiting)} waiting, "
+            f"{self.slots.pages.available} of {self.slots.pages.capacity} KV pages free. "
+            "Fix: raise kv.num_pages, or lower workload.max_running_requests / workload.chunked_prefill_size."
+        )

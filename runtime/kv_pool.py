@@ -1,0 +1,168 @@
+"""KV memory: the request -> token table, the page allocator, and the paged MLA KV pool.
+
+A token's *slot* is ``page * page_size + offset``. Page 0 is reserved as the padding page: padded batch
+entries (CUDA-graph replay) write their KV there, so it never holds a live token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.errors import PoolExhausted
+
+PADDING_PAGE = 0
+
+
+class ReqToTokenPool:
+    """Rows of token slots, one row per live request.
+
+    Attributes
+    ----------
+    req_to_token : torch.Tensor
+        [max_requests, max_context] int32 on the device: slot of token t of the request in row r.
+    """
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device):
+        self.max_requests, self.max_context = max_requests, max_context
+        self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
+        self._free = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.req_to_token.numel() * self.req_to_token.element_size()
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise PoolExhausted("request table", 1, 0, "rows")
+        return self._free.pop()
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+
+class PageAllocator:
+    """Hands out fixed-size pages of the KV pool; page 0 is never handed out."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages, self.page_size = num_pages, page_size
+        self._free = list(range(num_pages - 1, PADDING_PAGE, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted("KV page pool", n, len(self._free), "pages")
+        out = self._free[len(self._free) - n :][::-1]
+        del self._free[len(self._free) - n :]
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class MLAKVPool:
+    """Paged latent KV, one buffer per attention layer that has a KV cache.
+
+    Attributes
+    ----------
+    buffers : list of torch.Tensor
+        Per cached layer, [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] in the model dtype: the
+        first ``kv_lora_rank`` values of a row are the normalized latent (ckv, also the value), the rest the
+        rotated rope key (kpe).
+    """
+
+    def __init__(
+        self,
+        layer_ids: list[int],
+        num_pages: int,
+        page_size: int,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.page_size, self.kv_lora_rank, self.rope_dim = page_size, kv_lora_rank, qk_rope_head_dim
+        self.row_dim = kv_lora_rank + qk_rope_head_dim
+        self.dtype, self.device = dtype, device
+        self._index = {layer: i for i, layer in enumerate(layer_ids)}
+        self.buffers = [
+            torch.zeros(num_pages, page_size, self.row_dim, dtype=dtype, device=device) for _ in layer_ids
+        ]
+
+    @staticmethod
+    def planned_bytes(num_layers: int, num_pages: int, page_size: int, row_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * num_pages * page_size * row_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def buffer(self, layer_id: int) -> torch.Tensor:
+        """[num_pages, page_size, row_dim] of ``layer_id``."""
+        return self.buffers[self._index[layer_id]]
+
+    def flat(self, layer_id: int) -> torch.Tensor:
+        """[num_pages * page_size, row_dim] view of ``layer_id`` indexed by slot."""
+        return self.buffer(layer_id).view(-1, self.row_dim)
+
+    def write(self, layer_id: int, slots: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> None:
+        """Store new tokens. slots [T] int64; ckv [T, kv_lora_rank]; kpe [T, qk_rope_head_dim]."""
+        flat = self.flat(layer_id)
+        flat[slots, : self.kv_lora_rank] = ckv.to(self.dtype)
+        flat[slots, self.kv_lora_rank :] = kpe.to(self.dtype)
+
+    def gather(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of ``slots`` ([N] int64) -> [N, row_dim]."""
+        return self.flat(layer_id)[slots]
+
+
+class TokenSlots:
+    """Per-request page lists on top of the page allocator and the request table.
+
+    ``reserve`` gives a request room for more tokens and fills its request-table row; ``release`` returns
+    every page and the row. Exhaustion raises :class:`PoolExhausted` and changes nothing.
+    """
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, page_allocator: PageAllocator):
+        self.req_to_token_pool, self.pages = req_to_token_pool, page_allocator
+        self.page_size = page_allocator.page_size
+        self._req_pages: dict[int, list[int]] = {}
+
+    def open(self) -> int:
+        row = self.req_to_token_pool.alloc()
+        self._req_pages[row] = []
+        return row
+
+    def pages_needed(self, row: int, new_len: int) -> int:
+        have = len(self._req_pages[row])
+        return max(0, -(-new_len // self.page_size) - have)
+
+    def reserve(self, row: int, old_len: int, new_len: int) -> torch.Tensor:
+        """Slots for tokens ``old_len:new_len`` of the request in ``row`` -> [new_len - old_len] int64 (host)."""
+        if new_len > self.req_to_token_pool.max_context:
+            raise PoolExhausted("request table", new_len, self.req_to_token_pool.max_context, "tokens per row")
+        pages = self._req_pages[row]
+        pages.extend(self.pages.alloc(self.pages_needed(row, new_len)))
+        pos = torch.arange(old_len, new_len, dtype=torch.int64)
+        page_ids = torch.tensor(pages, dtype=torch.int64)[pos // self.page_size]
+        slots = page_ids * self.page_size + pos % self.page_size
+        table = self.req_to_token_pool.req_to_token
+        table[row, old_len:new_len] = slots.to(table.device, torch.int32)
+        return slots
+
+    def release(self, row: int) -> None:
+        self.pages.free(self._req_pages.pop(row))
+        self.req_to_token_pool.free(row)
+
+    def page_table_width(self) -> int:
+        return -(-self.req_to_token_pool.max_context // self.page_size)

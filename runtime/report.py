@@ -1,0 +1,108 @@
+"""The run report: a console table and ``report.json``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from runtime.batch import ForwardMode
+from runtime.engine import RunResult
+
+
+def memory_plan(container) -> dict:
+    """Every device buffer the runtime built, in bytes."""
+    ledger = container.workspace_ledger()
+    kv = container.kv_pool()
+    return {
+        "kv_pool_bytes": kv.nbytes,
+        "req_to_token_bytes": container.req_to_token_pool().nbytes,
+        "weights_bytes": container.model().weight_bytes,
+        "workspaces": ledger.report(),
+        "workspace_consumers": ledger.consumers(),
+        "total_bytes": kv.nbytes + container.req_to_token_pool().nbytes + container.model().weight_bytes
+        + ledger.total_bytes,
+    }
+
+
+def _phases(res: RunResult) -> dict:
+    pre = [s for s in res.steps if s.mode == ForwardMode.EXTEND]
+    dec = [s for s in res.steps if s.mode == ForwardMode.DECODE]
+    pre_tokens, pre_s = sum(s.tokens for s in pre), sum(s.seconds for s in pre)
+    dec_ms = np.array([s.seconds * 1e3 for s in dec]) if dec else np.zeros(0)
+    dec_tokens = sum(s.tokens for s in dec)
+    return {
+        "prefill": {
+            "steps": len(pre), "tokens": pre_tokens, "seconds": pre_s,
+            "tokens_per_s": pre_tokens / pre_s if pre_s > 0 else 0.0,
+        },
+        "decode": {
+            "steps": len(dec), "tokens": dec_tokens,
+            "mean_step_ms": float(dec_ms.mean()) if dec else 0.0,
+            "p50_step_ms": float(np.percentile(dec_ms, 50)) if dec else 0.0,
+            "p99_step_ms": float(np.percentile(dec_ms, 99)) if dec else 0.0,
+            "tokens_per_s": dec_tokens / (dec_ms.sum() / 1e3) if dec and dec_ms.sum() > 0 else 0.0,
+        },
+    }
+
+
+def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, str]) -> dict:
+    cfg = runtime.config
+    generated = sum(len(v) for v in res.outputs.values())
+    return {
+        "backend": cfg["backend"]["name"],
+        "device": {"kind": runtime.device.kind, "name": runtime.device.name},
+        "model": {"name": cfg["model"]["name"], "dtype": cfg["model"]["dtype"], "layers": cfg["model"]["num_layers"]},
+        "workload": cfg["workload"]["name"],
+        "build_order": runtime.build_order,
+        "memory": memory_plan(runtime.container),
+        "phases": _phases(res),
+        "requests": {
+            "total": len(res.outputs), "finished": res.finished, "retracted": res.retracted,
+            "queued_for_memory": res.queued_for_memory, "lost": res.lost,
+            "prompt_tokens": res.prompt_tokens, "generated_tokens": generated,
+        },
+        "parity": parity if parity is not None else {"reference": None, "ok": None},
+        "dumps": dumps,
+    }
+
+
+def write_report(report: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "report.json"
+    path.write_text(json.dumps(report, indent=2))
+    return path
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    t = Table(title=f"mla-runtime: {report['backend']} on {report['device']['name']}", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    p, d, r = report["phases"]["prefill"], report["phases"]["decode"], report["requests"]
+    t.add_row("model", f"{report['model']['name']} ({report['model']['dtype']}, {report['model']['layers']} layers)")
+    t.add_row("build order", " -> ".join(report["build_order"]))
+    t.add_row("prefill", f"{p['tokens']} tokens in {p['steps']} steps, {p['tokens_per_s']:.1f} tok/s")
+    t.add_row("decode", f"{d['tokens']} tokens in {d['steps']} steps; step ms mean {d['mean_step_ms']:.3f} "
+              f"p50 {d['p50_step_ms']:.3f} p99 {d['p99_step_ms']:.3f}")
+    t.add_row("requests", f"{r['finished']}/{r['total']} finished, {r['retracted']} retracted, "
+              f"{r['queued_for_memory']} times queued for memory, {r['lost']} lost")
+    mem = report["memory"]
+    t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, weights {_mib(mem['weights_bytes'])}, "
+              + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
+    par = report["parity"]
+    if par.get("reference"):
+        verdict = "[green]ok[/green]" if par["ok"] else "[red]FAILED[/red]"
+        t.add_row("parity", f"{verdict} vs {par['reference']}: tokens equal {par['tokens_equal']} "
+                  f"({par['mismatches']} mismatches, {par['near_tie_mismatches']} at near-ties), "
+                  f"max rel err {par['max_rel_err']:.2e} (tol {par['tolerance']:.0e})")
+    else:
+        t.add_row("parity", "off")
+    console.print(t)

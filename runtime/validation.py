@@ -1,0 +1,193 @@
+"""Startup validation: every reason a config cannot run, found in one pass before anything is allocated.
+
+``validate`` returns a list of :class:`Problem`; ``containers.build`` raises one :class:`ConfigError` with all
+of them. Decisions come from backend *capabilities* (class data), never from the backend's type.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from backends.base import BackendCapabilities
+from runtime.batch import ForwardMode
+from runtime.config import LayerKind
+from runtime.device import DeviceInfo
+from runtime.errors import Problem
+from runtime.model_spec import TORCH_DTYPES
+
+FLASHINFER_WORKSPACE = "flashinfer_float"
+
+
+def _package_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def validate(
+    cfg: Mapping[str, Any],
+    backends: Mapping[str, type],
+    device: DeviceInfo,
+    package_present: Callable[[str], bool] = _package_present,
+) -> list[Problem]:
+    """Every problem of ``cfg`` (a resolved plain dict of the root config).
+
+    Parameters
+    ----------
+    backends : name -> backend class, as the container can build them (each has ``capabilities``).
+    device : the probed device ``cfg.device`` resolves to.
+    package_present : module name -> importable (injectable for tests).
+    """
+    problems: list[Problem] = []
+    add = problems.append
+    model, work, kv = cfg["model"], cfg["workload"], cfg["kv"]
+    name = cfg["backend"]["name"]
+
+    # --- device
+    if device.kind == "cuda" and not device.cuda_available:
+        add(Problem("device", "device=cuda but torch sees no CUDA GPU", "a visible GPU",
+                    "use device=cpu (or device=auto), or run on a GPU machine with a CUDA build of torch"))
+
+    # --- backend and its capabilities
+    caps: BackendCapabilities | None = None
+    if name not in backends:
+        add(Problem("backend", f"'{name}'", f"one of {sorted(backends)}", f"pick one: backend={sorted(backends)[0]}"))
+    else:
+        caps = backends[name].capabilities
+        problems += _backend_problems(name, caps, cfg, device, package_present)
+
+    # --- model
+    problems += _model_problems(model, name, caps)
+
+    # --- hisparse
+    hs = cfg["hisparse"]
+    if hs["enabled"]:
+        if caps is not None and not caps.sparse:
+            sparse = [n for n, b in backends.items() if b.capabilities.sparse]
+            add(Problem("hisparse.enabled=true", f"backend '{name}', which is not sparse-capable",
+                        "a backend whose capabilities.sparse is true",
+                        f"use hisparse=off, or a sparse backend ({sparse or 'none ships in this version'})"))
+        if hs["top_k"] < 1:
+            add(Problem("hisparse.top_k", str(hs["top_k"]), ">= 1", "set hisparse.top_k=2048"))
+        if hs["device_buffer_size"] < hs["top_k"]:
+            add(Problem("hisparse.device_buffer_size", f"{hs['device_buffer_size']} (< top_k {hs['top_k']})",
+                        "device_buffer_size >= top_k (every selected token must fit on the device)",
+                        f"set hisparse.device_buffer_size={max(hs['top_k'], 1) * 2}"))
+        if hs["host_to_device_ratio"] < 1:
+            add(Problem("hisparse.host_to_device_ratio", str(hs["host_to_device_ratio"]),
+                        ">= 1 (the host pool holds at least what the device holds)",
+                        "set hisparse.host_to_device_ratio=4"))
+
+    # --- speculative decoding
+    if cfg["speculative"]["enabled"]:
+        add(Problem("speculative.enabled=true", "speculative decoding requested",
+                    "speculative=off in this version", "drop the speculative override (speculative=off)"))
+
+    # --- graphs
+    g = cfg["graph"]
+    if g["enabled"]:
+        if device.kind != "cuda":
+            add(Problem("graph.enabled=true", f"device {device.kind}", "a CUDA device (graphs are CUDA graphs)",
+                        "use graph=off on the CPU"))
+        bad = [b for b in g["batch_sizes"] if b < 1]
+        if bad or not g["batch_sizes"]:
+            add(Problem("graph.batch_sizes", str(g["batch_sizes"]), "a non-empty list of sizes >= 1",
+                        "e.g. graph.batch_sizes=[1,2,4,8,16,32]"))
+
+    # --- KV cache and workload
+    problems += _workload_problems(work, kv, model)
+    return problems
+
+
+def _backend_problems(name, caps: BackendCapabilities, cfg, device: DeviceInfo, package_present) -> list[Problem]:
+    out: list[Problem] = []
+    add = out.append
+    if device.kind not in caps.devices:
+        add(Problem(f"backend '{name}'", f"device {device.kind}", f"a device in {sorted(caps.devices)}",
+                    "use backend=torch_mla on the CPU, or run on a GPU (device=cuda)"))
+    if device.kind == "cuda" and caps.min_compute_capability and device.compute_capability:
+        if device.compute_capability < caps.min_compute_capability:
+            need = ".".join(map(str, caps.min_compute_capability))
+            got = ".".join(map(str, device.compute_capability))
+            add(Problem(f"backend '{name}'", f"GPU {device.name} (compute capability {got})",
+                        f"compute capability >= {need}", "pick a backend that supports this GPU"))
+    for pkg in caps.packages:
+        if not package_present(pkg):
+            add(Problem(f"backend '{name}'", f"python package '{pkg}' not importable", f"'{pkg}' installed",
+                        "pip install 'mla-runtime[gpu]' (on a CUDA machine)"))
+    dtype = TORCH_DTYPES.get(str(cfg["model"]["dtype"]))
+    if dtype is not None and dtype not in caps.dtypes:
+        add(Problem(f"backend '{name}'", f"model.dtype={cfg['model']['dtype']}",
+                    f"one of {sorted(str(d).removeprefix('torch.') for d in caps.dtypes)}",
+                    "set model.dtype=bfloat16"))
+    page = cfg["kv"]["page_size"]
+    if caps.page_sizes is not None and page not in caps.page_sizes:
+        add(Problem(f"backend '{name}'", f"kv.page_size={page}", f"one of {sorted(caps.page_sizes)}",
+                    f"set kv.page_size={sorted(caps.page_sizes)[-1]}"))
+    if ForwardMode.DECODE not in caps.forward_modes or ForwardMode.EXTEND not in caps.forward_modes:
+        add(Problem(f"backend '{name}'", f"forward modes {sorted(m.value for m in caps.forward_modes)}",
+                    "at least extend and decode", "pick a complete backend"))
+    if cfg["workspace"]["skip"] and FLASHINFER_WORKSPACE in caps.workspaces:
+        add(Problem("workspace.skip=true", f"backend '{name}' consumes the shared FlashInfer workspace",
+                    "a backend that needs no shared workspace, or workspace.skip=false",
+                    "drop workspace=skip, or use backend=triton_mla"))
+    return out
+
+
+def _model_problems(model, backend_name: str, caps: BackendCapabilities | None) -> list[Problem]:
+    out: list[Problem] = []
+    add = out.append
+    for key in ("num_layers", "hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "vocab_size", "max_context"):
+        if model[key] < 1:
+            add(Problem(f"model.{key}", str(model[key]), ">= 1", f"set model.{key} to a positive value"))
+    if model["q_lora_rank"] is not None and model["q_lora_rank"] < 1:
+        add(Problem("model.q_lora_rank", str(model["q_lora_rank"]), "null or >= 1", "set model.q_lora_rank=null"))
+    if not model["layer_pattern"]:
+        add(Problem("model.layer_pattern", "[]", "a non-empty list of full|linear|sparse", "set model.layer_pattern=[full]"))
+    kinds = {LayerKind(k) for k in model["layer_pattern"]}
+    if LayerKind.linear in kinds:
+        add(Problem(f"model '{model['name']}'", "linear-attention layers in layer_pattern",
+                    "full MLA layers only in this version (the hybrid wrapper is not built yet)",
+                    "use a model whose layer_pattern is [full]"))
+    if LayerKind.sparse in kinds and caps is not None and not caps.sparse:
+        add(Problem(f"model '{model['name']}'", f"sparse layers with backend '{backend_name}'",
+                    "a sparse-capable backend for sparse layers", "use a model whose layer_pattern is [full]"))
+    return out
+
+
+def _workload_problems(work, kv, model) -> list[Problem]:
+    out: list[Problem] = []
+    add = out.append
+    for key in ("num_requests", "max_running_requests", "max_tokens_per_batch", "chunked_prefill_size",
+                "mha_prefix_chunk_tokens"):
+        if work[key] < 1:
+            add(Problem(f"workload.{key}", str(work[key]), ">= 1", f"set workload.{key} to a positive value"))
+    for which in ("prompt_len", "output_len"):
+        d = work[which]
+        if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
+            add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
+                        "1 <= min <= max, mean >= 1, std >= 0", f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
+    longest = work["prompt_len"]["max"] + work["output_len"]["max"]
+    if longest > model["max_context"]:
+        add(Problem("workload length", f"prompt_len.max + output_len.max = {longest} tokens",
+                    f"<= model.max_context ({model['max_context']})",
+                    f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
+    for key in ("page_size", "num_pages", "max_requests"):
+        if kv[key] < 1:
+            add(Problem(f"kv.{key}", str(kv[key]), ">= 1", f"set kv.{key} to a positive value"))
+    if kv["page_size"] >= 1 and kv["num_pages"] >= 1:
+        usable = (kv["num_pages"] - 1) * kv["page_size"]  # page 0 is the padding page
+        need = -(-longest // kv["page_size"]) * kv["page_size"]
+        if usable < need:
+            add(Problem("kv pool", f"{kv['num_pages'] - 1} usable pages x {kv['page_size']} = {usable} tokens",
+                        f"room for one request of {longest} tokens ({need} with page rounding)",
+                        f"set kv.num_pages={need // kv['page_size'] + 1} or more"))
+    if work["max_running_requests"] > kv["max_requests"] >= 1:
+        add(Problem("workload.max_running_requests", str(work["max_running_requests"]),
+                    f"<= kv.max_requests ({kv['max_requests']})",
+                    f"set kv.max_requests={work['max_running_requests']}"))
+    return out
