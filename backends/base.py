@@ -148,3 +148,22 @@ def hook_signature_problems(obj: object, protocol: type) -> list[str]:
                 f"{type(obj).__name__}.{name} takes ({', '.join(got)}); the hook Protocol takes ({', '.join(want)})"
             )
     return problems
+
+
+@runtime_checkable
+class DecodeGraph(Protocol):
+    """CUDA-graph hooks for DECODE. The graph runner (runtime/graph_runner.py) owns static input buffers and
+    hands the backend a batch whose tensors are those static buffers (padded to a captured size; padding
+    entries have seq_len 1 and write their KV to the padding page). One argument each, the batch."""
+
+    def init_graph_state(self, batch: ForwardBatch) -> None:
+        """Allocate static metadata for batches up to ``batch.batch_size`` (the largest size captured)."""
+        ...
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        """Point this step's metadata at the static buffers, for capturing ``batch``'s size."""
+        ...
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Refresh the static metadata in place for ``batch`` (host mirrors are valid), before replay."""
+        ...

@@ -81,7 +81,8 @@ class TorchMLABackend:
         self._chunk_indptrs = [c.kv_indptr_cpu.tolist() for c in batch.prefix_chunks]
 
     def forward_mha_extend(self, q, k, v, layer_id, batch):
-        """Causal over the new tokens only: q/k [T, H, D], v [T, H, Dv] -> (out [T, H, Dv] f32, lse [T, H])."""
+        """Causal over the new tokens only: q/k [T, H, D], v [T, H, Dv] -> (out [T, H, Dv], lse [T, H]) in the
+        compute dtype."""
         return self._mha(q, k, v, self._mha_slices, causal=True)
 
     def forward_mha_prefix_chunk(self, q, k, v, chunk, layer_id, batch):
@@ -90,13 +91,13 @@ class TorchMLABackend:
         return self._mha(q, k, v, [(ind[b], ind[b + 1]) for b in range(len(ind) - 1)], causal=False)
 
     def _mha(self, q, k, v, kv_slices, causal):
-        cd = self.compute_dtype
+        cd = self.compute_dtype  # out/lse stay in it (at least float32) until the model casts the merged result
         t, h = q.shape[:2]
-        out = torch.empty(t, h, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+        out = torch.empty(t, h, v.shape[-1], dtype=cd, device=q.device)
+        lse = torch.empty(t, h, dtype=cd, device=q.device)
         for (qs, qe), (ks, ke) in zip(self._mha_slices, kv_slices):
             o, l = mla_math.mha_attention(q[qs:qe].to(cd), k[ks:ke].to(cd), v[ks:ke].to(cd), self.model.sm_scale, causal)
-            out[qs:qe], lse[qs:qe] = o.float(), l.float()
+            out[qs:qe], lse[qs:qe] = o, l
         return out, lse
 
     def merge_states(self, out_a, lse_a, out_b, lse_b):

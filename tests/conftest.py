@@ -1,0 +1,33 @@
+"""Shared fixtures: Hydra compose over conf/, and auto-skip of GPU tests on machines without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import runtime.config  # noqa: F401  (registers the schemas)
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.fixture
+def cfg_of():
+    """cfg_of("backend=torch_mla", ...) -> the composed DictConfig."""
+    return compose_config
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
