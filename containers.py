@@ -16,12 +16,14 @@ from typing import Any
 from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
-from backends.base import MHAChunkPrefill
+from backends.base import CudaGraphLevel, DecodeGraph, MHAChunkPrefill
 from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
 from runtime.device import DeviceInfo, probe_device
 from runtime.dump import AttentionDumper
+from runtime.batch import ForwardMode
 from runtime.engine import Engine
+from runtime.graph_runner import DecodeGraphRunner, decide_decode_graphs
 from runtime.errors import ConfigError
 from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.model import MLAModel
@@ -61,6 +63,12 @@ def _mha_prefill_hook(backend: Any, backend_cfg: dict) -> MHAChunkPrefill | None
     if type(backend).capabilities.mha_chunked_prefill and not backend_cfg.get("disable_ragged", False):
         return backend
     return None
+
+
+def _decode_graph_hook(backend: Any) -> DecodeGraph | None:
+    """The backend as its decode-graph hook when its capabilities allow graphed single-token decode."""
+    level = type(backend).capabilities.graph_level(ForwardMode.DECODE)
+    return backend if level >= CudaGraphLevel.SINGLE_TOKEN_DECODE else None
 
 
 class Container(containers.DeclarativeContainer):
@@ -117,15 +125,21 @@ class Container(containers.DeclarativeContainer):
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     model = _step(build_log, "model", providers.Factory(
         MLAModel, model_spec, device, kv_pool, backend, mha_prefill, dumper))
+    decode_graph = providers.Callable(_decode_graph_hook, backend)
+    graph_decision = providers.Callable(
+        decide_decode_graphs, config.graph.enabled, device, config.backend.name, backend, decode_graph,
+        config.graph.batch_sizes)
+    graph_runner = _step(build_log, "graph_runner", providers.Factory(
+        DecodeGraphRunner, model, decode_graph, graph_decision, device))
     engine = _step(build_log, "engine", providers.Factory(
-        Engine, model, backend, mha_prefill, token_slots, config.workload, device))
+        Engine, model, backend, mha_prefill, graph_runner, token_slots, config.workload, device))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
     "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "hisparse_coordinator",
-    "workspace_ledger", "backend", "model", "engine",
+    "workspace_ledger", "backend", "model", "graph_runner", "engine",
 )
 
 

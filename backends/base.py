@@ -127,8 +127,8 @@ class MHAChunkPrefill(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def hook_signature_problems(obj: object, protocol: type) -> list[str]:
-    """Every method of ``protocol`` that ``obj`` lacks or whose parameters differ from the Protocol's.
+def hook_signature_problems(cls: type, protocol: type) -> list[str]:
+    """Every method of ``protocol`` that class ``cls`` lacks or whose parameters differ from the Protocol's.
 
     This is a *static check of a typed interface* done once at startup (so a wrapper that lacks a hook fails
     then, naming the hook), not a runtime decision about what a backend can do.
@@ -137,15 +137,15 @@ def hook_signature_problems(obj: object, protocol: type) -> list[str]:
     for name, proto_fn in inspect.getmembers(protocol, inspect.isfunction):
         if name.startswith("_"):
             continue
-        impl = inspect.getattr_static(type(obj), name, None)
+        impl = inspect.getattr_static(cls, name, None)
         if impl is None:
-            problems.append(f"{type(obj).__name__} has no method {name}{inspect.signature(proto_fn)}")
+            problems.append(f"{cls.__name__} has no method {name}{inspect.signature(proto_fn)}")
             continue
         want = [p.name for p in inspect.signature(proto_fn).parameters.values()]
         got = [p.name for p in inspect.signature(impl).parameters.values()]
         if len(want) != len(got):
             problems.append(
-                f"{type(obj).__name__}.{name} takes ({', '.join(got)}); the hook Protocol takes ({', '.join(want)})"
+                f"{cls.__name__}.{name} takes ({', '.join(got)}); the hook Protocol takes ({', '.join(want)})"
             )
     return problems
 

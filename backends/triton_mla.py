@@ -84,14 +84,33 @@ class TritonMLABackend:
         self.block_n, self.block_h = int(config["block_n"]), int(config["block_h"])
         self.page_size = kv_pool.page_size
         self.page_table = torch.empty(0, 0, dtype=torch.int32)
+        self._graph_page_table = torch.empty(0, 0, dtype=torch.int32)
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Page table [B, ceil(max_len / page_size)] int32, gathered on the device from the request table."""
-        width = -(-batch.max_seq_len // self.page_size)
+    def _gather_page_table(self, batch: ForwardBatch, width: int) -> torch.Tensor:
+        """[B, width] int32 page ids, gathered on the device from the request table."""
         table = self.req_to_token_pool.req_to_token
         cols = torch.arange(0, width * self.page_size, self.page_size, device=table.device)
         cols = cols.clamp_max(table.shape[1] - 1)
-        self.page_table = (table[batch.req_pool_indices[:, None], cols[None, :]] // self.page_size).to(torch.int32)
+        return (table[batch.req_pool_indices[:, None], cols[None, :]] // self.page_size).to(torch.int32)
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Page table [B, ceil(max_len / page_size)] for this step."""
+        self.page_table = self._gather_page_table(batch, -(-batch.max_seq_len // self.page_size))
+
+    # ------------------------------------------------------------------------------- decode graphs
+    def init_graph_state(self, batch: ForwardBatch) -> None:
+        """A static page table wide enough for the longest request the request table can hold."""
+        width = -(-self.req_to_token_pool.max_context // self.page_size)
+        self._graph_page_table = torch.zeros(batch.batch_size, width, dtype=torch.int32, device=self.workspace.device)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.page_table = self._graph_page_table[: batch.batch_size]
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Refresh the static page table in place (the kernel reads only pages below each seq_len)."""
+        width = -(-batch.max_seq_len // self.page_size)
+        self.page_table = self._graph_page_table[: batch.batch_size]
+        self.page_table[:, :width].copy_(self._gather_page_table(batch, width))
 
     def _partials(self, batch_size: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         splits = max(1, min(self.max_splits, self.split_slots // max(batch_size, 1)))

@@ -17,6 +17,7 @@ import torch
 from backends.base import AttentionBackend, MHAChunkPrefill
 from runtime.batch import ForwardMode, make_batch
 from runtime.device import synchronize
+from runtime.graph_runner import DecodeGraphRunner
 from runtime.kv_pool import TokenSlots
 from runtime.model import MLAModel
 from runtime.prefix_chunks import plan_prefix_chunks
@@ -69,6 +70,8 @@ class Engine:
     backend : AttentionBackend
     mha_prefill : MHAChunkPrefill or None
         Planned before an EXTEND step when the model takes the MHA chunked-prefix path.
+    graphs : DecodeGraphRunner
+        Replays captured decode graphs for the batch sizes it holds; other steps run eagerly.
     token_slots : TokenSlots
     workload : dict
         The resolved `workload` config.
@@ -80,11 +83,12 @@ class Engine:
         model: MLAModel,
         backend: AttentionBackend,
         mha_prefill: MHAChunkPrefill | None,
+        graphs: DecodeGraphRunner,
         token_slots: TokenSlots,
         workload: dict,
         device: torch.device,
     ):
-        self.model, self.backend, self.mha_prefill = model, backend, mha_prefill
+        self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
         self.slots, self.workload, self.device = token_slots, workload, device
 
     # -------------------------------------------------------------------------------------------- run
@@ -99,6 +103,7 @@ class Engine:
         waiting: deque[Request] = deque(requests)
         running: list[Request] = []  # admitted, in admission order
         total_new = sum(r.max_new_tokens for r in requests)
+        self.graphs.capture()
         with Progress(total_new, enabled=progress) as bar:
             while waiting or running:
                 step = self._prefill_step(waiting, running, res)
@@ -108,13 +113,7 @@ class Engine:
                     raise StalledError(self._stall_message(waiting, running))
                 reqs, batch, ids, sample_rows = step
                 t0 = time.perf_counter()
-                self.backend.init_forward_metadata(batch)
-                if batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None:
-                    batch.prefix_chunks = plan_prefix_chunks(
-                        batch, self.slots.req_to_token_pool, self.workload["mha_prefix_chunk_tokens"]
-                    )
-                    self.mha_prefill.init_mha_chunk_metadata(batch)
-                h = self.model.forward(ids, batch)
+                h = self._forward(ids, batch)
                 sel = h[sample_rows]
                 top2 = torch.topk(self.model.logits(sel), 2, dim=-1)
                 synchronize(self.device)
@@ -127,6 +126,17 @@ class Engine:
         res.outputs = {r.rid: list(r.output) for r in requests}
         res.lost = sum(1 for r in requests if not r.done)
         return res
+
+    def _forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
+        if self.graphs.can_run(batch):
+            return self.graphs.run(ids, batch)  # its hook refreshes the backend's static metadata
+        self.backend.init_forward_metadata(batch)
+        if batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None:
+            batch.prefix_chunks = plan_prefix_chunks(
+                batch, self.slots.req_to_token_pool, self.workload["mha_prefix_chunk_tokens"]
+            )
+            self.mha_prefill.init_mha_chunk_metadata(batch)
+        return self.model.forward(ids, batch)
 
     # --------------------------------------------------------------------------------- scheduling
     def _prefill_step(self, waiting: deque[Request], running: list[Request], res: RunResult):

@@ -49,6 +49,12 @@ def _phases(res: RunResult) -> dict:
     }
 
 
+def _graphs(runner) -> dict:
+    d = runner.decision
+    return {d.mode: {"graphed": d.graphed, "sizes": sorted(runner.graphs), "replays": runner.replays,
+                     "reason": d.reason}}
+
+
 def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, str]) -> dict:
     cfg = runtime.config
     generated = sum(len(v) for v in res.outputs.values())
@@ -65,6 +71,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
             "queued_for_memory": res.queued_for_memory, "lost": res.lost,
             "prompt_tokens": res.prompt_tokens, "generated_tokens": generated,
         },
+        "graphs": _graphs(runtime.container.graph_runner()),
         "parity": parity if parity is not None else {"reference": None, "ok": None},
         "dumps": dumps,
     }
@@ -97,6 +104,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
     mem = report["memory"]
     t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, weights {_mib(mem['weights_bytes'])}, "
               + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
+    for mode, g in report["graphs"].items():
+        t.add_row(f"{mode} graphs", f"{len(g['sizes'])} sizes captured, {g['replays']} replays" if g["graphed"]
+                  else f"eager ({g['reason']})")
     par = report["parity"]
     if par.get("reference"):
         verdict = "[green]ok[/green]" if par["ok"] else "[red]FAILED[/red]"

@@ -10,7 +10,7 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from backends.base import BackendCapabilities
+from backends.base import BackendCapabilities, CudaGraphLevel, DecodeGraph, MHAChunkPrefill, hook_signature_problems
 from runtime.batch import ForwardMode
 from runtime.config import LayerKind
 from runtime.device import DeviceInfo
@@ -57,7 +57,7 @@ def validate(
         add(Problem("backend", f"'{name}'", f"one of {sorted(backends)}", f"pick one: backend={sorted(backends)[0]}"))
     else:
         caps = backends[name].capabilities
-        problems += _backend_problems(name, caps, cfg, device, package_present)
+        problems += _backend_problems(name, backends[name], cfg, device, package_present)
 
     # --- model
     problems += _model_problems(model, name, caps)
@@ -102,7 +102,8 @@ def validate(
     return problems
 
 
-def _backend_problems(name, caps: BackendCapabilities, cfg, device: DeviceInfo, package_present) -> list[Problem]:
+def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_present) -> list[Problem]:
+    caps: BackendCapabilities = backend_cls.capabilities
     out: list[Problem] = []
     add = out.append
     if device.kind not in caps.devices:
@@ -130,6 +131,16 @@ def _backend_problems(name, caps: BackendCapabilities, cfg, device: DeviceInfo, 
     if ForwardMode.DECODE not in caps.forward_modes or ForwardMode.EXTEND not in caps.forward_modes:
         add(Problem(f"backend '{name}'", f"forward modes {sorted(m.value for m in caps.forward_modes)}",
                     "at least extend and decode", "pick a complete backend"))
+    hooks = [(MHAChunkPrefill, caps.mha_chunked_prefill, "capabilities.mha_chunked_prefill")]
+    if cfg["graph"]["enabled"]:
+        graphable = caps.graph_level(ForwardMode.DECODE) >= CudaGraphLevel.SINGLE_TOKEN_DECODE
+        hooks.append((DecodeGraph, graphable, "a decode CUDA-graph level"))
+    for proto, declared, because in hooks:
+        if declared:
+            for msg in hook_signature_problems(backend_cls, proto):
+                add(Problem(f"backend '{name}' hook {proto.__name__}", msg,
+                            f"every {proto.__name__} method, as backends/base.py declares it (it has {because})",
+                            f"implement the method, or drop the capability from {backend_cls.__name__}.capabilities"))
     if cfg["workspace"]["skip"] and FLASHINFER_WORKSPACE in caps.workspaces:
         add(Problem("workspace.skip=true", f"backend '{name}' consumes the shared FlashInfer workspace",
                     "a backend that needs no shared workspace, or workspace.skip=false",

@@ -1,0 +1,134 @@
+"""Decode CUDA graphs, backend-agnostic: capture once per padded batch size, replay with padded batches.
+
+Whether decode is graphed is decided from data: ``graph.enabled``, the device, and the backend's
+``capabilities.graph_level(DECODE)``; the report carries the decision and, when off, why. The runner owns
+static input buffers; the backend's :class:`DecodeGraph` hooks own static metadata and refresh it on the
+host before each replay (nothing is planned or allocated inside the graph).
+
+Padding entries (up to the captured size) use request row 0 with ``seq_len`` 1, write their KV to slot 0
+(the padding page, which never holds a live token) and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backends.base import AttentionBackend, CudaGraphLevel, DecodeGraph
+from runtime.batch import ForwardBatch, ForwardMode
+from runtime.model import MLAModel
+
+
+@dataclass
+class GraphDecision:
+    mode: str
+    graphed: bool
+    sizes: list[int] = field(default_factory=list)
+    reason: str = ""
+
+
+def decide_decode_graphs(enabled: bool, device: torch.device, backend_name: str, backend: AttentionBackend,
+                         hook: DecodeGraph | None, sizes: list[int]) -> GraphDecision:
+    """Graph decode iff asked for, on CUDA, and the backend's capabilities allow single-token decode."""
+    level = type(backend).capabilities.graph_level(ForwardMode.DECODE)
+    if not enabled:
+        return GraphDecision("decode", False, reason="graph.enabled=false")
+    if device.type != "cuda":
+        return GraphDecision("decode", False, reason=f"device is {device.type}")
+    if level < CudaGraphLevel.SINGLE_TOKEN_DECODE or hook is None:
+        return GraphDecision("decode", False, reason=f"backend {backend_name}: decode graph level {level.name}")
+    return GraphDecision("decode", True, sizes=sorted(set(sizes)))
+
+
+class DecodeGraphRunner:
+    """Captures ``model.forward`` for DECODE batches of each size in ``decision.sizes``.
+
+    Parameters
+    ----------
+    model : MLAModel
+    hook : DecodeGraph or None
+        The backend's graph hooks (None when the decision is off).
+    decision : GraphDecision
+    device : torch.device
+    """
+
+    def __init__(self, model: MLAModel, hook: DecodeGraph | None, decision: GraphDecision, device: torch.device):
+        self.model, self.hook, self.decision, self.device = model, hook, decision, device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]] = {}
+        self.max_bs = max(decision.sizes) if decision.graphed else 0
+        self.replays = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.decision.graphed and batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
+
+    def _static_batch(self, bs: int, host: dict[str, torch.Tensor]) -> ForwardBatch:
+        b = self._bufs
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, req_pool_indices=b["req"][:bs], req_pool_indices_cpu=host["req"],
+            seq_lens=b["seq"][:bs], seq_lens_cpu=host["seq"], extend_lens_cpu=torch.ones(bs, dtype=torch.int32),
+            qo_indptr=b["qo"][: bs + 1], qo_indptr_cpu=torch.arange(bs + 1, dtype=torch.int32),
+            out_cache_loc=b["loc"][:bs], positions=b["pos"][:bs],
+        )
+
+    def _padding_host(self, bs: int) -> dict[str, torch.Tensor]:
+        return {"req": torch.zeros(bs, dtype=torch.int64), "seq": torch.ones(bs, dtype=torch.int32)}
+
+    def capture(self) -> None:
+        """Capture every size (largest first, so smaller graphs reuse its memory pool)."""
+        if not self.decision.graphed or self.graphs:
+            return
+        n, dev = self.max_bs, self.device
+        self._bufs = {
+            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "req": torch.zeros(n, dtype=torch.int64, device=dev),
+            "seq": torch.ones(n, dtype=torch.int32, device=dev),
+            "qo": torch.arange(n + 1, dtype=torch.int32, device=dev),
+            "loc": torch.zeros(n, dtype=torch.int64, device=dev),
+            "pos": torch.zeros(n, dtype=torch.int64, device=dev),
+        }
+        self.hook.init_graph_state(self._static_batch(n, self._padding_host(n)))
+        pool = None
+        for bs in sorted(self.decision.sizes, reverse=True):
+            batch = self._static_batch(bs, self._padding_host(bs))
+            self.hook.init_forward_metadata_capture(batch)
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up (autotuning, lazy module loads) outside the capture
+                    self.model.forward(self._bufs["ids"][:bs], batch)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model.forward(self._bufs["ids"][:bs], batch)
+            pool = graph.pool()
+            self.graphs[bs] = (graph, out, batch)
+        torch.cuda.synchronize(dev)
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Replay the smallest captured size >= ``batch.batch_size``; returns hidden [B, hidden]."""
+        n = batch.batch_size
+        bs = min(s for s in self.graphs if s >= n)
+        graph, out, _ = self.graphs[bs]
+        b = self._bufs
+        b["ids"][:n].copy_(input_ids, non_blocking=True)
+        b["req"][:n].copy_(batch.req_pool_indices, non_blocking=True)
+        b["seq"][:n].copy_(batch.seq_lens, non_blocking=True)
+        b["loc"][:n].copy_(batch.out_cache_loc, non_blocking=True)
+        b["pos"][:n].copy_(batch.positions, non_blocking=True)
+        if bs > n:
+            b["req"][n:bs].zero_()
+            b["seq"][n:bs].fill_(1)
+            b["loc"][n:bs].zero_()
+            b["pos"][n:bs].zero_()
+        host = self._padding_host(bs)
+        host["req"][:n], host["seq"][:n] = batch.req_pool_indices_cpu, batch.seq_lens_cpu
+        replay_batch = self._static_batch(bs, host)
+        self.hook.init_forward_metadata_replay(replay_batch)
+        graph.replay()
+        self.replays += 1
+        return out[:n]
