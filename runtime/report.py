@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -70,6 +71,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
             "total": len(res.outputs), "finished": res.finished, "retracted": res.retracted,
             "queued_for_memory": res.queued_for_memory, "lost": res.lost,
             "prompt_tokens": res.prompt_tokens, "generated_tokens": generated,
+            "outputs_sha1": hashlib.sha1(json.dumps(sorted(res.outputs.items())).encode()).hexdigest(),
         },
         "graphs": _graphs(runtime.container.graph_runner()),
         "parity": parity if parity is not None else {"reference": None, "ok": None},

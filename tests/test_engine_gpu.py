@@ -1,0 +1,51 @@
+"""The engine end to end on a GPU, through the CLI, with parity on (marked gpu; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["workload=smoke", "workload.num_requests=12", "workload.max_running_requests=8",
+         "workload.prompt_len.max=300", "workload.chunked_prefill_size=128", "workload.max_tokens_per_batch=256",
+         "workload.output_len.max=24", "kv.num_pages=256", "graph.batch_sizes=[1,2,4,8]"]
+
+
+def run_cli(tmp_path: Path, *args: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", "runtime", *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+def _needs(pkg: str):
+    return pytest.mark.skipif(importlib.util.find_spec(pkg) is None, reason=f"{pkg} not installed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", [
+    pytest.param("h100_triton_tp8", marks=_needs("triton")),
+    pytest.param("h100_dsv3_tp8", marks=_needs("flashinfer")),
+])
+def test_gpu_preset_end_to_end_with_parity_and_graphs(preset, tmp_path):
+    rep = run_cli(tmp_path, f"+deploy={preset}", *SMALL)
+    assert rep["requests"]["lost"] == 0 and rep["requests"]["finished"] == 12
+    assert rep["parity"]["ok"] is True, rep["parity"]
+    assert rep["graphs"]["decode"]["graphed"] and rep["graphs"]["decode"]["replays"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", [
+    pytest.param("h100_triton_tp8", marks=_needs("triton")),
+    pytest.param("h100_dsv3_tp8", marks=_needs("flashinfer")),
+])
+def test_graph_replay_equals_eager_through_the_engine(preset, tmp_path):
+    graphed = run_cli(tmp_path / "g", f"+deploy={preset}", *SMALL, "check=off")
+    eager = run_cli(tmp_path / "e", f"+deploy={preset}", *SMALL, "check=off", "graph=off")
+    assert graphed["graphs"]["decode"]["replays"] > 0 and not eager["graphs"]["decode"]["graphed"]
+    assert graphed["requests"]["outputs_sha1"] == eager["requests"]["outputs_sha1"]
