@@ -19,12 +19,12 @@ from omegaconf import DictConfig, OmegaConf
 from backends.base import CudaGraphLevel, DecodeGraph, MHAChunkPrefill
 from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
+from runtime.batch import ForwardMode
 from runtime.device import DeviceInfo, probe_device
 from runtime.dump import AttentionDumper
-from runtime.batch import ForwardMode
 from runtime.engine import Engine
-from runtime.graph_runner import DecodeGraphRunner, decide_decode_graphs
 from runtime.errors import ConfigError
+from runtime.graph_runner import DecodeGraphRunner, decide_decode_graphs
 from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.model import MLAModel
 from runtime.model_spec import ModelSpec

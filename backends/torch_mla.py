@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from backends import mla_math
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities
 from runtime.batch import ForwardBatch, ForwardMode
 from runtime.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.model_spec import TORCH_DTYPES, ModelSpec

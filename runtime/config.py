@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -90,7 +90,7 @@ class ModelConfig:
     num_layers: int = MISSING
     hidden_size: int = MISSING
     num_heads: int = MISSING
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: int | None = None
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
@@ -100,7 +100,7 @@ class ModelConfig:
     dtype: DType = DType.bfloat16
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
-    layer_pattern: List[LayerKind] = field(default_factory=lambda: [LayerKind.full])
+    layer_pattern: list[LayerKind] = field(default_factory=lambda: [LayerKind.full])
     weight_seed: int = 1234
 
 
@@ -137,7 +137,7 @@ class SpeculativeConfig:
 @dataclass
 class GraphConfig:
     enabled: bool = False
-    batch_sizes: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
 
 
 @dataclass

@@ -8,7 +8,6 @@ the pool, their generated tokens are kept, and they are prefilled again later). 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -16,12 +15,12 @@ import torch
 
 from backends.base import AttentionBackend, MHAChunkPrefill
 from runtime.batch import ForwardMode, make_batch
-from runtime.device import synchronize
 from runtime.graph_runner import DecodeGraphRunner
 from runtime.kv_pool import TokenSlots
 from runtime.model import MLAModel
 from runtime.prefix_chunks import plan_prefix_chunks
 from runtime.progress import Progress
+from runtime.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
 from runtime.workload import Request, make_requests
 
 
@@ -49,6 +48,7 @@ class RunResult:
     argmax: dict[int, list[int]] = field(default_factory=dict)
     margins: dict[int, list[float]] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    hidden_rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # filled while running
     steps: list[StepRecord] = field(default_factory=list)
     prompt_tokens: int = 0
     finished: int = 0
@@ -90,21 +90,25 @@ class Engine:
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
         self.slots, self.workload, self.device = token_slots, workload, device
+        self.clock = StepClock(device)
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False) -> RunResult:
         """Run every request to completion. ``forced`` (rid -> tokens) feeds those tokens instead of the
-        greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too."""
+        greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too.
+
+        No step waits for the previous one: decode inputs come from the device-side last-token table and
+        results are copied back lazily (runtime/step_outputs.py)."""
         requests = make_requests(self.workload, self.model.spec.vocab_size)
         res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
         for r in requests:
-            res.argmax[r.rid], res.margins[r.rid] = [], []
-        hidden: dict[int, list[torch.Tensor]] = {r.rid: [] for r in requests}
+            res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
         waiting: deque[Request] = deque(requests)
         running: list[Request] = []  # admitted, in admission order
-        total_new = sum(r.max_new_tokens for r in requests)
+        self._outputs = StepOutputs(self.clock)
+        self._res = res
         self.graphs.capture()
-        with Progress(total_new, enabled=progress) as bar:
+        with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
             while waiting or running:
                 step = self._prefill_step(waiting, running, res)
                 if step is None:
@@ -112,20 +116,34 @@ class Engine:
                 if step is None:
                     raise StalledError(self._stall_message(waiting, running))
                 reqs, batch, ids, sample_rows = step
-                t0 = time.perf_counter()
+                record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0)
+                res.steps.append(record)
+                start = self.clock.mark()
                 h = self._forward(ids, batch)
-                sel = h[sample_rows]
-                top2 = torch.topk(self.model.logits(sel), 2, dim=-1)
-                synchronize(self.device)
-                res.steps.append(StepRecord(batch.mode, batch.batch_size, batch.num_tokens, time.perf_counter() - t0))
-                values, choices = top2.values.cpu(), top2.indices[:, 0].tolist()
-                sel_cpu = sel.float().cpu()
-                new_tokens = self._finish_step(reqs, choices, values, sel_cpu, forced, res, hidden, running)
-                bar.advance(new_tokens)
-        res.hidden = {rid: (torch.stack(v) if v else torch.empty(0)) for rid, v in hidden.items()}
+                pending = self._sample(reqs, h[sample_rows], forced, record, start)
+                self._finish_step(reqs, running, res)
+                self._outputs.push(pending, res)
+                bar.advance(len(reqs))
+        self._outputs.resolve_all(res)
+        res.hidden = {rid: (torch.stack(v) if v else torch.empty(0)) for rid, v in res.hidden_rows.items()}
+        res.hidden_rows = {}
         res.outputs = {r.rid: list(r.output) for r in requests}
         res.lost = sum(1 for r in requests if not r.done)
         return res
+
+    def _sample(self, reqs: list[Request], sel: torch.Tensor, forced, record, start) -> PendingStep:
+        """Greedy choice for each sampling request; the fed token goes to the last-token table on the device."""
+        top2 = torch.topk(self.model.logits(sel), 2, dim=-1)
+        choices = top2.indices[:, 0]
+        tokens = choices
+        if forced is not None:
+            tokens = torch.tensor([forced[r.rid][len(r.output)] for r in reqs], dtype=torch.int64)
+            tokens = tokens.to(self.device, non_blocking=True)
+        if reqs:
+            rows = torch.tensor([r.row for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.slots.req_to_token_pool.last_token[rows] = tokens
+        slots = [len(r.output) for r in reqs]
+        return PendingStep(reqs, slots, tokens, choices, top2.values, sel, record, start, self.clock.mark())
 
     def _forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
         if self.graphs.can_run(batch):
@@ -169,7 +187,8 @@ class Engine:
             return None
         reqs = [r for r, _ in chosen]
         locs = [self.slots.reserve(r.row, r.cached, r.cached + n) for r, n in chosen]
-        ids = torch.tensor([t for r, n in chosen for t in r.tokens[r.cached : r.cached + n]], dtype=torch.int64)
+        ids = torch.tensor([t for r, n in chosen for t in self._host_tokens(r, r.cached, r.cached + n)],
+                           dtype=torch.int64)
         batch = make_batch(
             ForwardMode.EXTEND, [r.row for r in reqs], [r.cached for r in reqs], [n for _, n in chosen],
             torch.cat(locs).to(self.device, non_blocking=True), self.device,
@@ -199,7 +218,6 @@ class Engine:
                 return self._prefill_step(waiting, running, res)
             return None
         locs = [self.slots.reserve(r.row, r.cached, r.cached + 1) for r in decoding]
-        ids = torch.tensor([r.tokens[r.cached] for r in decoding], dtype=torch.int64)
         batch = make_batch(
             ForwardMode.DECODE, [r.row for r in decoding], [r.cached for r in decoding], [1] * len(decoding),
             torch.cat(locs).to(self.device, non_blocking=True), self.device,
@@ -207,7 +225,8 @@ class Engine:
         for r in decoding:
             r.cached += 1
         rows = torch.arange(len(decoding), dtype=torch.int64, device=self.device)
-        return decoding, batch, ids.to(self.device, non_blocking=True), rows
+        ids = self.slots.req_to_token_pool.last_token[batch.req_pool_indices]  # on the device: no host copy
+        return decoding, batch, ids, rows
 
     def _retract(self, r: Request, waiting: deque[Request], running: list[Request], res: RunResult) -> None:
         """Return every page of ``r`` and queue it first; its generated tokens are kept."""
@@ -218,20 +237,23 @@ class Engine:
         res.retracted += 1
         waiting.appendleft(r)
 
-    def _finish_step(self, reqs, choices, top2_values, hidden_cpu, forced, res, hidden, running) -> int:
-        for i, r in enumerate(reqs):
-            res.argmax[r.rid].append(choices[i])
-            res.margins[r.rid].append(float(top2_values[i, 0] - top2_values[i, 1]))
-            hidden[r.rid].append(hidden_cpu[i])
-            token = forced[r.rid][len(r.output)] if forced is not None else choices[i]
-            r.output.append(token)
+    def _finish_step(self, reqs: list[Request], running: list[Request], res: RunResult) -> None:
+        """Host bookkeeping that needs no token value: a placeholder output per sampled request, and the
+        release of every request that reached its length."""
+        for r in reqs:
+            r.output.append(PENDING)
             r.decoding = True
             if r.done:
                 self.slots.release(r.row)
                 running.remove(r)
                 r.row = None
                 res.finished += 1
-        return len(reqs)
+
+    def _host_tokens(self, r: Request, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of ``r`` on the host (a retracted request's outputs may still be pending)."""
+        if PENDING in r.output:
+            self._outputs.resolve_all(self._res)
+        return r.tokens[start:end]
 
     def _stall_message(self, waiting, running) -> str:
         return (

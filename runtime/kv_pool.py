@@ -20,11 +20,15 @@ class ReqToTokenPool:
     ----------
     req_to_token : torch.Tensor
         [max_requests, max_context] int32 on the device: slot of token t of the request in row r.
+    last_token : torch.Tensor
+        [max_requests] int64 on the device: the newest token of each row, written by sampling and read as
+        the next decode's input, so a decode step needs no host copy of the previous step's tokens.
     """
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device):
         self.max_requests, self.max_context = max_requests, max_context
         self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
+        self.last_token = torch.zeros(max_requests, dtype=torch.int64, device=device)
         self._free = list(range(max_requests - 1, -1, -1))
 
     @property
@@ -33,7 +37,7 @@ class ReqToTokenPool:
 
     @property
     def nbytes(self) -> int:
-        return self.req_to_token.numel() * self.req_to_token.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.req_to_token, self.last_token))
 
     def alloc(self) -> int:
         if not self._free:

@@ -17,7 +17,7 @@ class Progress:
             )
             self._task = self._bar.add_task("tokens", total=total)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self._bar is not None:
             self._bar.start()
         return self

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from conftest import CONF_DIR, compose_config
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from conftest import CONF_DIR, compose_config
 from runtime.config import BACKEND_SCHEMAS
 
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "deploy")

@@ -6,11 +6,11 @@ from typing import ClassVar
 
 import pytest
 import torch
+from conftest import compose_config
 from dependency_injector import providers
 
 import containers
 from backends.base import AttentionBackend, BackendCapabilities
-from conftest import compose_config
 from runtime.batch import ForwardMode
 from runtime.device import DeviceInfo
 from runtime.errors import ConfigError

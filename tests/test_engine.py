@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from conftest import compose_config
 
 import containers
-from conftest import compose_config
 from runtime.parity import compare, reference_config
 
 

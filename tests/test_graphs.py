@@ -6,10 +6,10 @@ from typing import ClassVar
 
 import pytest
 import torch
+from conftest import compose_config
 
 import containers
 from backends.base import BackendCapabilities, CudaGraphLevel
-from conftest import compose_config
 from runtime.batch import ForwardMode
 from runtime.device import DeviceInfo
 from runtime.graph_runner import decide_decode_graphs

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mla_harness import make_harness, oracle_absorbed, random_batch, random_q, rel_err, spec
 
 from backends.torch_mla import TorchMLABackend
-from mla_harness import make_harness, oracle_absorbed, random_batch, random_q, rel_err, spec
 from runtime.batch import ForwardMode
 from runtime.prefix_chunks import plan_prefix_chunks
 

@@ -1,0 +1,95 @@
+"""Step results read back lazily, so the host plans the next step while the GPU still runs this one.
+
+The engine's schedule never depends on token values (a synthetic workload has no stop token), so a step
+only *enqueues* its sampling: the chosen tokens go to the device-side last-token table (the next decode's
+input) and into a :class:`PendingStep`. Host copies are resolved when their step's event has completed,
+when too many are pending, when a retracted request needs its tokens, and at the end of the run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+PENDING = -1  # placeholder in Request.output until the step that produced it is resolved
+
+
+class StepClock:
+    """Brackets a step: CUDA events on a GPU (timed on the device, no sync), wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
+@dataclass
+class PendingStep:
+    """Device results of one step, not yet copied to the host.
+
+    Attributes
+    ----------
+    reqs : requests that sampled a token this step, with ``slots[i]`` the index of that token in
+        ``reqs[i].output``
+    tokens, choices : [n] int64 device (fed tokens; the model's own greedy choices)
+    top2 : [n, 2] float32 device logits of the two best tokens
+    hidden : [n, hidden] device final-normed hidden states
+    record : the StepRecord whose ``seconds`` is filled in when resolved; start/end: StepClock marks
+    """
+
+    reqs: list
+    slots: list[int]
+    tokens: torch.Tensor
+    choices: torch.Tensor
+    top2: torch.Tensor
+    hidden: torch.Tensor
+    record: object
+    start: object
+    end: object
+
+
+class StepOutputs:
+    """A FIFO of pending steps; ``resolve`` fills outputs, greedy choices, margins, hidden states, times."""
+
+    def __init__(self, clock: StepClock, max_pending: int = 32):
+        self.clock, self.max_pending = clock, max_pending
+        self._q: deque[PendingStep] = deque()
+
+    def push(self, step: PendingStep, sink) -> None:
+        self._q.append(step)
+        while len(self._q) > self.max_pending or (self._q and self._ready(self._q[0])):
+            self._resolve_one(sink)
+
+    def resolve_all(self, sink) -> None:
+        while self._q:
+            self._resolve_one(sink)
+
+    def _ready(self, step: PendingStep) -> bool:
+        return not self.clock.cuda or step.end.query()
+
+    def _resolve_one(self, sink) -> None:
+        s = self._q.popleft()
+        s.record.seconds = self.clock.seconds(s.start, s.end)
+        if not s.reqs:
+            return
+        tokens, choices = s.tokens.tolist(), s.choices.tolist()
+        top2, hidden = s.top2.float().cpu(), s.hidden.float().cpu()
+        for i, (r, slot) in enumerate(zip(s.reqs, s.slots)):
+            r.output[slot] = tokens[i]
+            sink.argmax[r.rid].append(choices[i])
+            sink.margins[r.rid].append(float(top2[i, 0] - top2[i, 1]))
+            sink.hidden_rows[r.rid].append(hidden[i])
