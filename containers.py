@@ -17,6 +17,9 @@ from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
 from backends.base import CudaGraphLevel, DecodeGraph, MHAChunkPrefill
+from backends.hybrid_linear import HybridLinearBackend
+from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
+from backends.linear_attention import LinearAttentionBackend
 from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
 from runtime.batch import ForwardMode
@@ -28,6 +31,7 @@ from runtime.graph_runner import DecodeGraphRunner, decide_decode_graphs
 from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.model import MLAModel
 from runtime.model_spec import ModelSpec
+from runtime.state_pool import LinearStatePool
 from runtime.validation import validate
 from runtime.workspace import WorkspaceLedger
 
@@ -36,8 +40,11 @@ from runtime.workspace import WorkspaceLedger
 BACKENDS: dict[str, type] = {
     "torch_mla": TorchMLABackend,
     "triton_mla": TritonMLABackend,
+    "flashinfer_mla": FlashInferMLABackend,
 }
-WORKSPACES = ("flashinfer_float", "flashinfer_int", "triton_split_kv")
+# Workspaces the report always lists (0 bytes when nobody consumed them); FlashInfer's per-wrapper int
+# workspaces (flashinfer_int:*) appear when a FlashInfer backend acquires them.
+WORKSPACES = ("flashinfer_float", "triton_split_kv")
 
 
 class BuildLog:
@@ -57,18 +64,32 @@ def _step(log: providers.Provider, name: str, factory: providers.Provider) -> pr
     return providers.Singleton(_record, log, name, factory)
 
 
-def _mha_prefill_hook(backend: Any, backend_cfg: dict) -> MHAChunkPrefill | None:
-    """The backend as the MHA chunked-prefill hook when its capabilities declare it and its config does not
-    switch ragged prefill off; None sends prefill down the absorbed path."""
-    if type(backend).capabilities.mha_chunked_prefill and not backend_cfg.get("disable_ragged", False):
-        return backend
-    return None
+def _mha_prefill_hook(backend: Any, prefill: str, backend_cfg: dict) -> MHAChunkPrefill | None:
+    """The backend as the MHA chunked-prefill hook when its capabilities declare it, ``attention.prefill`` is
+    not ``absorbed`` and the backend's config does not switch ragged prefill off; else None (absorbed path).
+    (``attention.prefill=mha_chunked`` with a backend lacking the hook never gets here: validation refuses.)"""
+    if prefill == "absorbed" or backend_cfg.get("disable_ragged", False):
+        return None
+    return backend if type(backend).capabilities.mha_chunked_prefill else None
 
 
 def _decode_graph_hook(backend: Any) -> DecodeGraph | None:
     """The backend as its decode-graph hook when its capabilities allow graphed single-token decode."""
     level = type(backend).capabilities.graph_level(ForwardMode.DECODE)
     return backend if level >= CudaGraphLevel.SINGLE_TOKEN_DECODE else None
+
+
+def _model_kind(spec: ModelSpec) -> str:
+    """'hybrid' when the model has linear-attention layers (the wrapper routes them), else 'mla'."""
+    return "hybrid" if spec.linear_layers else "mla"
+
+
+def _wrapper_mha(hybrid: HybridLinearBackend) -> MHAChunkPrefill | None:
+    return hybrid if hybrid.mha is not None else None
+
+
+def _wrapper_graph(hybrid: HybridLinearBackend) -> DecodeGraph | None:
+    return hybrid if hybrid.graph is not None else None
 
 
 class Container(containers.DeclarativeContainer):
@@ -109,8 +130,12 @@ class Container(containers.DeclarativeContainer):
             "triton_mla",
         )
     ))
+    flashinfer_float_workspace = _step(build_log, "workspace:flashinfer_float", providers.Factory(
+        workspace_ledger.provided.acquire.call(
+            providers.Factory(float_workspace_spec, config.workspace), "flashinfer_mla")))
 
-    # 5. backend: only the selected one is built ------------------------------------------------------
+    # 5. backends: the selected full-attention backend (only that one is built); for a model with
+    #    linear-attention layers also the state pool, the linear backend and the wrapper that routes layers.
     backend = providers.Selector(
         config.backend.name,
         torch_mla=_step(build_log, "backend:torch_mla", providers.Factory(
@@ -118,28 +143,49 @@ class Container(containers.DeclarativeContainer):
         triton_mla=_step(build_log, "backend:triton_mla", providers.Factory(
             TritonMLABackend, req_to_token_pool, kv_pool, model_spec, triton_split_kv_workspace,
             config.backend)),
+        flashinfer_mla=_step(build_log, "backend:flashinfer_mla", providers.Factory(
+            FlashInferMLABackend, req_to_token_pool, kv_pool, model_spec, flashinfer_float_workspace,
+            workspace_ledger, config.backend)),
     )
-    mha_prefill = providers.Callable(_mha_prefill_hook, backend, config.backend)
+    backend_mha_prefill = providers.Callable(_mha_prefill_hook, backend, config.attention.prefill, config.backend)
+    backend_decode_graph = providers.Callable(_decode_graph_hook, backend)
+    linear_state_pool = _step(build_log, "linear_state_pool", providers.Factory(
+        LinearStatePool, model_spec.provided.linear_layers, config.kv.max_requests,
+        model_spec.provided.linear_num_heads, model_spec.provided.linear_head_dim,
+        model_spec.provided.linear_head_dim, device))
+    linear_backend = _step(build_log, "backend:linear", providers.Factory(
+        LinearAttentionBackend, linear_state_pool, model_spec.provided.linear_num_heads,
+        model_spec.provided.linear_head_dim, model_spec.provided.linear_head_dim, config.attention.linear_impl))
+    hybrid = _step(build_log, "backend:hybrid_linear", providers.Factory(
+        HybridLinearBackend, backend, linear_backend, model_spec.provided.full_layers, backend_mha_prefill,
+        backend_decode_graph, config.backend.name))
 
-    # 6. model and engine -----------------------------------------------------------------------------
+    model_kind = providers.Callable(_model_kind, model_spec)
+    attention = providers.Selector(model_kind, mla=backend, hybrid=hybrid)
+    mha_prefill = providers.Selector(model_kind, mla=backend_mha_prefill, hybrid=providers.Callable(_wrapper_mha, hybrid))
+    decode_graph = providers.Selector(model_kind, mla=backend_decode_graph,
+                                      hybrid=providers.Callable(_wrapper_graph, hybrid))
+    backends_in_use = providers.Selector(model_kind, mla=providers.List(backend),
+                                         hybrid=providers.List(backend, linear_backend))
+    request_states = providers.Selector(model_kind, mla=providers.List(), hybrid=providers.List(linear_state_pool))
+
+    # 6. model, graphs and engine ---------------------------------------------------------------------
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     model = _step(build_log, "model", providers.Factory(
-        MLAModel, model_spec, device, kv_pool, backend, mha_prefill, dumper))
-    decode_graph = providers.Callable(_decode_graph_hook, backend)
+        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper))
     graph_decision = providers.Callable(
-        decide_decode_graphs, config.graph.enabled, device, config.backend.name, backend, decode_graph,
-        config.graph.batch_sizes)
+        decide_decode_graphs, config.graph.enabled, device, backends_in_use, decode_graph, config.graph.batch_sizes)
     graph_runner = _step(build_log, "graph_runner", providers.Factory(
         DecodeGraphRunner, model, decode_graph, graph_decision, device))
     engine = _step(build_log, "engine", providers.Factory(
-        Engine, model, backend, mha_prefill, graph_runner, token_slots, config.workload, device))
+        Engine, model, attention, mha_prefill, graph_runner, token_slots, request_states, config.workload, device))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
     "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "hisparse_coordinator",
-    "workspace_ledger", "backend", "model", "graph_runner", "engine",
+    "workspace_ledger", "attention", "model", "graph_runner", "engine",
 )
 
 
@@ -180,7 +226,7 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
     plain = to_plain(cfg)
     container = container or Container()
     info = probe_device(plain["device"]["kind"], plain["device"]["index"])
-    problems = validate(plain, BACKENDS, info)
+    problems = validate(plain, BACKENDS, info, linear_backend=LinearAttentionBackend)
     if problems:
         raise ConfigError(problems)
     container.config.from_dict(plain)

@@ -83,6 +83,13 @@ class AttentionBackend(Protocol):
 
     capabilities: ClassVar[BackendCapabilities]
 
+    @classmethod
+    def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
+        """Every reason this backend's own config cannot run here (a list of runtime.errors.Problem), checked
+        by validation before anything is allocated; rules the capabilities cannot express (e.g. a kernel
+        variant that needs a newer GPU). ``device`` is a runtime.device.DeviceInfo."""
+        ...
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Host-side planning for one step, shared by every layer; outside any CUDA graph."""
         ...
@@ -167,3 +174,15 @@ class DecodeGraph(Protocol):
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Refresh the static metadata in place for ``batch`` (host mirrors are valid), before replay."""
         ...
+
+
+@runtime_checkable
+class LinearLayerAttention(Protocol):
+    """Attention of a linear-attention layer (hybrid models); per-request recurrent state lives in a pool.
+
+    q, k [T, H, Dk] and v [T, H, Dv], packed by ``batch.qo_indptr`` -> out [T, H, Dv] in q's dtype.
+    """
+
+    def forward_linear(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
+    ) -> torch.Tensor: ...

@@ -40,6 +40,10 @@ class TorchMLABackend:
         devices=frozenset({"cpu", "cuda"}),
     )
 
+    @classmethod
+    def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
+        return []  # the schema's enum already restricts compute_dtype
+
     def __init__(
         self, req_to_token_pool: ReqToTokenPool, kv_pool: MLAKVPool, model: ModelSpec, compute_dtype: str
     ):

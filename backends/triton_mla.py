@@ -64,6 +64,26 @@ class TritonMLABackend:
         packages=("triton",),
     )
 
+    @classmethod
+    def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
+        from runtime.errors import Problem
+
+        out = []
+        for key in ("max_splits", "split_slots", "min_tokens_per_split"):
+            if backend_cfg[key] < 1:
+                out.append(Problem(f"backend.{key}", str(backend_cfg[key]), ">= 1", f"set backend.{key} to a positive value"))
+        for key in ("block_n", "block_h"):
+            v = backend_cfg[key]
+            if v is not None and (v < 16 or v & (v - 1)):
+                out.append(Problem(f"backend.{key}", str(v), "null or a power of two >= 16 (tl.dot tiles)",
+                                   f"set backend.{key}=null"))
+        for key in ("kv_lora_rank", "qk_rope_head_dim"):
+            v = model_cfg[key]
+            if v & (v - 1):
+                out.append(Problem(f"model.{key} with backend triton_mla", str(v), "a power of two",
+                                   "use DeepSeek latent dims (512 / 64)"))
+        return out
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
@@ -81,7 +101,7 @@ class TritonMLABackend:
         self.max_splits = int(config["max_splits"])
         self.split_slots = split_slots(config)
         self.min_tokens_per_split = int(config["min_tokens_per_split"])
-        self.block_n, self.block_h = int(config["block_n"]), int(config["block_h"])
+        self.block_n, self.block_h = config["block_n"], config["block_h"]
         self.page_size = kv_pool.page_size
         self.page_table = torch.empty(0, 0, dtype=torch.int32)
         self._graph_page_table = torch.empty(0, 0, dtype=torch.int32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from containers import build, to_plain
+from runtime.config import Config
 from runtime.errors import ConfigError, Problem
 from runtime.parity import compare, reference_config
 from runtime.report import make_report, memory_plan, print_report, write_report
@@ -22,8 +24,7 @@ def _extras(plain: dict) -> list[Problem]:
         problems.append(Problem("explain", repr(plain["explain"]), "true or false", "+explain=true"))
     if plain.get("dump_dir") is not None and not isinstance(plain["dump_dir"], str):
         problems.append(Problem("dump_dir", repr(plain["dump_dir"]), "a directory path", "+dump_dir=dumps/run1"))
-    known = set(EXTRA_KEYS) | {"backend", "model", "workspace", "hisparse", "speculative", "graph", "workload",
-                               "device", "kv", "check", "progress"}
+    known = set(EXTRA_KEYS) | {f.name for f in dataclasses.fields(Config)}
     for key in sorted(set(plain) - known):
         problems.append(Problem(f"key '{key}'", f"+{key}=...", f"one of {sorted(known)}",
                                 f"drop +{key}, or fix its spelling"))
@@ -34,7 +35,8 @@ def explain(runtime, console: Console) -> None:
     console.print("[bold]build order[/bold]: " + " -> ".join(runtime.build_order))
     plan = memory_plan(runtime.container)
     console.print("[bold]memory plan[/bold] (bytes):")
-    rows = {"kv_pool": plan["kv_pool_bytes"], "req_to_token": plan["req_to_token_bytes"],
+    rows = {"kv_pool": plan["kv_pool_bytes"], "request_states": plan["request_state_bytes"],
+            "req_to_token": plan["req_to_token_bytes"],
             "weights": plan["weights_bytes"], **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
     for name, n in rows.items():
         console.print(f"  {name:<32} {n:>16,d}")

@@ -37,6 +37,17 @@ class LayerKind(str, enum.Enum):
     sparse = "sparse"  # DeepSeek sparse attention (top-k selected KV)
 
 
+class PrefillPath(str, enum.Enum):
+    auto = "auto"  # MHA chunked-prefix when the full-attention backend provides the hook, else absorbed
+    mha_chunked = "mha_chunked"  # require the MHAChunkPrefill hook (refused at startup if missing)
+    absorbed = "absorbed"  # always the absorbed path
+
+
+class LinearImpl(str, enum.Enum):
+    torch = "torch"  # chunked prefill / recurrent decode in torch (CPU and GPU; the oracle)
+    fla = "fla"  # fla-core Triton kernels (chunk_simple_gla / fused_recurrent_simple_gla), CUDA only
+
+
 class CheckMode(str, enum.Enum):
     off = "off"
     reference = "reference"
@@ -66,11 +77,11 @@ class TorchMLAConfig(BackendConfig):
 @dataclass
 class TritonMLAConfig(BackendConfig):
     name: str = "triton_mla"
-    max_splits: int = 128  # split-KV partitions per request at most
+    max_splits: int = 64  # split-KV partitions per request at most
     split_slots: int = 2048  # partials in the scratch workspace: a batch of B gets min(max_splits, slots // B)
     min_tokens_per_split: int = 256  # a request gets ceil(len / this) splits, capped as above
-    block_n: int = 64  # KV tokens per tile
-    block_h: int = 16  # heads per program (each KV tile is read once per head block)
+    block_n: int | None = None  # KV tokens per tile (null: the kernel's default for the head count)
+    block_h: int | None = None  # heads per program, each KV tile read once per head block (null: default)
 
 
 @dataclass
@@ -101,6 +112,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     layer_pattern: list[LayerKind] = field(default_factory=lambda: [LayerKind.full])
+    linear_num_heads: int | None = None  # linear-attention heads (default: num_heads)
+    linear_head_dim: int = 128  # key and value head dim of linear-attention layers
     weight_seed: int = 1234
 
 
@@ -163,6 +176,14 @@ class WorkloadConfig:
 
 
 @dataclass
+class AttentionConfig:
+    """How the model uses its backends (the backends themselves are the `backend` group)."""
+
+    prefill: PrefillPath = PrefillPath.auto
+    linear_impl: LinearImpl = LinearImpl.torch  # for models with linear-attention layers
+
+
+@dataclass
 class DeviceConfig:
     kind: DeviceKind = DeviceKind.auto
     index: int = 0
@@ -180,6 +201,7 @@ class Config:
     workload: WorkloadConfig = MISSING
     device: DeviceConfig = MISSING
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     check: CheckMode = CheckMode.reference
     progress: bool = True  # progress bar on long runs (off anyway when stdout is not a terminal)
 

@@ -1,4 +1,4 @@
-"""Attention dumps: layer 0 of the first batch of each forward mode, saved as ``attn_<mode>.pt``.
+"""Attention dumps: the first MLA layer (layer 0 unless it is a linear layer) of the first batch of each forward mode, saved as ``attn_<mode>.pt``.
 
 Absorbed-MLA modes (``decode``, ``extend``) keep ``q_nope`` [T,H,kv_lora], ``q_pe`` [T,H,rope], ``ckv``
 [N,kv_lora], ``kpe`` [N,rope], ``qo_indptr`` [B+1], ``kv_indptr`` [B+1] (rows of ckv/kpe per request, in token

@@ -73,6 +73,9 @@ class Engine:
     graphs : DecodeGraphRunner
         Replays captured decode graphs for the batch sizes it holds; other steps run eagerly.
     token_slots : TokenSlots
+    request_states : list
+        Per-request state pools indexed by request row (``reset(rows)``), e.g. linear-attention states;
+        each admitted request's row is reset.
     workload : dict
         The resolved `workload` config.
     device : torch.device
@@ -85,12 +88,15 @@ class Engine:
         mha_prefill: MHAChunkPrefill | None,
         graphs: DecodeGraphRunner,
         token_slots: TokenSlots,
+        request_states: list,
         workload: dict,
         device: torch.device,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
         self.slots, self.workload, self.device = token_slots, workload, device
+        self.request_states = request_states
         self.clock = StepClock(device)
+        self._fence = None  # event after the previous step's metadata copies (see _forward)
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False) -> RunResult:
@@ -146,15 +152,26 @@ class Engine:
         return PendingStep(reqs, slots, tokens, choices, top2.values, sel, record, start, self.clock.mark())
 
     def _forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        if self.graphs.can_run(batch):
-            return self.graphs.run(ids, batch)  # its hook refreshes the backend's static metadata
-        self.backend.init_forward_metadata(batch)
-        if batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None:
-            batch.prefix_chunks = plan_prefix_chunks(
-                batch, self.slots.req_to_token_pool, self.workload["mha_prefix_chunk_tokens"]
-            )
-            self.mha_prefill.init_mha_chunk_metadata(batch)
-        return self.model.forward(ids, batch)
+        """Plan this step's metadata, then launch its kernels (graph replay when captured).
+
+        The metadata fence: planning may stage data in host buffers that an earlier plan's asynchronous
+        copy still reads (FlashInfer copies its plan through one pinned buffer). So before planning step
+        N+1 the host waits for the event recorded right after step N's metadata copies, that is, until the
+        GPU has *started* step N: planning N+1 still overlaps step N's kernels, and the host never runs more
+        than one step ahead."""
+        self.clock.wait(self._fence)
+        graphed = self.graphs.can_run(batch)
+        if graphed:
+            self.graphs.prepare(ids, batch)  # copies inputs, the backend's hook refreshes static metadata
+        else:
+            self.backend.init_forward_metadata(batch)
+            if batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None:
+                batch.prefix_chunks = plan_prefix_chunks(
+                    batch, self.slots.req_to_token_pool, self.workload["mha_prefix_chunk_tokens"]
+                )
+                self.mha_prefill.init_mha_chunk_metadata(batch)
+        self._fence = self.clock.mark()
+        return self.graphs.replay() if graphed else self.model.forward(ids, batch)
 
     # --------------------------------------------------------------------------------- scheduling
     def _prefill_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
@@ -180,6 +197,8 @@ class Engine:
                 break
             waiting.popleft()
             r.row, r.cached, r.decoding = self.slots.open(), 0, False
+            for states in self.request_states:
+                states.reset([r.row])
             running.append(r)
             chosen.append((r, n))
             budget, pages_free = budget - n, pages_free - need

@@ -28,16 +28,19 @@ class GraphDecision:
     reason: str = ""
 
 
-def decide_decode_graphs(enabled: bool, device: torch.device, backend_name: str, backend: AttentionBackend,
+def decide_decode_graphs(enabled: bool, device: torch.device, backends_in_use: list[AttentionBackend],
                          hook: DecodeGraph | None, sizes: list[int]) -> GraphDecision:
-    """Graph decode iff asked for, on CUDA, and the backend's capabilities allow single-token decode."""
-    level = type(backend).capabilities.graph_level(ForwardMode.DECODE)
+    """Graph decode iff asked for, on CUDA, and the *minimum* decode graph level over every backend in use
+    (full + linear for a hybrid model) allows single-token decode."""
+    levels = [(type(b).__name__, type(b).capabilities.graph_level(ForwardMode.DECODE)) for b in backends_in_use]
+    lowest = min(level for _, level in levels)
     if not enabled:
         return GraphDecision("decode", False, reason="graph.enabled=false")
     if device.type != "cuda":
         return GraphDecision("decode", False, reason=f"device is {device.type}")
-    if level < CudaGraphLevel.SINGLE_TOKEN_DECODE or hook is None:
-        return GraphDecision("decode", False, reason=f"backend {backend_name}: decode graph level {level.name}")
+    if lowest < CudaGraphLevel.SINGLE_TOKEN_DECODE or hook is None:
+        why = ", ".join(f"{name}: {lvl.name}" for name, lvl in levels)
+        return GraphDecision("decode", False, reason=f"decode graph level of the backends in use ({why})")
     return GraphDecision("decode", True, sizes=sorted(set(sizes)))
 
 
@@ -109,11 +112,12 @@ class DecodeGraphRunner:
             self.graphs[bs] = (graph, out, batch)
         torch.cuda.synchronize(dev)
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Replay the smallest captured size >= ``batch.batch_size``; returns hidden [B, hidden]."""
+    def prepare(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
+        """Copy the step's inputs into the static buffers of the smallest captured size >= the batch and let
+        the backend refresh its static metadata (host planning; stream-ordered copies, no sync)."""
         n = batch.batch_size
         bs = min(s for s in self.graphs if s >= n)
-        graph, out, _ = self.graphs[bs]
+        self._prepared = (bs, n)
         b = self._bufs
         b["ids"][:n].copy_(input_ids, non_blocking=True)
         b["req"][:n].copy_(batch.req_pool_indices, non_blocking=True)
@@ -127,8 +131,12 @@ class DecodeGraphRunner:
             b["pos"][n:bs].zero_()
         host = self._padding_host(bs)
         host["req"][:n], host["seq"][:n] = batch.req_pool_indices_cpu, batch.seq_lens_cpu
-        replay_batch = self._static_batch(bs, host)
-        self.hook.init_forward_metadata_replay(replay_batch)
+        self.hook.init_forward_metadata_replay(self._static_batch(bs, host))
+
+    def replay(self) -> torch.Tensor:
+        """Replay the graph ``prepare`` chose; hidden [B, hidden] for the real (unpadded) requests."""
+        bs, n = self._prepared
+        graph, out, _ = self.graphs[bs]
         graph.replay()
         self.replays += 1
         return out[:n]

@@ -16,6 +16,7 @@ from backends.base import AttentionBackend, MHAChunkPrefill
 from runtime.batch import ForwardBatch, ForwardMode
 from runtime.dump import AttentionDumper
 from runtime.kv_pool import MLAKVPool
+from runtime.config import LayerKind
 from runtime.model_spec import ModelSpec
 
 
@@ -46,6 +47,18 @@ class LayerWeights:
     wo: torch.Tensor  # [H * v_head, D]
 
 
+@dataclass
+class LinearLayerWeights:
+    """A lightning-style linear-attention layer: SiLU(q), SiLU(k), v, per-head recurrent state, out norm."""
+
+    attn_norm: torch.Tensor  # [D]
+    wq: torch.Tensor  # [D, Hl * dk]
+    wk: torch.Tensor  # [D, Hl * dk]
+    wv: torch.Tensor  # [D, Hl * dv]
+    out_norm: torch.Tensor  # [Hl * dv]
+    wo: torch.Tensor  # [Hl * dv, D]
+
+
 class MLAModel:
     """Seeded random MLA stack over an injected backend.
 
@@ -71,6 +84,7 @@ class MLAModel:
     ):
         self.spec, self.device, self.kv_pool = spec, device, kv_pool
         self.backend, self.mha_prefill, self.dumper = backend, mha_prefill, dumper
+        self.dump_layer = spec.full_layers[0] if spec.full_layers else -1  # dumps: the first MLA layer
         self._init_weights()
         inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.qk_rope_head_dim, 2, dtype=torch.float64) / spec.qk_rope_head_dim))
         freqs = torch.outer(torch.arange(spec.max_context, dtype=torch.float64), inv)
@@ -89,9 +103,15 @@ class MLAModel:
             return torch.ones(n, device=self.device, dtype=s.dtype)
 
         h, d = s.num_heads, s.hidden_size
+        hl, dl = s.linear_num_heads, s.linear_head_dim
         self.embed = w(s.vocab_size, d, fan_in=1)
-        self.layers: list[LayerWeights] = []
-        for _ in range(s.num_layers):
+        self.layers: list[LayerWeights | LinearLayerWeights] = []
+        for kind in s.layer_kinds:
+            if kind == LayerKind.linear:
+                self.layers.append(LinearLayerWeights(
+                    attn_norm=ones(d), wq=w(d, hl * dl, fan_in=d), wk=w(d, hl * dl, fan_in=d),
+                    wv=w(d, hl * dl, fan_in=d), out_norm=ones(hl * dl), wo=w(hl * dl, d, fan_in=hl * dl)))
+                continue
             q_in = s.q_lora_rank or d
             wkv_b = w(s.kv_lora_rank, h, s.qk_nope_head_dim + s.v_head_dim, fan_in=s.kv_lora_rank)
             self.layers.append(
@@ -113,7 +133,7 @@ class MLAModel:
     @property
     def weight_bytes(self) -> int:
         tensors = [self.embed, self.final_norm, self.lm_head]
-        for lw in self.layers:
+        for lw in self.layers:  # LayerWeights or LinearLayerWeights
             tensors += [t for t in vars(lw).values() if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -123,8 +143,11 @@ class MLAModel:
         x = self.embed[input_ids]
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         use_mha = batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None
-        for layer_id, lw in enumerate(self.layers):
-            x = x + self._attention(layer_id, lw, x, cos, sin, batch, use_mha)
+        for layer_id, (kind, lw) in enumerate(zip(self.spec.layer_kinds, self.layers)):
+            if kind == LayerKind.linear:
+                x = x + self._linear_attention(layer_id, lw, x, batch)
+            else:
+                x = x + self._attention(layer_id, lw, x, cos, sin, batch, use_mha)
         return rms_norm(x, self.final_norm, self.spec.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -149,10 +172,20 @@ class MLAModel:
             q_abs = torch.einsum("thd,hdc->thc", q_nope, lw.w_uk)
             fwd = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
             o_lat = fwd(q_abs, q_pe, layer_id, batch)
-            if layer_id == 0 and self.dumper.wants(batch.mode.value):
+            if layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
                 self.dumper.save_absorbed(layer_id, batch, self.kv_pool, q_abs, q_pe, o_lat, s.kv_lora_rank, s.sm_scale)
             o = torch.einsum("thc,hcd->thd", o_lat, lw.w_uv)
         return o.reshape(t, h * s.v_head_dim) @ lw.wo
+
+    def _linear_attention(self, layer_id, lw: LinearLayerWeights, x, batch: ForwardBatch):
+        s = self.spec
+        t, hl, dl = x.shape[0], s.linear_num_heads, s.linear_head_dim
+        xn = rms_norm(x, lw.attn_norm, s.rms_norm_eps)
+        q = torch.nn.functional.silu(xn @ lw.wq).view(t, hl, dl)
+        k = torch.nn.functional.silu(xn @ lw.wk).view(t, hl, dl)
+        v = (xn @ lw.wv).view(t, hl, dl)
+        o = self.backend.forward_linear(q, k, v, layer_id, batch)
+        return rms_norm(o.reshape(t, hl * dl), lw.out_norm, s.rms_norm_eps) @ lw.wo
 
     def decompress(self, lw: LayerWeights, ckv: torch.Tensor, kpe: torch.Tensor):
         """Latent rows -> per-head keys and values: ckv [N, kv_lora], kpe [N, rope] -> k [N, H, qk_head],
@@ -173,6 +206,6 @@ class MLAModel:
             out_c, lse_c = hook.forward_mha_prefix_chunk(q, k_c, v_c, i, layer_id, batch)
             out, lse = hook.merge_states(out, lse, out_c, lse_c)
         out = out.to(q.dtype)
-        if layer_id == 0 and self.dumper.wants("extend_mha"):
+        if layer_id == self.dump_layer and self.dumper.wants("extend_mha"):
             self.dumper.save_mha(layer_id, batch, self.kv_pool, q, out, lambda c, p: self.decompress(lw, c, p), s.sm_scale)
         return out

@@ -34,6 +34,8 @@ class ModelSpec:
     rope_theta: float
     rms_norm_eps: float
     layer_kinds: tuple[LayerKind, ...]
+    linear_num_heads: int
+    linear_head_dim: int
     weight_seed: int
 
     @classmethod
@@ -56,6 +58,8 @@ class ModelSpec:
             rope_theta=model["rope_theta"],
             rms_norm_eps=model["rms_norm_eps"],
             layer_kinds=kinds,
+            linear_num_heads=model.get("linear_num_heads") or model["num_heads"],
+            linear_head_dim=model.get("linear_head_dim", 128),
             weight_seed=model["weight_seed"],
         )
 
@@ -71,6 +75,14 @@ class ModelSpec:
     def sm_scale(self) -> float:
         """Softmax scale of both paths: 1 / sqrt(qk_nope + qk_rope), as the decompressed MHA has it."""
         return 1.0 / math.sqrt(self.qk_head_dim)
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k == LayerKind.linear]
+
+    @property
+    def full_layers(self) -> list[int]:
+        return [i for i, k in enumerate(self.layer_kinds) if k != LayerKind.linear]
 
     @property
     def kv_cache_layers(self) -> list[int]:

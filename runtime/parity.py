@@ -41,6 +41,7 @@ def reference_config(plain: dict) -> dict:
     ref["backend"] = {"name": "torch_mla", "compute_dtype": "float32"}
     ref["model"]["dtype"] = "float32"
     ref["graph"]["enabled"] = False
+    ref["attention"]["linear_impl"] = "torch"
     ref["dump_dir"] = None
     return ref
 

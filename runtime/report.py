@@ -18,13 +18,15 @@ def memory_plan(container) -> dict:
     """Every device buffer the runtime built, in bytes."""
     ledger = container.workspace_ledger()
     kv = container.kv_pool()
+    states = sum(pool.nbytes for pool in container.request_states())
     return {
         "kv_pool_bytes": kv.nbytes,
+        "request_state_bytes": states,
         "req_to_token_bytes": container.req_to_token_pool().nbytes,
         "weights_bytes": container.model().weight_bytes,
         "workspaces": ledger.report(),
         "workspace_consumers": ledger.consumers(),
-        "total_bytes": kv.nbytes + container.req_to_token_pool().nbytes + container.model().weight_bytes
+        "total_bytes": kv.nbytes + states + container.req_to_token_pool().nbytes + container.model().weight_bytes
         + ledger.total_bytes,
     }
 
@@ -104,7 +106,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
     t.add_row("requests", f"{r['finished']}/{r['total']} finished, {r['retracted']} retracted, "
               f"{r['queued_for_memory']} times queued for memory, {r['lost']} lost")
     mem = report["memory"]
-    t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, weights {_mib(mem['weights_bytes'])}, "
+    t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, request states {_mib(mem['request_state_bytes'])}, "
+              f"weights {_mib(mem['weights_bytes'])}, "
               + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
     for mode, g in report["graphs"].items():
         t.add_row(f"{mode} graphs", f"{len(g['sizes'])} sizes captured, {g['replays']} replays" if g["graphed"]

@@ -30,6 +30,11 @@ class StepClock:
             return ev
         return time.perf_counter()
 
+    def wait(self, mark) -> None:
+        """Block the host until the GPU has passed ``mark`` (no-op on the CPU or for None)."""
+        if self.cuda and mark is not None:
+            mark.synchronize()
+
     def seconds(self, start, end) -> float:
         if self.cuda:
             end.synchronize()

@@ -32,12 +32,14 @@ def validate(
     backends: Mapping[str, type],
     device: DeviceInfo,
     package_present: Callable[[str], bool] = _package_present,
+    linear_backend: type | None = None,
 ) -> list[Problem]:
     """Every problem of ``cfg`` (a resolved plain dict of the root config).
 
     Parameters
     ----------
     backends : name -> backend class, as the container can build them (each has ``capabilities``).
+    linear_backend : the linear-attention backend class (for models with linear layers).
     device : the probed device ``cfg.device`` resolves to.
     package_present : module name -> importable (injectable for tests).
     """
@@ -61,6 +63,9 @@ def validate(
 
     # --- model
     problems += _model_problems(model, name, caps)
+    problems += _prefill_problems(cfg, name, caps, backends)
+    if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
+        problems += _linear_problems(cfg, linear_backend, device, package_present)
 
     # --- hisparse
     hs = cfg["hisparse"]
@@ -131,6 +136,7 @@ def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_
     if ForwardMode.DECODE not in caps.forward_modes or ForwardMode.EXTEND not in caps.forward_modes:
         add(Problem(f"backend '{name}'", f"forward modes {sorted(m.value for m in caps.forward_modes)}",
                     "at least extend and decode", "pick a complete backend"))
+    out += backend_cls.config_problems(cfg["backend"], cfg["model"], device)
     hooks = [(MHAChunkPrefill, caps.mha_chunked_prefill, "capabilities.mha_chunked_prefill")]
     if cfg["graph"]["enabled"]:
         graphable = caps.graph_level(ForwardMode.DECODE) >= CudaGraphLevel.SINGLE_TOKEN_DECODE
@@ -160,13 +166,49 @@ def _model_problems(model, backend_name: str, caps: BackendCapabilities | None) 
     if not model["layer_pattern"]:
         add(Problem("model.layer_pattern", "[]", "a non-empty list of full|linear|sparse", "set model.layer_pattern=[full]"))
     kinds = {LayerKind(k) for k in model["layer_pattern"]}
-    if LayerKind.linear in kinds:
-        add(Problem(f"model '{model['name']}'", "linear-attention layers in layer_pattern",
-                    "full MLA layers only in this version (the hybrid wrapper is not built yet)",
-                    "use a model whose layer_pattern is [full]"))
+    if LayerKind.linear in kinds and not kinds - {LayerKind.linear}:
+        add(Problem(f"model '{model['name']}'", "only linear-attention layers", "at least one MLA layer",
+                    "add full to model.layer_pattern, e.g. [linear, linear, linear, full]"))
     if LayerKind.sparse in kinds and caps is not None and not caps.sparse:
         add(Problem(f"model '{model['name']}'", f"sparse layers with backend '{backend_name}'",
                     "a sparse-capable backend for sparse layers", "use a model whose layer_pattern is [full]"))
+    return out
+
+
+def _prefill_problems(cfg, name: str, caps: BackendCapabilities | None, backends) -> list[Problem]:
+    if cfg["attention"]["prefill"] != "mha_chunked" or caps is None:
+        return []
+    out = []
+    if not caps.mha_chunked_prefill:
+        have = sorted(n for n, b in backends.items() if b.capabilities.mha_chunked_prefill)
+        out.append(Problem(f"backend '{name}' hook MHAChunkPrefill",
+                           "missing (capabilities.mha_chunked_prefill is false)",
+                           "the hook, because attention.prefill=mha_chunked takes the MHA chunked-prefix path",
+                           f"use attention.prefill=auto (absorbed prefill), or a backend with the hook: {have}"))
+    if cfg["backend"].get("disable_ragged"):
+        out.append(Problem(f"backend '{name}'", "disable_ragged=true with attention.prefill=mha_chunked",
+                           "one of the two", "drop backend.disable_ragged, or use attention.prefill=absorbed"))
+    return out
+
+
+def _linear_problems(cfg, linear_backend: type | None, device: DeviceInfo, package_present) -> list[Problem]:
+    out: list[Problem] = []
+    impl = cfg["attention"]["linear_impl"]
+    if linear_backend is not None and device.kind not in linear_backend.capabilities.devices:
+        out.append(Problem("linear-attention layers", f"device {device.kind}",
+                           f"a device in {sorted(linear_backend.capabilities.devices)}", "use device=cuda"))
+    if impl == "fla":
+        if device.kind != "cuda":
+            out.append(Problem("attention.linear_impl=fla", f"device {device.kind}", "a CUDA device (Triton kernels)",
+                               "use attention.linear_impl=torch on the CPU"))
+        if not package_present("fla"):
+            out.append(Problem("attention.linear_impl=fla", "python package 'fla' (fla-core) not importable",
+                               "fla-core installed", "pip install 'mla-runtime[gpu]', or attention.linear_impl=torch"))
+    model = cfg["model"]
+    if (model.get("linear_num_heads") or 1) < 1 or model.get("linear_head_dim", 1) < 1:
+        out.append(Problem("model.linear_num_heads / linear_head_dim",
+                           f"{model.get('linear_num_heads')} / {model.get('linear_head_dim')}", ">= 1",
+                           "set positive values (null heads means num_heads)"))
     return out
 
 

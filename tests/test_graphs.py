@@ -25,6 +25,10 @@ def fake(level: CudaGraphLevel, with_hooks: bool = True):
             forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
             cuda_graph=((ForwardMode.DECODE, level),), devices=frozenset({"cuda", "cpu"}))
 
+        @classmethod
+        def config_problems(cls, backend_cfg, model_cfg, device):
+            return []
+
     if with_hooks:
         Fake.init_graph_state = lambda self, batch: None
         Fake.init_forward_metadata_capture = lambda self, batch: None
@@ -43,11 +47,19 @@ def fake(level: CudaGraphLevel, with_hooks: bool = True):
 def test_decode_graph_decision_from_capabilities(level, enabled, device, graphed):
     backend = fake(level)()
     hook = containers._decode_graph_hook(backend)
-    d = decide_decode_graphs(enabled, device, "fake", backend, hook, [4, 1, 2, 4])
+    d = decide_decode_graphs(enabled, device, [backend], hook, [4, 1, 2, 4])
     assert d.graphed is graphed
     assert (d.sizes == [1, 2, 4]) if graphed else (d.reason and not d.sizes)
     if level == CudaGraphLevel.NEVER and enabled and device.type == "cuda":
         assert "NEVER" in d.reason and hook is None
+
+
+def test_the_minimum_level_over_every_backend_in_use_decides():
+    full, linear = fake(CudaGraphLevel.ALWAYS)(), fake(CudaGraphLevel.NEVER)()
+    d = decide_decode_graphs(True, CUDA, [full, linear], containers._decode_graph_hook(full), [8])
+    assert not d.graphed and "NEVER" in d.reason and "ALWAYS" in d.reason
+    both = [full, fake(CudaGraphLevel.SINGLE_TOKEN_DECODE)()]
+    assert decide_decode_graphs(True, CUDA, both, containers._decode_graph_hook(full), [8]).graphed
 
 
 def test_graphable_backend_without_hooks_is_refused_at_startup():

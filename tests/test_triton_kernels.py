@@ -1,0 +1,466 @@
+"""Triton MLA kernels (split-KV decode, causal extend) against an independent float64 reference.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before
+the kernels are imported) on small sizes. On a CUDA machine the same small cases run compiled on the GPU,
+and the ``gpu``-marked tests add real sizes and CUDA-graph capture.
+"""
+
+import os
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover - torch missing
+    _HAS_CUDA = False
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import importlib  # noqa: E402
+
+_dec_mod = importlib.import_module("backends.kernels.mla_decode")  # the module (the package exports the function)
+from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode  # noqa: E402
+from backends.kernels.mla_extend import mla_extend  # noqa: E402
+
+D_CKV, D_PE = 512, 64
+INTERPRETED = _dec_mod._interpreting()
+if INTERPRETED:
+    DEV = "cpu"
+elif _HAS_CUDA:
+    DEV = "cuda"
+else:
+    pytest.skip(
+        "backends.kernels was imported before TRITON_INTERPRET=1 was set and there is no CUDA; "
+        "run with TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _make_cache(lens, page_size, dtype, g, extra_pages=3, width_extra=1):
+    """A shuffled page pool: request b's pages are random, non-contiguous pool entries; the page table has
+    garbage (out-of-range ids) past each request's pages."""
+    B = len(lens)
+    pages_per = [math.ceil(L / page_size) for L in lens]
+    total = sum(pages_per) + extra_pages
+    width = max(max(pages_per), 1) + width_extra
+    kv = torch.randn(total, page_size, D_CKV + D_PE, generator=g).to(dtype)
+    perm = torch.randperm(total, generator=g)
+    pt = torch.full((B, width), 10_000_000, dtype=torch.int32)  # garbage: would fault if read
+    pos = 0
+    for b, n in enumerate(pages_per):
+        pt[b, :n] = perm[pos : pos + n].to(torch.int32)
+        pos += n
+    return kv, pt
+
+
+def _rows(kv, pt, b, L):
+    page_size = kv.shape[1]
+    t = torch.arange(L)
+    return kv[pt[b, t // page_size].long(), t % page_size].double()
+
+
+def _ref_decode(q_nope, q_pe, kv, pt, lens, scale):
+    B, H, _ = q_nope.shape
+    out = torch.zeros(B, H, D_CKV, dtype=torch.float64)
+    for b, L in enumerate(lens):
+        if L == 0:
+            continue
+        rows = _rows(kv, pt, b, L)
+        s = (q_nope[b].double() @ rows[:, :D_CKV].T + q_pe[b].double() @ rows[:, D_CKV:].T) * scale
+        out[b] = torch.softmax(s, dim=-1) @ rows[:, :D_CKV]
+    return out
+
+
+def _ref_extend(q_nope, q_pe, kv, pt, q_lens, kv_lens, scale):
+    T, H, _ = q_nope.shape
+    out = torch.zeros(T, H, D_CKV, dtype=torch.float64)
+    q0 = 0
+    for b, (n, L) in enumerate(zip(q_lens, kv_lens)):
+        rows = _rows(kv, pt, b, L)
+        qn, qp = q_nope[q0 : q0 + n].double(), q_pe[q0 : q0 + n].double()
+        s = (
+            torch.einsum("nhc,lc->nhl", qn, rows[:, :D_CKV]) + torch.einsum("nhr,lr->nhl", qp, rows[:, D_CKV:])
+        ) * scale
+        pos = torch.arange(L - n, L)[:, None, None]
+        s = s.masked_fill(torch.arange(L)[None, None, :] > pos, float("-inf"))
+        out[q0 : q0 + n] = torch.einsum("nhl,lc->nhc", torch.softmax(s, dim=-1), rows[:, :D_CKV])
+        q0 += n
+    return out
+
+
+def _check(out, ref, dtype):
+    out = out.detach().cpu()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element or bad math)"
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < TOL[dtype], f"relative error {err:.3e} >= {TOL[dtype]:.0e}"
+    return err
+
+
+def _run_decode(lens, H, page_size, dtype, seed, *, max_splits=4, ws_rows=None, **kw):
+    g = _gen(seed)
+    B = len(lens)
+    kv, pt = _make_cache(lens, page_size, dtype, g)
+    q_nope = torch.randn(B, H, D_CKV, generator=g).to(dtype)
+    q_pe = torch.randn(B, H, D_PE, generator=g).to(dtype)
+    scale = 1.0 / math.sqrt(D_CKV + D_PE)
+    ref = _ref_decode(q_nope, q_pe, kv, pt, lens, scale)
+    rows = B if ws_rows is None else ws_rows
+    partial_out = torch.full((rows, H, max_splits, D_CKV), float("nan"), device=DEV)
+    partial_lse = torch.full((rows, H, max_splits), float("nan"), device=DEV)
+    out = torch.full((B, H, D_CKV), float("nan"), dtype=dtype, device=DEV)
+    mla_decode(
+        q_nope.to(DEV),
+        q_pe.to(DEV),
+        kv.to(DEV),
+        pt.to(DEV),
+        torch.tensor(lens, dtype=torch.int32, device=DEV),
+        scale,
+        out,
+        partial_out,
+        partial_lse,
+        max_splits=max_splits,
+        **kw,
+    )
+    return out, ref, partial_lse
+
+
+def _run_extend(q_lens, kv_lens, H, page_size, dtype, seed, **kw):
+    g = _gen(seed)
+    kv, pt = _make_cache(kv_lens, page_size, dtype, g)
+    T = sum(q_lens)
+    q_nope = torch.randn(T, H, D_CKV, generator=g).to(dtype)
+    q_pe = torch.randn(T, H, D_PE, generator=g).to(dtype)
+    scale = 1.0 / math.sqrt(D_CKV + D_PE)
+    ref = _ref_extend(q_nope, q_pe, kv, pt, q_lens, kv_lens, scale)
+    indptr = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32)
+    out = torch.full((T, H, D_CKV), float("nan"), dtype=dtype, device=DEV)
+    mla_extend(
+        q_nope.to(DEV),
+        q_pe.to(DEV),
+        kv.to(DEV),
+        pt.to(DEV),
+        indptr.to(DEV),
+        torch.tensor(kv_lens, dtype=torch.int32, device=DEV),
+        scale,
+        out,
+        **kw,
+    )
+    return out, ref
+
+
+SMALL = dict(block_n=16, block_h=16)  # small tiles keep the interpreter quick
+
+
+# ------------------------------------------------------------------------------------------------ decode
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_lengths_across_split_boundaries(page_size):
+    # min_tokens_per_split=16 with block_n=16: 63/64/65 land on both sides of tile and split boundaries;
+    # H=3 is not a multiple of BLOCK_H.
+    lens = [1, 7, 63, 64, 65]
+    out, ref, _ = _run_decode(lens, 3, page_size, torch.float32, seed=page_size, min_tokens_per_split=16, **SMALL)
+    _check(out, ref, torch.float32)
+
+
+def test_decode_one_long_request_among_short():
+    out, ref, lse = _run_decode(
+        [3, 200, 5], 4, 16, torch.float32, seed=11, min_tokens_per_split=32, target_programs=0, **SMALL
+    )
+    _check(out, ref, torch.float32)
+    lse = lse.cpu()
+    # Long requests get more splits (chosen on the device); short ones use one and mark the rest empty.
+    assert torch.isfinite(lse[1, :, :4]).all()  # 200 tokens -> min(200 // 32, 4) = 4 splits
+    assert torch.isfinite(lse[0, :, 0]).all() and torch.isinf(lse[0, :, 1:]).all()
+    assert torch.isfinite(lse[2, :, 0]).all() and torch.isinf(lse[2, :, 1:]).all()
+
+
+def test_decode_balanced_splits_follow_total_length():
+    # target_programs=4 over 208 tokens -> min split length 52: the long request gets 200 // 52 = 3 splits
+    # (of 80, 80, 40 tokens), the short ones 1, whatever max_splits (4) allows.
+    out, ref, lse = _run_decode(
+        [3, 200, 5], 2, 16, torch.float32, seed=12, min_tokens_per_split=16, target_programs=4, **SMALL
+    )
+    _check(out, ref, torch.float32)
+    lse = lse.cpu()
+    assert torch.isfinite(lse[1, :, :3]).all() and torch.isinf(lse[1, :, 3]).all()
+    assert torch.isfinite(lse[0, :, 0]).all() and torch.isinf(lse[0, :, 1:]).all()
+
+
+def test_decode_page_size_64_scalar_page_path_block_n_32():
+    # page_size % block_n == 0 takes the one-page-per-tile path; 90 -> splits of 32 (a ragged last one).
+    out, ref, _ = _run_decode([90, 33], 5, 64, torch.float32, seed=5, min_tokens_per_split=30, block_n=32, block_h=16)
+    _check(out, ref, torch.float32)
+
+
+def test_decode_batch_of_one_bf16():
+    out, ref, _ = _run_decode([100], 16, 16, torch.bfloat16, seed=3, min_tokens_per_split=32, **SMALL)
+    _check(out, ref, torch.bfloat16)
+
+
+def test_decode_fp16_gather_tiles():
+    # page 16 with block_n 32: every tile spans two pages (the per-token gather path).
+    out, ref, _ = _run_decode([47, 20], 2, 16, torch.float16, seed=4, min_tokens_per_split=16, block_n=32, block_h=16)
+    _check(out, ref, torch.float16)
+
+
+def test_decode_spare_workspace_rows_give_more_splits():
+    # A workspace for 4 requests used by 1: 4 * 2 slots -> up to 8 splits for the one request.
+    # merge_block_s=2 makes the merge walk its 5 splits in 3 chunks (the running rescale across chunks).
+    out, ref, lse = _run_decode(
+        [130],
+        3,
+        16,
+        torch.float32,
+        seed=6,
+        max_splits=2,
+        ws_rows=4,
+        min_tokens_per_split=16,
+        target_programs=0,
+        merge_block_s=2,
+        **SMALL,
+    )
+    _check(out, ref, torch.float32)
+    lse = lse.cpu()
+    # 130 tokens, 8 slots: 130 // 16 = 8 splits of cdiv(130, 8) = 17 -> 32 tokens, so 5 non-empty splits
+    # in slots 0..4 = rows 0..2 of the workspace.
+    assert torch.isfinite(lse[:2]).all() and torch.isfinite(lse[2, :, 0]).all()
+    assert torch.isinf(lse[2, :, 1]).all() and torch.isinf(lse[3]).all()
+
+
+def test_decode_single_split_and_zero_length_no_nan():
+    out, ref, _ = _run_decode([0, 1, 30], 3, 16, torch.float32, seed=7, max_splits=1, **SMALL)
+    _check(out, ref, torch.float32)
+    assert (out[0].cpu() == 0).all()
+
+
+def test_decode_strided_inputs_and_output():
+    g = _gen(8)
+    lens, H, page_size, dtype = [40, 9], 3, 16, torch.float32
+    kv, pt = _make_cache(lens, page_size, dtype, g)
+    q = torch.randn(2, H, D_CKV + D_PE, generator=g)  # q_nope / q_pe as views of one tensor
+    scale = 0.07
+    ref = _ref_decode(q[..., :D_CKV], q[..., D_CKV:], kv, pt, lens, scale)
+    qd = q.to(DEV)
+    big_out = torch.full((2, H, 2 * D_CKV), float("nan"), device=DEV)
+    out = big_out[..., :D_CKV]
+    po = torch.empty(2, H, 3, D_CKV, device=DEV)
+    pl = torch.empty(2, H, 3, device=DEV)
+    mla_decode(
+        qd[..., :D_CKV],
+        qd[..., D_CKV:],
+        kv.to(DEV),
+        pt.to(DEV),
+        torch.tensor(lens, dtype=torch.int32, device=DEV),
+        scale,
+        out,
+        po,
+        pl,
+        max_splits=3,
+        min_tokens_per_split=16,
+        **SMALL,
+    )
+    _check(out, ref, dtype)
+    assert torch.isnan(big_out[..., D_CKV:]).all()  # nothing written outside `out`
+
+
+def test_decode_workspace_helpers():
+    po, pl = decode_workspace_shapes(256, 16, 8)
+    assert po == (256, 16, 8, 512) and pl == (256, 16, 8)
+    assert _dec_mod.decode_workspace_bytes(256, 16, 8) == 4 * (256 * 16 * 8 * 513)
+    assert _dec_mod.decode_workspace_bytes(256, 16, 8) <= 128 * 2**20
+    po1, _ = decode_workspace_shapes(1, 16, 8)
+    assert po1[0] * po1[2] >= _dec_mod.MIN_WORKSPACE_SLOTS
+
+
+# ------------------------------------------------------------------------------------------------ extend
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_empty_prefix(page_size):
+    out, ref = _run_extend(
+        [13], [13], 3, page_size, torch.float32, seed=20 + page_size, block_m=16, block_h=2, block_n=16
+    )
+    _check(out, ref, torch.float32)
+
+
+def test_extend_with_prefix():
+    out, ref = _run_extend([6], [45], 2, 16, torch.float32, seed=22, block_m=16, block_h=2, block_n=16)
+    _check(out, ref, torch.float32)
+
+
+def test_extend_mixed_requests():
+    # decode-like (1 new), no prefix, prefix with a tile-crossing run of new tokens, max_q_len from indptr.
+    q_lens, kv_lens = [1, 7, 3, 17], [20, 7, 40, 50]
+    out, ref = _run_extend(q_lens, kv_lens, 3, 16, torch.float32, seed=23, block_m=16, block_h=4, block_n=16)
+    _check(out, ref, torch.float32)
+
+
+def test_extend_mixed_page1_bf16_heads_only_rows():
+    # block_h=16 > H: rows filled by heads with one token per tile.
+    q_lens, kv_lens = [2, 5], [33, 5]
+    out, ref = _run_extend(
+        q_lens, kv_lens, 3, 1, torch.bfloat16, seed=24, block_m=16, block_h=16, block_n=16, max_q_len=5
+    )
+    _check(out, ref, torch.bfloat16)
+
+
+def test_extend_block_n_32_page_64():
+    out, ref = _run_extend([9, 4], [70, 4], 2, 64, torch.float32, seed=25, block_m=16, block_h=1, block_n=32)
+    _check(out, ref, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------- real sizes (GPU)
+def _needs_gpu():
+    if not torch.cuda.is_available() or INTERPRETED:
+        pytest.skip("needs CUDA (and compiled, not interpreted, kernels)")
+
+
+def _gpu_problem(lens, H, page_size, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B = len(lens)
+    pages_per = [math.ceil(L / page_size) for L in lens]
+    total = sum(pages_per) + 8
+    kv = torch.randn(total, page_size, D_CKV + D_PE, device="cuda", generator=g).to(dtype)
+    perm = torch.randperm(total, device="cuda", generator=g).to(torch.int32)
+    pt = torch.zeros(B, max(pages_per), dtype=torch.int32, device="cuda")
+    pos = 0
+    for b, n in enumerate(pages_per):
+        pt[b, :n] = perm[pos : pos + n]
+        pos += n
+    return kv, pt
+
+
+def _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale):
+    page_size = kv.shape[1]
+    out = torch.empty(q_nope.shape, dtype=torch.float32, device="cuda")
+    for b, L in enumerate(lens):
+        t = torch.arange(L, device="cuda")
+        rows = kv[pt[b, t // page_size].long(), t % page_size].float()
+        s = (q_nope[b].float() @ rows[:, :D_CKV].T + q_pe[b].float() @ rows[:, D_CKV:].T) * scale
+        out[b] = torch.softmax(s, dim=-1) @ rows[:, :D_CKV]
+    return out
+
+
+def _gpu_rel(out, ref):
+    assert not torch.isnan(out).any()
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_gpu_decode_real_sizes(H):
+    _needs_gpu()
+    lens = [8192, 1, 4097, 64, 2000, 7000, 513, 8000]
+    dtype = torch.bfloat16
+    kv, pt = _gpu_problem(lens, H, 64, dtype, seed=H)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    B = len(lens)
+    q_nope = torch.randn(B, H, D_CKV, device="cuda", generator=g).to(dtype)
+    q_pe = torch.randn(B, H, D_PE, device="cuda", generator=g).to(dtype)
+    scale = 1.0 / math.sqrt(192)
+    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
+    po = torch.empty(po_shape, device="cuda")
+    pl = torch.empty(pl_shape, device="cuda")
+    out = torch.full((B, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8)
+    assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replay_matches_eager():
+    _needs_gpu()
+    H, dtype, B = 16, torch.bfloat16, 6
+    lens_a = [4096, 17, 1, 2048, 333, 8192]
+    lens_b = [5, 8192, 700, 1, 64, 3000]  # replayed with other lengths: splits re-planned on the device
+    kv, pt = _gpu_problem([max(a, b) for a, b in zip(lens_a, lens_b)], H, 64, dtype, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q_nope = torch.randn(B, H, D_CKV, device="cuda", generator=g).to(dtype)
+    q_pe = torch.randn(B, H, D_PE, device="cuda", generator=g).to(dtype)
+    scale = 0.1
+    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
+    po = torch.empty(po_shape, device="cuda")
+    pl = torch.empty(pl_shape, device="cuda")
+    out = torch.empty(B, H, D_CKV, dtype=dtype, device="cuda")
+    sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
+
+    def step():
+        mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8)
+
+    step()  # compile outside capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in (lens_a, lens_b):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        step()
+        eager = out.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [16, 128])
+def test_gpu_extend_real_sizes(H):
+    _needs_gpu()
+    dtype = torch.bfloat16
+    q_lens, kv_lens = [1024, 1, 300, 77], [3072, 4000, 300, 8192]
+    kv, pt = _gpu_problem(kv_lens, H, 64, dtype, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    T = sum(q_lens)
+    q_nope = torch.randn(T, H, D_CKV, device="cuda", generator=g).to(dtype)
+    q_pe = torch.randn(T, H, D_PE, device="cuda", generator=g).to(dtype)
+    scale = 1.0 / math.sqrt(192)
+    indptr = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    out = torch.full((T, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
+    mla_extend(
+        q_nope,
+        q_pe,
+        kv,
+        pt,
+        indptr,
+        torch.tensor(kv_lens, dtype=torch.int32, device="cuda"),
+        scale,
+        out,
+        max_q_len=max(q_lens),
+    )
+    ref = torch.empty(T, H, D_CKV, device="cuda")
+    q0 = 0
+    for b, (n, L) in enumerate(zip(q_lens, kv_lens)):
+        t = torch.arange(L, device="cuda")
+        rows = kv[pt[b, t // 64].long(), t % 64].float()
+        s = (
+            torch.einsum("nhc,lc->nhl", q_nope[q0 : q0 + n].float(), rows[:, :D_CKV])
+            + torch.einsum("nhr,lr->nhl", q_pe[q0 : q0 + n].float(), rows[:, D_CKV:])
+        ) * scale
+        pos = torch.arange(L - n, L, device="cuda")[:, None, None]
+        s = s.masked_fill(torch.arange(L, device="cuda")[None, None, :] > pos, float("-inf"))
+        ref[q0 : q0 + n] = torch.einsum("nhl,lc->nhc", torch.softmax(s, dim=-1), rows[:, :D_CKV])
+        q0 += n
+    assert _gpu_rel(out, ref) < 2e-2
