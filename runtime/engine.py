@@ -26,10 +26,14 @@ from runtime.workload import Request, make_requests
 
 @dataclass
 class StepRecord:
+    """One step; ``seconds`` (device time between its start and end marks) and ``marks`` are filled when
+    the step's outputs are resolved (CUDA events on a GPU, perf_counter values on the CPU)."""
+
     mode: ForwardMode
     batch_size: int
     tokens: int
     seconds: float
+    marks: tuple = ()
 
 
 @dataclass
@@ -205,7 +209,7 @@ class Engine:
         if not chosen:
             return None
         reqs = [r for r, _ in chosen]
-        locs = [self.slots.reserve(r.row, r.cached, r.cached + n) for r, n in chosen]
+        locs = self.slots.reserve_many([(r.row, r.cached, r.cached + n) for r, n in chosen])
         ids = torch.tensor([t for r, n in chosen for t in self._host_tokens(r, r.cached, r.cached + n)],
                            dtype=torch.int64)
         batch = make_batch(
@@ -236,7 +240,7 @@ class Engine:
                 self._retract(running[-1], waiting, running, res)
                 return self._prefill_step(waiting, running, res)
             return None
-        locs = [self.slots.reserve(r.row, r.cached, r.cached + 1) for r in decoding]
+        locs = self.slots.reserve_many([(r.row, r.cached, r.cached + 1) for r in decoding])
         batch = make_batch(
             ForwardMode.DECODE, [r.row for r in decoding], [r.cached for r in decoding], [1] * len(decoding),
             torch.cat(locs).to(self.device, non_blocking=True), self.device,

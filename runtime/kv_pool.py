@@ -153,16 +153,33 @@ class TokenSlots:
 
     def reserve(self, row: int, old_len: int, new_len: int) -> torch.Tensor:
         """Slots for tokens ``old_len:new_len`` of the request in ``row`` -> [new_len - old_len] int64 (host)."""
-        if new_len > self.req_to_token_pool.max_context:
-            raise PoolExhausted("request table", new_len, self.req_to_token_pool.max_context, "tokens per row")
-        pages = self._req_pages[row]
-        pages.extend(self.pages.alloc(self.pages_needed(row, new_len)))
-        pos = torch.arange(old_len, new_len, dtype=torch.int64)
-        page_ids = torch.tensor(pages, dtype=torch.int64)[pos // self.page_size]
-        slots = page_ids * self.page_size + pos % self.page_size
+        return self.reserve_many([(row, old_len, new_len)])[0]
+
+    def reserve_many(self, spans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """``reserve`` for several (row, old_len, new_len) spans, with one write to the device table.
+
+        Checks every span first, so exhaustion raises before any page is taken."""
+        limit = self.req_to_token_pool.max_context
+        too_long = [n for _, _, n in spans if n > limit]
+        if too_long:
+            raise PoolExhausted("request table", max(too_long), limit, "tokens per row")
+        need = sum(self.pages_needed(row, new) for row, _, new in spans)
+        if need > self.pages.available:
+            raise PoolExhausted("KV page pool", need, self.pages.available, "pages")
+        out, flat_index = [], []
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        for row, old, new in spans:
+            pages = self._req_pages[row]
+            pages.extend(self.pages.alloc(self.pages_needed(row, new)))
+            pos = torch.arange(old, new, dtype=torch.int64)
+            slots = torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
+            out.append(slots)
+            flat_index.append(row * width + pos)
         table = self.req_to_token_pool.req_to_token
-        table[row, old_len:new_len] = slots.to(table.device, torch.int32)
-        return slots
+        packed = torch.stack([torch.cat(flat_index), torch.cat(out)])  # [2, N]: one host-to-device copy
+        idx, val = packed.to(table.device, non_blocking=True)
+        table.view(-1)[idx] = val.to(torch.int32)
+        return out
 
     def release(self, row: int) -> None:
         self.pages.free(self._req_pages.pop(row))

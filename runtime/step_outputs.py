@@ -89,6 +89,7 @@ class StepOutputs:
     def _resolve_one(self, sink) -> None:
         s = self._q.popleft()
         s.record.seconds = self.clock.seconds(s.start, s.end)
+        s.record.marks = (s.start, s.end)
         if not s.reqs:
             return
         tokens, choices = s.tokens.tolist(), s.choices.tolist()

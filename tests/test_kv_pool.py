@@ -54,3 +54,21 @@ def test_kv_pool_layout_and_roundtrip():
     rows = kv.gather(2, slots)
     assert torch.equal(rows[:, :512], ckv.bfloat16()) and torch.equal(rows[:, 512:], kpe.bfloat16())
     assert kv.buffer(0).abs().sum() == 0
+
+
+def test_reserve_many_equals_one_by_one_and_fails_atomically():
+    def fresh():
+        return TokenSlots(ReqToTokenPool(4, 64, torch.device("cpu")), PageAllocator(12, 4))
+
+    a, b = fresh(), fresh()
+    rows_a = [a.open() for _ in range(3)]
+    rows_b = [b.open() for _ in range(3)]
+    spans = [(0, 5), (0, 1), (0, 9)]
+    one = [a.reserve(r, s, e) for r, (s, e) in zip(rows_a, spans)]
+    many = b.reserve_many([(r, s, e) for r, (s, e) in zip(rows_b, spans)])
+    assert all(torch.equal(x, y) for x, y in zip(one, many))
+    assert torch.equal(a.req_to_token_pool.req_to_token, b.req_to_token_pool.req_to_token)
+    free = b.pages.available
+    with pytest.raises(PoolExhausted):
+        b.reserve_many([(rows_b[0], 5, 8), (rows_b[1], 1, 60)])
+    assert b.pages.available == free  # nothing taken
