@@ -31,6 +31,7 @@ def _needs(pkg: str):
 @pytest.mark.parametrize("preset", [
     pytest.param("h100_triton_tp8", marks=_needs("triton")),
     pytest.param("h100_dsv3_tp8", marks=_needs("flashinfer")),
+    pytest.param("h100_ring_hybrid", marks=[_needs("flashinfer"), _needs("fla")]),
 ])
 def test_gpu_preset_end_to_end_with_parity_and_graphs(preset, tmp_path):
     rep = run_cli(tmp_path, f"+deploy={preset}", *SMALL)
