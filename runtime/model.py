@@ -14,9 +14,9 @@ import torch
 
 from backends.base import AttentionBackend, MHAChunkPrefill
 from runtime.batch import ForwardBatch, ForwardMode
+from runtime.config import LayerKind
 from runtime.dump import AttentionDumper
 from runtime.kv_pool import MLAKVPool
-from runtime.config import LayerKind
 from runtime.model_spec import ModelSpec
 
 

@@ -26,6 +26,7 @@ import functools
 import torch
 import triton
 
+from backends.kernels.checks import require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
 
 __all__ = [
@@ -138,22 +139,42 @@ def mla_decode(
     """
     B, H, D_CKV = q_nope.shape
     D_PE = q_pe.shape[-1]
-    assert q_pe.shape[:2] == (B, H), "q_pe must be [B, H, D_PE]"
-    assert kv_cache.dim() == 3 and kv_cache.shape[-1] == D_CKV + D_PE, "kv_cache must be [pages, page, D_CKV+D_PE]"
-    assert out.shape == (B, H, D_CKV), "out must be [B, H, D_CKV]"
-    assert triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE
-    assert kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), "kv_cache dtype"
-    assert page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    assert page_table.dim() == 2 and page_table.shape[0] >= B and seq_lens.shape[0] >= B
-    assert partial_out.dtype == torch.float32 and partial_lse.dtype == torch.float32
-    assert partial_out.dim() == 4 and partial_out.shape[0] >= B and partial_out.shape[1] >= H
-    assert partial_out.shape[2] == max_splits and partial_out.shape[3] == D_CKV, "partial_out [R, H, max_splits, D]"
-    assert partial_lse.shape[0] == partial_out.shape[0] and partial_lse.shape[1] >= H
-    assert partial_lse.shape[2] == max_splits, "partial_lse [R, H, max_splits]"
+    require(q_pe.shape[:2] == (B, H), "q_pe must be [B, H, D_PE]")
+    require(kv_cache.dim() == 3 and kv_cache.shape[-1] == D_CKV + D_PE, "kv_cache must be [pages, page, D_CKV+D_PE]")
+    require(out.shape == (B, H, D_CKV), "out must be [B, H, D_CKV]")
+    require(
+        triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE,
+        "triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE",
+    )
+    require(
+        kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), "kv_cache dtype bfloat16, float16 or float32"
+    )
+    require(
+        page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32,
+        "page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32",
+    )
+    require(
+        page_table.dim() == 2 and page_table.shape[0] >= B and seq_lens.shape[0] >= B,
+        "page_table.dim() == 2 and page_table.shape[0] >= B and seq_lens.shape[0] >= B",
+    )
+    require(
+        partial_out.dtype == torch.float32 and partial_lse.dtype == torch.float32,
+        "partial_out.dtype == torch.float32 and partial_lse.dtype == torch.float32",
+    )
+    require(
+        partial_out.dim() == 4 and partial_out.shape[0] >= B and partial_out.shape[1] >= H,
+        "partial_out.dim() == 4 and partial_out.shape[0] >= B and partial_out.shape[1] >= H",
+    )
+    require(partial_out.shape[2] == max_splits and partial_out.shape[3] == D_CKV, "partial_out [R, H, max_splits, D]")
+    require(
+        partial_lse.shape[0] == partial_out.shape[0] and partial_lse.shape[1] >= H,
+        "partial_lse.shape[0] == partial_out.shape[0] and partial_lse.shape[1] >= H",
+    )
+    require(partial_lse.shape[2] == max_splits, "partial_lse [R, H, max_splits]")
     for t in (q_nope, q_pe, kv_cache, out, partial_out):
-        assert t.stride(-1) == 1, "last dims must be contiguous"
-    assert min_tokens_per_split >= 1 and max_splits >= 1
-    assert B <= 65535, "grid.y limit: at most 65535 requests per call"
+        require(t.stride(-1) == 1, "last dims must be contiguous")
+    require(min_tokens_per_split >= 1 and max_splits >= 1, "min_tokens_per_split >= 1 and max_splits >= 1")
+    require(B <= 65535, "grid.y limit: at most 65535 requests per call")
     if B == 0:
         return
 
@@ -162,9 +183,12 @@ def mla_decode(
     block_n = cfg["block_n"] if block_n is None else block_n
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
-    assert block_h >= 16 and block_n >= 16, "tl.dot needs tiles of at least 16"
-    assert triton.next_power_of_2(block_h) == block_h and triton.next_power_of_2(block_n) == block_n
-    assert D_CKV % merge_block_dv == 0
+    require(block_h >= 16 and block_n >= 16, "tl.dot needs tiles of at least 16")
+    require(
+        triton.next_power_of_2(block_h) == block_h and triton.next_power_of_2(block_n) == block_n,
+        "triton.next_power_of_2(block_h) == block_h and triton.next_power_of_2(block_n) == block_n",
+    )
+    require(D_CKV % merge_block_dv == 0, "D_CKV % merge_block_dv == 0")
 
     head_blocks = triton.cdiv(H, block_h)
     splits_per_req = max(1, min((partial_out.shape[0] * max_splits) // B, MAX_GRID_SPLITS))

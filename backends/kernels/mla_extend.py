@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from backends.kernels.checks import require
 from backends.kernels.mla_decode_kernels import _LOG2E
 from backends.kernels.mla_extend_kernels import _mla_extend_kernel
 
@@ -65,15 +66,29 @@ def mla_extend(
     T, H, D_CKV = q_nope.shape
     D_PE = q_pe.shape[-1]
     B = qo_indptr.shape[0] - 1
-    assert q_pe.shape[:2] == (T, H) and out.shape == (T, H, D_CKV)
-    assert kv_cache.dim() == 3 and kv_cache.shape[-1] == D_CKV + D_PE
-    assert kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), "kv_cache dtype"
-    assert triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE
-    assert page_table.dtype == torch.int32 and qo_indptr.dtype == torch.int32 and seq_lens.dtype == torch.int32
-    assert page_table.shape[0] >= B and seq_lens.shape[0] >= B
-    assert B <= 65535, "grid.z limit: at most 65535 requests per call"
+    require(
+        q_pe.shape[:2] == (T, H) and out.shape == (T, H, D_CKV),
+        "q_pe.shape[:2] == (T, H) and out.shape == (T, H, D_CKV)",
+    )
+    require(
+        kv_cache.dim() == 3 and kv_cache.shape[-1] == D_CKV + D_PE,
+        "kv_cache.dim() == 3 and kv_cache.shape[-1] == D_CKV + D_PE",
+    )
+    require(
+        kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), "kv_cache dtype bfloat16, float16 or float32"
+    )
+    require(
+        triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE,
+        "triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE",
+    )
+    require(
+        page_table.dtype == torch.int32 and qo_indptr.dtype == torch.int32 and seq_lens.dtype == torch.int32,
+        "page_table.dtype == torch.int32 and qo_indptr.dtype == torch.int32 and seq_lens.dtype == torch.int32",
+    )
+    require(page_table.shape[0] >= B and seq_lens.shape[0] >= B, "page_table.shape[0] >= B and seq_lens.shape[0] >= B")
+    require(B <= 65535, "grid.z limit: at most 65535 requests per call")
     for t in (q_nope, q_pe, kv_cache, out):
-        assert t.stride(-1) == 1, "last dims must be contiguous"
+        require(t.stride(-1) == 1, "last dims must be contiguous")
     if B <= 0 or T == 0:
         return
     if max_q_len is None:
@@ -88,12 +103,15 @@ def mla_extend(
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     for v in (block_m, block_n, block_h):
-        assert triton.next_power_of_2(v) == v, "block sizes must be powers of 2"
-    assert block_m >= 16 and block_n >= 16 and block_m % block_h == 0
+        require(triton.next_power_of_2(v) == v, "block sizes must be powers of 2")
+    require(
+        block_m >= 16 and block_n >= 16 and block_m % block_h == 0,
+        "block_m >= 16 and block_n >= 16 and block_m % block_h == 0",
+    )
 
     tokens_per_tile = block_m // block_h
     num_m_tiles = triton.cdiv(max_q_len, tokens_per_tile)
-    assert num_m_tiles <= 65535, "grid.y limit: raise block_m or lower block_h"
+    require(num_m_tiles <= 65535, "grid.y limit: raise block_m or lower block_h")
     interp = _mla_extend_kernel.__class__.__name__ == "InterpretedFunction"
     upcast = interp and kv_cache.dtype == torch.bfloat16
     prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
