@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -106,26 +107,32 @@ def make_batch(
     req_pool_indices: list[int],
     prefix_lens: list[int],
     extend_lens: list[int],
-    out_cache_loc: torch.Tensor,
+    out_cache_loc: list[int] | torch.Tensor,
     device: torch.device,
 ) -> ForwardBatch:
-    """Build a batch from host lists; one host-to-device copy per field, no device-to-host copy."""
+    """Build a batch from host lists with ONE host-to-device copy (every field packed into one int64
+    buffer, then viewed) and no device-to-host copy. ``out_cache_loc``: the new tokens' slots, [T]."""
+    b = len(req_pool_indices)
     seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    seq_cpu = torch.tensor(seq, dtype=torch.int32)
-    ext_cpu = torch.tensor(extend_lens, dtype=torch.int32)
-    qo_cpu = torch.zeros(len(seq) + 1, dtype=torch.int32)
-    qo_cpu[1:] = torch.cumsum(ext_cpu, 0)
-    req_cpu = torch.tensor(req_pool_indices, dtype=torch.int64)
-    positions = torch.cat([torch.arange(p, p + e, dtype=torch.int64) for p, e in zip(prefix_lens, extend_lens)])
+    qo = [0, *itertools.accumulate(extend_lens)]
+    if all(e == 1 for e in extend_lens):
+        positions = list(prefix_lens)
+    else:
+        positions = list(itertools.chain.from_iterable(range(p, p + e) for p, e in zip(prefix_lens, extend_lens)))
+    locs = out_cache_loc.tolist() if isinstance(out_cache_loc, torch.Tensor) else out_cache_loc
+    host = torch.tensor([*req_pool_indices, *seq, *qo, *positions, *locs], dtype=torch.int64)
+    dev = host.to(device, non_blocking=True)
+    t = len(positions)
+    o = [0, b, 2 * b, 3 * b + 1, 3 * b + 1 + t, 3 * b + 1 + 2 * t]
     return ForwardBatch(
         mode=mode,
-        req_pool_indices=req_cpu.to(device, non_blocking=True),
-        req_pool_indices_cpu=req_cpu,
-        seq_lens=seq_cpu.to(device, non_blocking=True),
-        seq_lens_cpu=seq_cpu,
-        extend_lens_cpu=ext_cpu,
-        qo_indptr=qo_cpu.to(device, non_blocking=True),
-        qo_indptr_cpu=qo_cpu,
-        out_cache_loc=out_cache_loc,
-        positions=positions.to(device, non_blocking=True),
+        req_pool_indices=dev[o[0] : o[1]],
+        req_pool_indices_cpu=host[o[0] : o[1]],
+        seq_lens=dev[o[1] : o[2]].to(torch.int32),
+        seq_lens_cpu=host[o[1] : o[2]].to(torch.int32),
+        extend_lens_cpu=torch.tensor(extend_lens, dtype=torch.int32),
+        qo_indptr=dev[o[2] : o[3]].to(torch.int32),
+        qo_indptr_cpu=host[o[2] : o[3]].to(torch.int32),
+        out_cache_loc=dev[o[4] : o[5]],
+        positions=dev[o[3] : o[4]],
     )

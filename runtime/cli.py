@@ -57,7 +57,7 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
     if plain.get("explain"):
         explain(runtime, console)
         return 0
-    res = runtime.engine.run(progress=plain["progress"])
+    res = runtime.engine.run(progress=plain["progress"], record_hidden=plain["check"] == "reference")
     parity = None
     if plain["check"] == "reference":
         ref = build(reference_config(plain))

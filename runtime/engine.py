@@ -52,7 +52,7 @@ class RunResult:
     argmax: dict[int, list[int]] = field(default_factory=dict)
     margins: dict[int, list[float]] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    hidden_rows: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # filled while running
+    hidden_rows: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)  # (step rows, row)
     steps: list[StepRecord] = field(default_factory=list)
     prompt_tokens: int = 0
     finished: int = 0
@@ -103,9 +103,12 @@ class Engine:
         self._fence = None  # event after the previous step's metadata copies (see _forward)
 
     # -------------------------------------------------------------------------------------------- run
-    def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False) -> RunResult:
+    def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False,
+            record_hidden: bool = True) -> RunResult:
         """Run every request to completion. ``forced`` (rid -> tokens) feeds those tokens instead of the
         greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too.
+        ``record_hidden``: keep each generated token's final hidden state (the parity check compares them;
+        a benchmark turns it off so no step copies [B, hidden] to the host).
 
         No step waits for the previous one: decode inputs come from the device-side last-token table and
         results are copied back lazily (runtime/step_outputs.py)."""
@@ -115,7 +118,7 @@ class Engine:
             res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
         waiting: deque[Request] = deque(requests)
         running: list[Request] = []  # admitted, in admission order
-        self._outputs = StepOutputs(self.clock)
+        self._outputs = StepOutputs(self.clock, record_hidden)
         self._res = res
         self.graphs.capture()
         with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
@@ -125,24 +128,29 @@ class Engine:
                     step = self._decode_step(waiting, running, res)
                 if step is None:
                     raise StalledError(self._stall_message(waiting, running))
-                reqs, batch, ids, sample_rows = step
+                reqs, batch, ids, sample_rows, req_rows = step
                 record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0)
                 res.steps.append(record)
                 start = self.clock.mark()
                 h = self._forward(ids, batch)
-                pending = self._sample(reqs, h[sample_rows], forced, record, start)
+                sel = h if sample_rows is None else h[sample_rows]
+                pending = self._sample(reqs, req_rows, sel, forced, record, start)
                 self._finish_step(reqs, running, res)
                 self._outputs.push(pending, res)
                 bar.advance(len(reqs))
         self._outputs.resolve_all(res)
-        res.hidden = {rid: (torch.stack(v) if v else torch.empty(0)) for rid, v in res.hidden_rows.items()}
+        hidden_dim = self.model.spec.hidden_size
+        res.hidden = {rid: (torch.stack([t[i] for t, i in v]) if v else torch.empty(0, hidden_dim))
+                      for rid, v in res.hidden_rows.items()}
         res.hidden_rows = {}
         res.outputs = {r.rid: list(r.output) for r in requests}
         res.lost = sum(1 for r in requests if not r.done)
         return res
 
-    def _sample(self, reqs: list[Request], sel: torch.Tensor, forced, record, start) -> PendingStep:
-        """Greedy choice for each sampling request; the fed token goes to the last-token table on the device."""
+    def _sample(self, reqs: list[Request], req_rows: torch.Tensor, sel: torch.Tensor, forced, record,
+                start) -> PendingStep:
+        """Greedy choice for each sampling request (``sel`` [n, hidden], ``req_rows`` [n] their request rows
+        on the device); the fed token goes to the last-token table on the device."""
         top2 = torch.topk(self.model.logits(sel), 2, dim=-1)
         choices = top2.indices[:, 0]
         tokens = choices
@@ -150,10 +158,12 @@ class Engine:
             tokens = torch.tensor([forced[r.rid][len(r.output)] for r in reqs], dtype=torch.int64)
             tokens = tokens.to(self.device, non_blocking=True)
         if reqs:
-            rows = torch.tensor([r.row for r in reqs], dtype=torch.int64).to(self.device, non_blocking=True)
-            self.slots.req_to_token_pool.last_token[rows] = tokens
+            self.slots.req_to_token_pool.last_token[req_rows] = tokens
         slots = [len(r.output) for r in reqs]
-        return PendingStep(reqs, slots, tokens, choices, top2.values, sel, record, start, self.clock.mark())
+        host = self.clock.to_host
+        hidden = host(sel.float()) if self._outputs.record_hidden else None
+        return PendingStep(reqs, slots, host(tokens), host(choices), host(top2.values.float()), hidden, record,
+                           start, self.clock.mark())
 
     def _forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
         """Plan this step's metadata, then launch its kernels (graph replay when captured).
@@ -213,16 +223,16 @@ class Engine:
         ids = torch.tensor([t for r, n in chosen for t in self._host_tokens(r, r.cached, r.cached + n)],
                            dtype=torch.int64)
         batch = make_batch(
-            ForwardMode.EXTEND, [r.row for r in reqs], [r.cached for r in reqs], [n for _, n in chosen],
-            torch.cat(locs).to(self.device, non_blocking=True), self.device,
+            ForwardMode.EXTEND, [r.row for r in reqs], [r.cached for r in reqs], [n for _, n in chosen], locs,
+            self.device,
         )
         for r, n in chosen:
             r.cached += n
-        # sample only for requests whose whole sequence is now cached
-        sample_rows = [int(batch.qo_indptr_cpu[i + 1]) - 1 for i, r in enumerate(reqs)]
-        complete = [r.cached == len(r.tokens) for r in reqs]
-        rows = torch.tensor([row for row, c in zip(sample_rows, complete) if c], dtype=torch.int64)
-        return [r for r, c in zip(reqs, complete) if c], batch, ids.to(self.device, non_blocking=True), rows.to(self.device)
+        # sample only for requests whose whole sequence is now cached: their last new token's row of h
+        done = [(int(batch.qo_indptr_cpu[i + 1]) - 1, r) for i, r in enumerate(reqs) if r.cached == len(r.tokens)]
+        rows = torch.tensor([[row for row, _ in done], [r.row for _, r in done]], dtype=torch.int64)
+        sample_rows, req_rows = rows.to(self.device, non_blocking=True)
+        return [r for _, r in done], batch, ids.to(self.device, non_blocking=True), sample_rows, req_rows
 
     def _decode_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
         decoding = [r for r in running if r.decoding]
@@ -243,13 +253,12 @@ class Engine:
         locs = self.slots.reserve_many([(r.row, r.cached, r.cached + 1) for r in decoding])
         batch = make_batch(
             ForwardMode.DECODE, [r.row for r in decoding], [r.cached for r in decoding], [1] * len(decoding),
-            torch.cat(locs).to(self.device, non_blocking=True), self.device,
+            locs, self.device,
         )
         for r in decoding:
             r.cached += 1
-        rows = torch.arange(len(decoding), dtype=torch.int64, device=self.device)
         ids = self.slots.req_to_token_pool.last_token[batch.req_pool_indices]  # on the device: no host copy
-        return decoding, batch, ids, rows
+        return decoding, batch, ids, None, batch.req_pool_indices  # every request samples: all rows of h
 
     def _retract(self, r: Request, waiting: deque[Request], running: list[Request], res: RunResult) -> None:
         """Return every page of ``r`` and queue it first; its generated tokens are kept."""

@@ -6,6 +6,7 @@ entries (CUDA-graph replay) write their KV there, so it never holds a live token
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from runtime.errors import PoolExhausted
@@ -153,33 +154,38 @@ class TokenSlots:
 
     def reserve(self, row: int, old_len: int, new_len: int) -> torch.Tensor:
         """Slots for tokens ``old_len:new_len`` of the request in ``row`` -> [new_len - old_len] int64 (host)."""
-        return self.reserve_many([(row, old_len, new_len)])[0]
+        return torch.tensor(self.reserve_many([(row, old_len, new_len)]), dtype=torch.int64)
 
-    def reserve_many(self, spans: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """``reserve`` for several (row, old_len, new_len) spans, with one write to the device table.
-
-        Checks every span first, so exhaustion raises before any page is taken."""
+    def reserve_many(self, spans: list[tuple[int, int, int]]) -> list[int]:
+        """``reserve`` for several (row, old_len, new_len) spans -> every new slot, span after span (host
+        ints), with one write to the device table. Plain ints for short spans (decode: no per-request tensor
+        ops on the host), numpy for long ones. Checks every span first: exhaustion takes no page."""
         limit = self.req_to_token_pool.max_context
         too_long = [n for _, _, n in spans if n > limit]
         if too_long:
             raise PoolExhausted("request table", max(too_long), limit, "tokens per row")
-        need = sum(self.pages_needed(row, new) for row, _, new in spans)
+        grows = [-(-new // self.page_size) - len(self._req_pages[row]) for row, _, new in spans]
+        need = sum(g for g in grows if g > 0)
         if need > self.pages.available:
             raise PoolExhausted("KV page pool", need, self.pages.available, "pages")
-        out, flat_index = [], []
-        width = self.req_to_token_pool.req_to_token.shape[1]
-        for row, old, new in spans:
+        ps, width = self.page_size, self.req_to_token_pool.req_to_token.shape[1]
+        slots: list[int] = []
+        index: list[int] = []
+        for (row, old, new), grow in zip(spans, grows):
             pages = self._req_pages[row]
-            pages.extend(self.pages.alloc(self.pages_needed(row, new)))
-            pos = torch.arange(old, new, dtype=torch.int64)
-            slots = torch.tensor(pages, dtype=torch.int64)[pos // self.page_size] * self.page_size + pos % self.page_size
-            out.append(slots)
-            flat_index.append(row * width + pos)
-        table = self.req_to_token_pool.req_to_token
-        packed = torch.stack([torch.cat(flat_index), torch.cat(out)])  # [2, N]: one host-to-device copy
-        idx, val = packed.to(table.device, non_blocking=True)
-        table.view(-1)[idx] = val.to(torch.int32)
-        return out
+            if grow > 0:
+                pages.extend(self.pages.alloc(grow))
+            if new - old <= 32:
+                slots.extend(pages[p // ps] * ps + p % ps for p in range(old, new))
+            else:
+                pos = np.arange(old, new)
+                slots.extend((np.asarray(pages)[pos // ps] * ps + pos % ps).tolist())
+            index.extend(range(row * width + old, row * width + new))
+        if slots:
+            table = self.req_to_token_pool.req_to_token
+            idx, val = torch.tensor([index, slots], dtype=torch.int64).to(table.device, non_blocking=True)
+            table.view(-1)[idx] = val.to(torch.int32)
+        return slots
 
     def release(self, row: int) -> None:
         self.pages.free(self._req_pages.pop(row))

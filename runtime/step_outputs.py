@@ -30,6 +30,15 @@ class StepClock:
             return ev
         return time.perf_counter()
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying ``t`` to the host without waiting (pinned memory); valid once a later mark passed.
+        On the CPU, ``t`` itself."""
+        if not self.cuda:
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
     def wait(self, mark) -> None:
         """Block the host until the GPU has passed ``mark`` (no-op on the CPU or for None)."""
         if self.cuda and mark is not None:
@@ -50,9 +59,9 @@ class PendingStep:
     ----------
     reqs : requests that sampled a token this step, with ``slots[i]`` the index of that token in
         ``reqs[i].output``
-    tokens, choices : [n] int64 device (fed tokens; the model's own greedy choices)
-    top2 : [n, 2] float32 device logits of the two best tokens
-    hidden : [n, hidden] device final-normed hidden states
+    tokens, choices : [n] int64 host (pinned; being copied until ``end`` passed): fed tokens; greedy choices
+    top2 : [n, 2] float32 host (likewise): logits of the two best tokens
+    hidden : [n, hidden] host (likewise) final-normed hidden states, or None when not recorded
     record : the StepRecord whose ``seconds`` is filled in when resolved; start/end: StepClock marks
     """
 
@@ -70,8 +79,8 @@ class PendingStep:
 class StepOutputs:
     """A FIFO of pending steps; ``resolve`` fills outputs, greedy choices, margins, hidden states, times."""
 
-    def __init__(self, clock: StepClock, max_pending: int = 32):
-        self.clock, self.max_pending = clock, max_pending
+    def __init__(self, clock: StepClock, record_hidden: bool = True, max_pending: int = 32):
+        self.clock, self.record_hidden, self.max_pending = clock, record_hidden, max_pending
         self._q: deque[PendingStep] = deque()
 
     def push(self, step: PendingStep, sink) -> None:
@@ -92,10 +101,13 @@ class StepOutputs:
         s.record.marks = (s.start, s.end)
         if not s.reqs:
             return
+        self.clock.wait(s.end)  # the step's copies to the host are done (no stream-wide sync)
         tokens, choices = s.tokens.tolist(), s.choices.tolist()
-        top2, hidden = s.top2.float().cpu(), s.hidden.float().cpu()
+        margins = (s.top2[:, 0] - s.top2[:, 1]).tolist()
+        hidden = s.hidden
         for i, (r, slot) in enumerate(zip(s.reqs, s.slots)):
             r.output[slot] = tokens[i]
             sink.argmax[r.rid].append(choices[i])
-            sink.margins[r.rid].append(float(top2[i, 0] - top2[i, 1]))
-            sink.hidden_rows[r.rid].append(hidden[i])
+            sink.margins[r.rid].append(margins[i])
+            if hidden is not None:
+                sink.hidden_rows[r.rid].append((hidden, i))  # rows are gathered once, after the run
