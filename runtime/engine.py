@@ -15,6 +15,7 @@ import torch
 
 from backends.base import AttentionBackend, MHAChunkPrefill
 from runtime.batch import ForwardMode, make_batch
+from runtime.errors import PoolExhausted
 from runtime.graph_runner import DecodeGraphRunner
 from runtime.kv_pool import TokenSlots
 from runtime.model import MLAModel
@@ -236,21 +237,22 @@ class Engine:
 
     def _decode_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
         decoding = [r for r in running if r.decoding]
+        locs = None
         while decoding:
-            need = sum(self.slots.pages_needed(r.row, r.cached + 1) for r in decoding)
-            if need <= self.slots.pages.available:
+            try:  # reserve_many checks everything first: on exhaustion nothing was taken
+                locs = self.slots.reserve_many([(r.row, r.cached, r.cached + 1) for r in decoding])
                 break
-            if len(running) == 1:
-                return None
-            self._retract(running[-1], waiting, running, res)
-            decoding = [r for r in running if r.decoding]
+            except PoolExhausted:
+                if len(running) == 1:
+                    return None
+                self._retract(running[-1], waiting, running, res)
+                decoding = [r for r in running if r.decoding]
         if not decoding:
             prefilling = [r for r in running if not r.decoding]
             if prefilling and len(running) > 1:  # partly prefilled requests hold pages none can grow: free one
                 self._retract(running[-1], waiting, running, res)
                 return self._prefill_step(waiting, running, res)
             return None
-        locs = self.slots.reserve_many([(r.row, r.cached, r.cached + 1) for r in decoding])
         batch = make_batch(
             ForwardMode.DECODE, [r.row for r in decoding], [r.cached for r in decoding], [1] * len(decoding),
             locs, self.device,

@@ -175,12 +175,17 @@ class TokenSlots:
             pages = self._req_pages[row]
             if grow > 0:
                 pages.extend(self.pages.alloc(grow))
-            if new - old <= 32:
+            if new - old == 1:  # decode
+                slots.append(pages[old // ps] * ps + old % ps)
+            elif new - old <= 32:
                 slots.extend(pages[p // ps] * ps + p % ps for p in range(old, new))
             else:
                 pos = np.arange(old, new)
                 slots.extend((np.asarray(pages)[pos // ps] * ps + pos % ps).tolist())
-            index.extend(range(row * width + old, row * width + new))
+            if new - old == 1:
+                index.append(row * width + old)
+            else:
+                index.extend(range(row * width + old, row * width + new))
         if slots:
             table = self.req_to_token_pool.req_to_token
             idx, val = torch.tensor([index, slots], dtype=torch.int64).to(table.device, non_blocking=True)
