@@ -122,6 +122,11 @@ def merge_head_groups(num_heads: int, head_dim: int, element_size: int) -> int:
     return next(g for g in range(1, num_heads + 1) if num_heads % g == 0 and num_heads // g <= max_heads)
 
 
+def _pinned(host: torch.Tensor) -> torch.Tensor:
+    """A pinned copy of a small host array (see ``_plan_mla``)."""
+    return host if host.is_pinned() else host.pin_memory()
+
+
 def _stride1(x: torch.Tensor) -> torch.Tensor:
     """FlashInfer reads row and head strides but assumes the last dimension is contiguous."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -301,9 +306,12 @@ class FlashInferMLABackend:
         return pages.reshape(-1), kv_indptr_cpu
 
     def _plan_mla(self, wrapper, batch: ForwardBatch, causal: bool) -> None:
+        """Plan ``wrapper`` for ``batch``. plan() copies its host indptr/length arrays to device buffers with
+        non_blocking copies; from pageable memory CUDA would first sync the stream (the host would wait for
+        the previous step's kernels), so they are handed over pinned."""
         kv_indices, kv_indptr_cpu = self._kv_pages(batch)
         wrapper.plan(
-            batch.qo_indptr_cpu, kv_indptr_cpu, kv_indices, batch.seq_lens_cpu,
+            _pinned(batch.qo_indptr_cpu), _pinned(kv_indptr_cpu), kv_indices, _pinned(batch.seq_lens_cpu),
             self.num_heads, self.model.kv_lora_rank, self.model.qk_rope_head_dim, self.page_size,
             causal, self.model.sm_scale, self.dtype, self.dtype,
         )
@@ -357,7 +365,8 @@ class FlashInferMLABackend:
     def _plan_ragged(self, wrapper, qo_indptr_cpu: torch.Tensor, kv_indptr_cpu: torch.Tensor, causal: bool) -> None:
         m = self.model
         wrapper.plan(
-            qo_indptr_cpu, kv_indptr_cpu, m.num_heads, m.num_heads, m.qk_head_dim, head_dim_vo=m.v_head_dim,
+            _pinned(qo_indptr_cpu), _pinned(kv_indptr_cpu), m.num_heads, m.num_heads, m.qk_head_dim,
+            head_dim_vo=m.v_head_dim,
             causal=causal, sm_scale=m.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
         )
 

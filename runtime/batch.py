@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.device import to_device
+
 
 class ForwardMode(str, enum.Enum):
     EXTEND = "extend"  # prefill / chunked prefill: n new tokens per request over a cached prefix
@@ -121,7 +123,7 @@ def make_batch(
         positions = list(itertools.chain.from_iterable(range(p, p + e) for p, e in zip(prefix_lens, extend_lens)))
     locs = out_cache_loc.tolist() if isinstance(out_cache_loc, torch.Tensor) else out_cache_loc
     host = torch.tensor([*req_pool_indices, *seq, *qo, *positions, *locs], dtype=torch.int64)
-    dev = host.to(device, non_blocking=True)
+    dev = to_device(host, device)
     t = len(positions)
     o = [0, b, 2 * b, 3 * b + 1, 3 * b + 1 + t, 3 * b + 1 + 2 * t]
     return ForwardBatch(

@@ -35,3 +35,14 @@ def probe_device(requested: str, index: int = 0) -> DeviceInfo:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without blocking the host.
+
+    A copy from *pageable* host memory makes CUDA synchronize the stream first (so the host would wait for
+    every kernel already queued: the previous step). Staging through pinned memory keeps the step path
+    asynchronous; torch's pinned allocator keeps the buffer alive until the copy has run."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -15,6 +15,7 @@ import torch
 
 from backends.base import AttentionBackend, MHAChunkPrefill
 from runtime.batch import ForwardMode, make_batch
+from runtime.device import to_device
 from runtime.errors import PoolExhausted
 from runtime.graph_runner import DecodeGraphRunner
 from runtime.kv_pool import TokenSlots
@@ -157,7 +158,7 @@ class Engine:
         tokens = choices
         if forced is not None:
             tokens = torch.tensor([forced[r.rid][len(r.output)] for r in reqs], dtype=torch.int64)
-            tokens = tokens.to(self.device, non_blocking=True)
+            tokens = to_device(tokens, self.device)
         if reqs:
             self.slots.req_to_token_pool.last_token[req_rows] = tokens
         slots = [len(r.output) for r in reqs]
@@ -232,8 +233,8 @@ class Engine:
         # sample only for requests whose whole sequence is now cached: their last new token's row of h
         done = [(int(batch.qo_indptr_cpu[i + 1]) - 1, r) for i, r in enumerate(reqs) if r.cached == len(r.tokens)]
         rows = torch.tensor([[row for row, _ in done], [r.row for _, r in done]], dtype=torch.int64)
-        sample_rows, req_rows = rows.to(self.device, non_blocking=True)
-        return [r for _, r in done], batch, ids.to(self.device, non_blocking=True), sample_rows, req_rows
+        sample_rows, req_rows = to_device(rows, self.device)
+        return [r for _, r in done], batch, to_device(ids, self.device), sample_rows, req_rows
 
     def _decode_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
         decoding = [r for r in running if r.decoding]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.device import to_device
 from runtime.errors import PoolExhausted
 
 PADDING_PAGE = 0
@@ -188,7 +189,7 @@ class TokenSlots:
                 index.extend(range(row * width + old, row * width + new))
         if slots:
             table = self.req_to_token_pool.req_to_token
-            idx, val = torch.tensor([index, slots], dtype=torch.int64).to(table.device, non_blocking=True)
+            idx, val = to_device(torch.tensor([index, slots], dtype=torch.int64), table.device)
             table.view(-1)[idx] = val.to(torch.int32)
         return slots
 

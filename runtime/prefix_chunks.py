@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from runtime.batch import ForwardBatch, PrefixChunk
+from runtime.device import to_device
 from runtime.kv_pool import ReqToTokenPool
 
 
@@ -27,5 +28,5 @@ def plan_prefix_chunks(batch: ForwardBatch, req_to_token_pool: ReqToTokenPool, c
         indptr = torch.zeros(len(spans) + 1, dtype=torch.int32)
         indptr[1:] = torch.cumsum(lens, 0)
         slots = torch.cat([table[r, s:e] for r, (s, e) in zip(rows, spans)]).long()
-        chunks.append(PrefixChunk(slots, indptr.to(table.device, non_blocking=True), indptr))
+        chunks.append(PrefixChunk(slots, to_device(indptr, table.device), indptr))
     return chunks

@@ -31,6 +31,8 @@ if _ROOT not in sys.path:
 
 import importlib  # noqa: E402
 
+import triton  # noqa: E402
+
 _dec_mod = importlib.import_module("backends.kernels.mla_decode")  # the module (the package exports the function)
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode  # noqa: E402
 from backends.kernels.mla_extend import mla_extend  # noqa: E402
@@ -181,32 +183,62 @@ def test_decode_lengths_across_split_boundaries(page_size):
     _check(out, ref, torch.float32)
 
 
+def _plan(lens, programs, min_tokens, block_n):
+    """Python mirror of the kernels' work plan: (chunk, [(first slot, pieces) or None per request], slots used)."""
+    pad = [-(-L // block_n) * block_n for L in lens]
+    total = sum(pad)
+    chunk = max(triton.cdiv(triton.cdiv(total, programs), block_n) * block_n,
+                triton.cdiv(min_tokens, block_n) * block_n, block_n)  # fmt: skip
+    s, slot, res = 0, 0, []
+    for L, pd in zip(lens, pad):
+        e = s + pd
+        p0, p1 = s // chunk, max(e - 1, 0) // chunk
+        if L > 0 and p1 > p0:
+            res.append((slot, p1 - p0 + 1))
+            slot += p1 - p0 + 1
+        else:
+            res.append(None)
+        s = e
+    return chunk, res, slot
+
+
+def _slots_written(lse, max_splits):
+    """Flat slot ids whose LSE was written (finite) for every head; the rest must still be NaN."""
+    flat = lse.cpu().permute(0, 2, 1).reshape(-1, lse.shape[1])  # [rows * max_splits, H], slot-major
+    written = torch.isfinite(flat).all(1)
+    assert (written | torch.isnan(flat).all(1)).all(), "a slot was written for some heads only"
+    return set(torch.nonzero(written).flatten().tolist())
+
+
 def test_decode_one_long_request_among_short():
+    # target_programs=4 over 16 + 208 + 16 = 240 padded tokens -> chunks of 64 (min_tokens 32 -> 32):
+    # the long request is cut into 4 pieces (slots 0..3), the short ones are finished by their program.
+    lens = [3, 200, 5]
     out, ref, lse = _run_decode(
-        [3, 200, 5], 4, 16, torch.float32, seed=11, min_tokens_per_split=32, target_programs=0, **SMALL
+        lens, 4, 16, torch.float32, seed=11, min_tokens_per_split=32, target_programs=4, **SMALL
     )
     _check(out, ref, torch.float32)
-    lse = lse.cpu()
-    # Long requests get more splits (chosen on the device); short ones use one and mark the rest empty.
-    assert torch.isfinite(lse[1, :, :4]).all()  # 200 tokens -> min(200 // 32, 4) = 4 splits
-    assert torch.isfinite(lse[0, :, 0]).all() and torch.isinf(lse[0, :, 1:]).all()
-    assert torch.isfinite(lse[2, :, 0]).all() and torch.isinf(lse[2, :, 1:]).all()
+    chunk, plan, used = _plan(lens, 4, 32, 16)
+    assert chunk == 64 and plan == [None, (0, 4), None]
+    assert _slots_written(lse, 4) == set(range(used))
 
 
-def test_decode_balanced_splits_follow_total_length():
-    # target_programs=4 over 208 tokens -> min split length 52: the long request gets 200 // 52 = 3 splits
-    # (of 80, 80, 40 tokens), the short ones 1, whatever max_splits (4) allows.
+def test_decode_token_balanced_plan_spreads_long_requests():
+    # Mixed lengths, 6 programs: every program covers the same number of tokens; a request twice as long
+    # gets about twice the pieces, and pieces land in consecutive flat slots.
+    lens = [150, 20, 300, 1, 90, 64]
     out, ref, lse = _run_decode(
-        [3, 200, 5], 2, 16, torch.float32, seed=12, min_tokens_per_split=16, target_programs=4, **SMALL
+        lens, 3, 16, torch.float32, seed=12, max_splits=4, min_tokens_per_split=16, target_programs=6, **SMALL
     )
     _check(out, ref, torch.float32)
-    lse = lse.cpu()
-    assert torch.isfinite(lse[1, :, :3]).all() and torch.isinf(lse[1, :, 3]).all()
-    assert torch.isfinite(lse[0, :, 0]).all() and torch.isinf(lse[0, :, 1:]).all()
+    chunk, plan, used = _plan(lens, 6, 16, 16)
+    assert chunk == 112 and plan[2][1] >= 3 and plan[1] is None and plan[3] is None
+    assert used <= min(2 * (6 - 1), 6 - 1 + len(lens))
+    assert _slots_written(lse, 4) == set(range(used))
 
 
 def test_decode_page_size_64_scalar_page_path_block_n_32():
-    # page_size % block_n == 0 takes the one-page-per-tile path; 90 -> splits of 32 (a ragged last one).
+    # page_size % block_n == 0 takes the one-page-per-tile path; chunks of 32 tokens cut both requests.
     out, ref, _ = _run_decode([90, 33], 5, 64, torch.float32, seed=5, min_tokens_per_split=30, block_n=32, block_h=16)
     _check(out, ref, torch.float32)
 
@@ -222,34 +254,57 @@ def test_decode_fp16_gather_tiles():
     _check(out, ref, torch.float16)
 
 
-def test_decode_spare_workspace_rows_give_more_splits():
-    # A workspace for 4 requests used by 1: 4 * 2 slots -> up to 8 splits for the one request.
-    # merge_block_s=2 makes the merge walk its 5 splits in 3 chunks (the running rescale across chunks).
+def test_decode_flat_slots_fewer_rows_than_requests_and_chunked_merge():
+    # One workspace row of 8 slots shared by 3 requests; merge_block_s=2 walks a request's pieces in chunks
+    # (the running rescale across chunks), merge_block_h=2 with H=3 leaves a ragged head block.
+    lens = [130, 40, 70]
     out, ref, lse = _run_decode(
-        [130],
-        3,
-        16,
-        torch.float32,
-        seed=6,
-        max_splits=2,
-        ws_rows=4,
-        min_tokens_per_split=16,
-        target_programs=0,
-        merge_block_s=2,
-        **SMALL,
-    )
+        lens, 3, 16, torch.float32, seed=6, max_splits=8, ws_rows=1, min_tokens_per_split=16, target_programs=0,
+        merge_block_s=2, merge_block_h=2, merge_block_dv=128, **SMALL,
+    )  # fmt: skip
     _check(out, ref, torch.float32)
-    lse = lse.cpu()
-    # 130 tokens, 8 slots: 130 // 16 = 8 splits of cdiv(130, 8) = 17 -> 32 tokens, so 5 non-empty splits
-    # in slots 0..4 = rows 0..2 of the workspace.
-    assert torch.isfinite(lse[:2]).all() and torch.isfinite(lse[2, :, 0]).all()
-    assert torch.isinf(lse[2, :, 1]).all() and torch.isinf(lse[3]).all()
+    programs = _dec_mod.decode_programs(3, 8, 1, 0)
+    assert programs == 6  # max(8 // 2 + 1, 8 - 3 + 1)
+    _, plan, used = _plan(lens, programs, 16, 16)
+    assert used <= 8 and plan[0][1] >= 3
+    assert _slots_written(lse, 8) == set(range(used))
+
+
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_decode_garbage_rows_past_length_never_reach_the_output(use_tma):
+    # NaN in the rows of each request's last page past its length (never-written pool memory): masked
+    # loads (pointer path) or zeroed tiles (TMA path) keep them out of P @ V.
+    g = _gen(13)
+    lens, H, page_size, dtype = [37, 100, 5], 3, 16, torch.float16
+    kv, pt = _make_cache(lens, page_size, dtype, g)
+    for b, L in enumerate(lens):
+        if L % page_size:
+            kv[pt[b, L // page_size].long(), L % page_size :] = float("nan")
+    q_nope = torch.randn(3, H, D_CKV, generator=g).to(dtype)
+    q_pe = torch.randn(3, H, D_PE, generator=g).to(dtype)
+    ref = _ref_decode(q_nope, q_pe, kv, pt, lens, 0.05)
+    po = torch.full((3, H, 4, D_CKV), float("nan"), device=DEV)
+    pl = torch.full((3, H, 4), float("nan"), device=DEV)
+    out = torch.full((3, H, D_CKV), float("nan"), dtype=dtype, device=DEV)
+    mla_decode(
+        q_nope.to(DEV), q_pe.to(DEV), kv.to(DEV), pt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
+        0.05, out, po, pl, max_splits=4, min_tokens_per_split=16, target_programs=5, use_tma=use_tma, **SMALL,
+    )  # fmt: skip
+    _check(out, ref, dtype)
 
 
 def test_decode_single_split_and_zero_length_no_nan():
     out, ref, _ = _run_decode([0, 1, 30], 3, 16, torch.float32, seed=7, max_splits=1, **SMALL)
     _check(out, ref, torch.float32)
     assert (out[0].cpu() == 0).all()
+
+
+def test_decode_zero_lengths_between_split_requests():
+    out, ref, _ = _run_decode(
+        [0, 50, 0, 0, 45, 0], 2, 16, torch.float32, seed=9, min_tokens_per_split=16, target_programs=5, **SMALL
+    )
+    _check(out, ref, torch.float32)
+    assert (out[0].cpu() == 0).all() and (out[5].cpu() == 0).all()
 
 
 def test_decode_strided_inputs_and_output():
@@ -280,6 +335,28 @@ def test_decode_strided_inputs_and_output():
     )
     _check(out, ref, dtype)
     assert torch.isnan(big_out[..., D_CKV:]).all()  # nothing written outside `out`
+
+
+def test_decode_programs_never_overflow_the_slots():
+    # Pure host arithmetic: for any lengths, the pieces of the plan fit in the workspace slots.
+    g = torch.Generator().manual_seed(0)
+    for _trial in range(300):
+        B = int(torch.randint(1, 300, (1,), generator=g))
+        slots = int(torch.randint(1, 600, (1,), generator=g))
+        target = int(torch.randint(0, 1200, (1,), generator=g))
+        lens = torch.randint(0, 5000, (B,), generator=g)
+        lens[torch.rand(B, generator=g) < 0.2] = 0
+        programs = _dec_mod.decode_programs(B, slots, 1, target)
+        assert 1 <= programs
+        _, _, used = _plan(lens.tolist(), programs, 1, 16)
+        assert used <= slots, (B, slots, target, programs, used)
+
+
+def test_merge_config_shapes():
+    c = _dec_mod.merge_config(1, 16, 264, 132)
+    assert c["merge_block_s"] == 128 and c["merge_block_h"] == 1 and c["merge_block_dv"] == 32
+    c = _dec_mod.merge_config(128, 16, 264, 132)
+    assert c["merge_block_s"] * c["merge_block_h"] * c["merge_block_dv"] <= 4096
 
 
 def test_decode_workspace_helpers():
@@ -382,6 +459,64 @@ def test_gpu_decode_real_sizes(H):
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8)
     assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
+
+
+def _backend_workspace(B, H, max_splits=64, split_slots=2048):
+    """The backend's view of its workspace: [B, H, S, 512] / [B, H, S] with S = min(max_splits, slots // B)."""
+    S = max(1, min(max_splits, split_slots // B))
+    ws = torch.full((split_slots * H * (D_CKV + 1),), float("nan"), device="cuda")
+    n = B * H * S * D_CKV
+    return ws[:n].view(B, H, S, D_CKV), ws[n : n + B * H * S].view(B, H, S), S
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(use_tma=True),
+        dict(max_regs=128, target_programs=1000),
+        dict(block_n=32, num_warps=8, num_stages=3, max_regs=128),
+    ],
+)
+def test_gpu_decode_variable_lengths_backend_workspace(kw):
+    # 128 requests ~ N(2048, 1024) (some empty, some tiny) with the backend's exact workspace view; the last
+    # page of every request has NaN rows past its length (never written in a real pool).
+    _needs_gpu()
+    H, dtype, B, page = 16, torch.bfloat16, 128, 64
+    g = torch.Generator().manual_seed(21)
+    lens = torch.normal(2048.0, 1024.0, (B,), generator=g).round().clamp(1, 4096).int().tolist()
+    lens[3], lens[50], lens[51] = 0, 1, 4096
+    kv, pt = _gpu_problem(lens, H, page, dtype, seed=21)
+    for b, L in enumerate(lens):
+        if L % page:
+            kv[pt[b, L // page].long(), L % page :] = float("nan")
+    gq = torch.Generator(device="cuda").manual_seed(22)
+    q_nope = torch.randn(B, H, D_CKV, device="cuda", generator=gq).to(dtype)
+    q_pe = torch.randn(B, H, D_PE, device="cuda", generator=gq).to(dtype)
+    scale = 1.0 / math.sqrt(192)
+    po, pl, S = _backend_workspace(B, H)
+    out = torch.full((B, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=S, min_tokens_per_split=256, **kw)
+    assert (out[3] == 0).all()
+    assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_splits", [64, 2048])
+def test_gpu_decode_batch_of_one_long(max_splits):
+    _needs_gpu()
+    H, dtype, lens = 16, torch.bfloat16, [32768]
+    kv, pt = _gpu_problem(lens, H, 64, dtype, seed=31)
+    gq = torch.Generator(device="cuda").manual_seed(32)
+    q_nope = torch.randn(1, H, D_CKV, device="cuda", generator=gq).to(dtype)
+    q_pe = torch.randn(1, H, D_PE, device="cuda", generator=gq).to(dtype)
+    po, pl, S = _backend_workspace(1, H, max_splits=max_splits)
+    out = torch.full((1, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    mla_decode(q_nope, q_pe, kv, pt, sl, 0.07, out, po, pl, max_splits=S, min_tokens_per_split=64)
+    assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, 0.07)) < 2e-2
 
 
 @pytest.mark.gpu

@@ -1,22 +1,18 @@
 """Launcher for the split-KV absorbed-MLA decode kernels (one query token per request).
 
 CUDA-graph safe: no allocation, no host sync, no branching on tensor values. The host decides the grid from
-shapes and Python ints only; how many splits each request gets is decided on the GPU from ``seq_lens``, so
+shapes and Python ints only; which program handles which tokens is decided on the GPU from ``seq_lens``, so
 a captured graph replays correctly for any lengths.
 
-Split plan (both kernels compute it identically; see ``_split_plan``):
-
-* ``splits_per_req`` (host): workspace slots per request. The workspace has ``partial_out.shape[0] *
-  max_splits`` slots and request ``b`` owns slots ``b * splits_per_req ...``; so ``splits_per_req =
-  slots // B`` (>= max_splits since ``partial_out.shape[0] >= B``): a workspace sized for a bigger batch
-  than the current one gives small batches more splits. The grid's split dimension is splits_per_req;
-  programs past a request's last split exit at once.
-* ``target_splits`` (host) = ``target_programs // head_blocks``; on the device the batch's total length
-  ``T = sum(seq_lens)`` gives a minimal split length ``min_len = max(min_tokens_per_split,
-  cdiv(T, target_splits))``, and request ``b`` gets ``n_b = clamp(len_b // min_len, 1, splits_per_req)``
-  splits of ``cdiv(len_b, n_b)`` tokens rounded up to ``block_n``. So the whole batch is cut into about
-  ``target_programs`` equal pieces: long requests get many splits, short ones one, and a big uniform batch
-  is not split more than needed to fill the GPU (each split costs a partial-output write and read).
+Work plan (see :mod:`backends.kernels.mla_decode_kernels` for the details): the batch's tokens are laid end
+to end and cut into ``num_programs`` equal chunks (at least ``min_tokens_per_split`` tokens each); stage-1
+program ``p`` (x head blocks) processes whatever falls in chunk ``p``: several whole short requests, or a
+slice of a long one. Every program therefore does the same work whatever the length distribution (a
+request twice the mean gets twice the programs), and with ``num_programs`` = the number of programs the
+GPU holds at once there is a single wave with no tail. Requests cut by chunk boundaries leave normalized
+partial outputs in a *flat* slot space shared by the whole batch (``partial_out.shape[0] * max_splits``
+slots; at most ``min(2 * (P - 1), P - 1 + B)`` are used, which bounds ``num_programs``), merged by stage 2
+over a grid of (request, head block, column block).
 """
 
 from __future__ import annotations
@@ -33,25 +29,29 @@ __all__ = [
     "DEFAULT_MAX_SPLITS",
     "MIN_WORKSPACE_SLOTS",
     "decode_workspace_bytes",
+    "decode_programs",
     "decode_workspace_shapes",
     "default_decode_config",
+    "merge_config",
     "mla_decode",
 ]
 
-#: Default split slots per request row of the workspace (batch 256 x 16 heads -> 64 MiB of partials).
+#: Default split slots per request row of the workspace (batch 256 x 16 heads -> 64 MiB of partials). The
+#: kernels use the workspace as one flat space of ``rows * max_splits`` slots, so only the product matters.
 DEFAULT_MAX_SPLITS = 8
 #: decode_workspace_shapes gives the workspace at least this many split slots in all (for small batches).
 MIN_WORKSPACE_SLOTS = 512
-#: Upper bound on the grid's split dimension (CUDA limits grid.z to 65535).
-MAX_GRID_SPLITS = 4096
-#: Stage-1 programs (B * head_blocks * splits) aimed at per streaming multiprocessor, by block_h: small
-#: memory-bound programs (2 fit on an SM) want about 2 waves; fat compute-bound ones (1 per SM) one wave.
-PROGRAMS_PER_SM = {16: 4, 32: 2, 64: 1}
+#: Upper bound on the stage-1 grid's program dimension (CUDA limits grid.y to 65535).
+MAX_GRID_PROGRAMS = 65535
+#: Stage-1 programs (head_blocks * num_programs) aimed at per streaming multiprocessor, by block_h: as many
+#: as fit on an SM at once (shared memory: block_h 16 with block_n 64 and 2 stages takes 92 KiB, so 2 fit;
+#: block_h 64 takes 216 KiB, 1 fits), i.e. one wave of equal programs.
+PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
 _BLOCK_B = 256  # seq_lens summed in chunks of this many requests
 
 
 def programs_per_sm(block_h: int) -> int:
-    return PROGRAMS_PER_SM.get(block_h, 4 if block_h < 16 else 1)
+    return PROGRAMS_PER_SM.get(block_h, 2 if block_h < 16 else 1)
 
 
 def decode_workspace_shapes(batch: int, heads: int, max_splits: int = DEFAULT_MAX_SPLITS, kv_lora_rank: int = 512):
@@ -76,6 +76,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def _interpreting() -> bool:
     """Whether the kernels were built for the CPU interpreter (decided when they were decorated)."""
     return _mla_decode_stage1_kernel.__class__.__name__ == "InterpretedFunction"
@@ -84,15 +89,46 @@ def _interpreting() -> bool:
 def default_decode_config(heads: int, dtype: torch.dtype) -> dict:
     """Default kernel parameters for ``heads`` query heads (see bench/triton_mla_kernels_gpu.py to retune)."""
     if heads <= 16:
-        cfg = dict(block_h=16, block_n=32, num_warps=4, num_stages=2)
+        cfg = dict(block_h=16, block_n=64, num_warps=8, num_stages=2)
     elif heads <= 32:
-        cfg = dict(block_h=32, block_n=32, num_warps=4, num_stages=2)
+        cfg = dict(block_h=32, block_n=64, num_warps=8, num_stages=2)
     else:
-        cfg = dict(block_h=64, block_n=32, num_warps=8, num_stages=2)
+        cfg = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
     if dtype == torch.float32:  # twice the bytes per tile
         cfg["block_n"] = 16
         cfg["num_stages"] = 1
     return cfg
+
+
+def _descriptor(kv_cache: torch.Tensor, rows: int, block_rows: int, block_cols: int):
+    """Host TMA descriptor over the cache as [pages * page_size, D] rows, boxes of [block_rows, block_cols]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(kv_cache, [rows, kv_cache.shape[-1]], [kv_cache.stride(1), 1], [block_rows, block_cols])
+
+
+def decode_programs(batch: int, slots: int, head_blocks: int, target_programs: int) -> int:
+    """Stage-1 token chunks (the grid's program dimension) for ``batch`` requests and ``slots`` workspace
+    slots: ``target_programs // head_blocks`` (<= 0: as many as the slots allow), capped so that the split
+    pieces fit (``min(2 (P - 1), P - 1 + batch) <= slots``)."""
+    cap = max(slots // 2 + 1, slots - batch + 1, 1)
+    p = cap if target_programs <= 0 else max(1, target_programs // max(head_blocks, 1))
+    return max(1, min(p, cap, MAX_GRID_PROGRAMS))
+
+
+def merge_config(batch: int, heads: int, programs: int, sms: int, d_ckv: int = 512) -> dict:
+    """Merge tiling: pieces per step (about the pieces of a request twice the mean length, so most requests
+    take one step: the steps are a serial chain of loads), then heads and columns per program (tiles of
+    <= 4096 floats, and enough programs to spread over the GPU)."""
+    est = triton.cdiv(2 * programs, max(batch, 1)) + 1
+    block_s = max(2, min(128, triton.next_power_of_2(est)))
+    dv = min(d_ckv, 64 if block_s <= 64 else 32)
+    bh = min(triton.next_power_of_2(heads), max(1, 4096 // (block_s * dv)))
+    while bh > 1 and batch * triton.cdiv(heads, bh) * (d_ckv // dv) < 4 * sms:
+        bh //= 2
+    if bh == 1 and batch * heads * (d_ckv // dv) < 2 * sms and dv > 32:
+        dv = 32
+    return dict(merge_block_s=block_s, merge_block_h=bh, merge_block_dv=dv)
 
 
 def mla_decode(
@@ -113,9 +149,12 @@ def mla_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     target_programs: int | None = None,
-    merge_block_dv: int = 128,
-    merge_block_s: int = 16,
+    merge_block_dv: int | None = None,
+    merge_block_s: int | None = None,
+    merge_block_h: int | None = None,
     merge_num_warps: int = 4,
+    use_tma: bool | None = None,
+    max_regs: int | None = None,
 ) -> None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
 
@@ -125,17 +164,23 @@ def mla_decode(
     kv_cache : [num_pages, page_size, D_CKV + D_PE] bf16/fp16/fp32, last dim contiguous
     page_table : int32 [B, max_pages]; seq_lens : int32 [B] (device)
     out : [B, H, D_CKV] written in place (any float dtype)
-    partial_out : float32 [R >= B, H, max_splits, D_CKV]; partial_lse : float32 [R, H, max_splits]
-        Caller-owned workspace (see :func:`decode_workspace_shapes`); pass the whole buffer, not a slice
-        ``[:B]``: spare rows become extra split slots for small batches.
+    partial_out : float32 [R, H, max_splits, D_CKV]; partial_lse : float32 [R, H, max_splits]
+        Caller-owned workspace (see :func:`decode_workspace_shapes`), used as one flat space of
+        ``R * max_splits`` slots shared by the batch (any R >= 1); more slots allow more programs (see
+        :func:`decode_programs`): a batch of B wants about ``2 * target_programs`` (or
+        ``target_programs + B``) slots.
     max_splits : the workspace's split dimension (``partial_out.shape[2]``).
-    min_tokens_per_split : a split has at least this many tokens (a request of ``L`` tokens gets at most
-        ``max(1, L // min_tokens_per_split)`` splits).
+    min_tokens_per_split : a stage-1 chunk has at least this many tokens (rounded up to block_n).
     block_n, block_h, num_warps, num_stages : kernel tiling (defaults from :func:`default_decode_config`).
-    target_programs : stage-1 programs to aim at over the whole batch (see the module doc); None ->
-        ``programs_per_sm(block_h) * SMs`` on CUDA, 0 (no balancing: splits from min_tokens_per_split
-        only) when interpreting on the CPU; <= 0 -> no balancing.
-    merge_block_dv, merge_block_s, merge_num_warps : tiling of the merge kernel.
+    target_programs : stage-1 programs (x head blocks) to aim at; None -> ``programs_per_sm(block_h) *
+        SMs`` on CUDA (one wave), 0 (as many as the workspace slots allow) when interpreting on the CPU;
+        <= 0 -> as many as the slots allow.
+    merge_block_dv, merge_block_s, merge_block_h, merge_num_warps : tiling of the merge kernel (None:
+        :func:`merge_config`).
+    use_tma : load KV tiles with TMA (Hopper+, bf16/fp16, page_size % block_n == 0, pages contiguous in the
+        cache); None -> the config default where possible.
+    max_regs : register cap per thread for stage 1 (ptxas maxnreg; 128 with 8 warps lets 2 programs share
+        an SM); None -> the config default.
     """
     B, H, D_CKV = q_nope.shape
     D_PE = q_pe.shape[-1]
@@ -162,8 +207,8 @@ def mla_decode(
         "partial_out.dtype == torch.float32 and partial_lse.dtype == torch.float32",
     )
     require(
-        partial_out.dim() == 4 and partial_out.shape[0] >= B and partial_out.shape[1] >= H,
-        "partial_out.dim() == 4 and partial_out.shape[0] >= B and partial_out.shape[1] >= H",
+        partial_out.dim() == 4 and partial_out.shape[0] >= 1 and partial_out.shape[1] >= H,
+        "partial_out.dim() == 4 and partial_out.shape[0] >= 1 and partial_out.shape[1] >= H",
     )
     require(partial_out.shape[2] == max_splits and partial_out.shape[3] == D_CKV, "partial_out [R, H, max_splits, D]")
     require(
@@ -174,7 +219,7 @@ def mla_decode(
     for t in (q_nope, q_pe, kv_cache, out, partial_out):
         require(t.stride(-1) == 1, "last dims must be contiguous")
     require(min_tokens_per_split >= 1 and max_splits >= 1, "min_tokens_per_split >= 1 and max_splits >= 1")
-    require(B <= 65535, "grid.y limit: at most 65535 requests per call")
+    require(B <= 65535, "grid.x limit: at most 65535 requests per call")
     if B == 0:
         return
 
@@ -188,30 +233,59 @@ def mla_decode(
         triton.next_power_of_2(block_h) == block_h and triton.next_power_of_2(block_n) == block_n,
         "triton.next_power_of_2(block_h) == block_h and triton.next_power_of_2(block_n) == block_n",
     )
-    require(D_CKV % merge_block_dv == 0, "D_CKV % merge_block_dv == 0")
-
-    head_blocks = triton.cdiv(H, block_h)
-    splits_per_req = max(1, min((partial_out.shape[0] * max_splits) // B, MAX_GRID_SPLITS))
-    if target_programs is None:
-        target_programs = (
-            programs_per_sm(block_h) * _sm_count(q_nope.device.index or 0)
-            if q_nope.is_cuda and not _interpreting()
-            else 0
-        )
-    target_splits = max(1, target_programs // head_blocks) if target_programs > 0 else 0
-    num_reqs_for_total = B if target_splits > 0 else 0
 
     interp = _interpreting()
+    on_gpu = q_nope.is_cuda and not interp
+    sms = _sm_count(q_nope.device.index or 0) if on_gpu else 4
+    head_blocks = triton.cdiv(H, block_h)
+    slots = partial_out.shape[0] * max_splits
+    if target_programs is None:
+        target_programs = programs_per_sm(block_h) * sms if on_gpu else 0
+    programs = decode_programs(B, slots, head_blocks, target_programs)
+    min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
+
+    mcfg = merge_config(B, H, programs, sms, D_CKV)
+    if interp:  # fewer, bigger merge programs: the interpreter pays per program
+        mcfg.update(merge_block_dv=min(D_CKV, 128), merge_block_h=triton.next_power_of_2(H))
+    merge_block_dv = mcfg["merge_block_dv"] if merge_block_dv is None else merge_block_dv
+    merge_block_s = mcfg["merge_block_s"] if merge_block_s is None else merge_block_s
+    merge_block_h = mcfg["merge_block_h"] if merge_block_h is None else merge_block_h
+    require(D_CKV % merge_block_dv == 0, "D_CKV % merge_block_dv == 0")
+
+    tma_ok = (
+        kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and kv_cache.shape[1] % block_n == 0
+        and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
+        and D_CKV % 2 == 0
+        and D_CKV // 2 <= 256
+        and block_n <= 256
+        and (interp or (on_gpu and _capability_major(q_nope.device.index or 0) >= 9))
+    )
+    if use_tma is None:
+        use_tma = bool(cfg.get("use_tma", False)) and tma_ok
+    require(
+        not use_tma or tma_ok, "use_tma needs a bf16/fp16 cache, page_size % block_n == 0, contiguous pages, sm_90+"
+    )
+    desc_c = desc_pe = None
+    if use_tma:
+        rows = kv_cache.shape[0] * kv_cache.shape[1]
+        desc_c = _descriptor(kv_cache, rows, block_n, D_CKV // 2)
+        desc_pe = _descriptor(kv_cache, rows, block_n, D_PE)
+
     upcast = interp and kv_cache.dtype == torch.bfloat16
     prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     qk_scale = float(sm_scale) * _LOG2E
-    page_size = kv_cache.shape[1]
+    max_regs = cfg.get("max_regs") if max_regs is None else max_regs
     extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
+    if max_regs and not interp:
+        extra["maxnreg"] = int(max_regs)
 
-    _mla_decode_stage1_kernel[(head_blocks, B, splits_per_req)](
+    _mla_decode_stage1_kernel[(head_blocks, programs)](
         q_nope,
         q_pe,
         kv_cache,
+        desc_c,
+        desc_pe,
         page_table,
         seq_lens,
         partial_out,
@@ -234,12 +308,11 @@ def mla_decode(
         out.stride(0),
         out.stride(1),
         H,
-        num_reqs_for_total,
-        target_splits,
-        min_tokens_per_split,
-        splits_per_req,
+        B,
+        programs,
+        min_chunk,
         max_splits,
-        PAGE_SIZE=page_size,
+        PAGE_SIZE=kv_cache.shape[1],
         D_CKV=D_CKV,
         D_PE=D_PE,
         BLOCK_H=block_h,
@@ -247,10 +320,11 @@ def mla_decode(
         BLOCK_B=_BLOCK_B,
         PREC=prec,
         UPCAST=upcast,
+        USE_TMA=use_tma,
         **extra,
     )
     extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2)
-    _mla_decode_stage2_kernel[(B, H, D_CKV // merge_block_dv)](
+    _mla_decode_stage2_kernel[(B, triton.cdiv(H, merge_block_h), D_CKV // merge_block_dv)](
         partial_out,
         partial_lse,
         seq_lens,
@@ -263,14 +337,15 @@ def mla_decode(
         partial_lse.stride(2),
         out.stride(0),
         out.stride(1),
-        num_reqs_for_total,
-        target_splits,
-        min_tokens_per_split,
-        splits_per_req,
+        H,
+        B,
+        programs,
+        min_chunk,
         max_splits,
         BLOCK_N=block_n,
         BLOCK_B=_BLOCK_B,
         BLOCK_S=merge_block_s,
+        BLOCK_HM=merge_block_h,
         BLOCK_DV=merge_block_dv,
         **extra2,
     )

@@ -9,6 +9,22 @@ values are the latent ``ckv`` (also the value), the last ``D_PE`` the rope key `
 Scores are ``(q_nope . ckv + q_pe . kpe) * sm_scale``; the kernels work in base 2 internally
 (``qk_scale = sm_scale * log2(e)``) and store natural-log LSEs.
 
+Decode work plan (token-balanced, computed on the GPU from ``seq_lens`` alone, so CUDA graphs replay it for
+any lengths). The batch is laid end to end in one *global token space*: request ``b`` occupies
+``[s_b, s_b + pad_b)`` with ``pad_b = cdiv(len_b, BLOCK_N) * BLOCK_N`` and ``s_b`` the exclusive prefix sum of
+the ``pad``. That space (``T = sum(pad)``) is cut into ``num_programs`` equal chunks of ``chunk =
+max(min_chunk, roundup(cdiv(T, num_programs), BLOCK_N))`` tokens; stage-1 program ``p`` handles every
+(request, token range) piece that falls in ``[p * chunk, (p + 1) * chunk)`` -- several short requests, or a
+slice of a long one -- so all programs do the same amount of work whatever the length distribution.
+
+A request that lies inside one chunk is finished by its program (written to ``out``). A request cut by chunk
+boundaries is "split": its pieces (programs ``p0 .. p1``, ``p0 = s_b // chunk``, ``p1 = (s_b + pad_b - 1) //
+chunk``) write normalized partial outputs and LSEs to consecutive workspace *slots* ``base_b .. base_b + p1 -
+p0``, where ``base_b`` is the number of split pieces of the requests before ``b`` (a flat slot space shared
+by the whole batch; at most ``min(2 * (num_programs - 1), num_programs - 1 + B)`` slots are used). Slot ``j``
+lives at ``[j // slot_div, h, j % slot_div]`` of the workspace. The merge kernel recomputes the same plan
+and combines the pieces of each split request.
+
 The shared tile loop ``_mla_attn_loop`` is also used by the extend kernel.
 """
 
@@ -108,43 +124,132 @@ def _mla_attn_loop(
 
 
 @triton.jit
-def _split_plan(
-    SL, pid_b, num_reqs_for_total, target_splits, min_tokens_per_split, splits_per_req,
-    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
-    """Split plan of request ``pid_b``, computed on the GPU: (seq_len, split_len, n_effective_splits).
-
-    The minimal split length is ``min_len = max(min_tokens_per_split, cdiv(total_tokens, target_splits))``
-    where total_tokens sums seq_lens over the batch (skipped when ``num_reqs_for_total`` is 0), so the batch
-    is cut into about ``target_splits`` equal pieces of work: a long request gets many splits, a short one
-    a single split. Then ``n = clamp(len // min_len, 1, splits_per_req)``, ``split_len = cdiv(len, n)``
-    rounded up to BLOCK_N, and the non-empty splits are the first ``cdiv(len, split_len)`` (0 if len == 0).
-    """
-    seq_len = tl.load(SL + pid_b)
-    total = seq_len * 0
-    for i in range(0, num_reqs_for_total, BLOCK_B):
+def _padded_total(SL, num_reqs, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """sum_b roundup(seq_lens[b], BLOCK_N): the length of the global token space."""
+    total = tl.load(SL) * 0
+    for i in range(0, num_reqs, BLOCK_B):
         offs = i + tl.arange(0, BLOCK_B)
-        total += tl.sum(tl.load(SL + offs, mask=offs < num_reqs_for_total, other=0), 0)
-    min_len = tl.maximum(tl.cdiv(total, tl.maximum(target_splits, 1)), min_tokens_per_split)
-    min_len = tl.maximum(min_len, 1)
-    n = tl.minimum(tl.maximum(seq_len // min_len, 1), splits_per_req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N) * BLOCK_N
-    split_len = tl.maximum(split_len, BLOCK_N)
-    n_eff = tl.cdiv(seq_len, split_len)
-    return seq_len, split_len, n_eff
+        lens = tl.load(SL + offs, mask=offs < num_reqs, other=0)
+        total += tl.sum(tl.cdiv(lens, BLOCK_N) * BLOCK_N, 0)
+    return total
+
+
+@triton.jit
+def _chunk_len(total, num_programs, min_chunk, BLOCK_N: tl.constexpr):
+    """Tokens of the global token space per stage-1 program (a multiple of BLOCK_N, >= min_chunk)."""
+    c = tl.cdiv(tl.cdiv(total, num_programs), BLOCK_N) * BLOCK_N
+    return tl.maximum(tl.maximum(c, min_chunk), BLOCK_N)
+
+
+@triton.jit
+def _requests_before(SL, num_reqs, limit_b, limit_t, chunk, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Over the requests b < limit_b that end at or before global token limit_t (a prefix of the batch):
+    (how many, their padded tokens = start of the next one, their split pieces = its first slot)."""
+    zero = limit_t * 0
+    n_before = zero
+    t_before = zero
+    slots_before = zero
+    carry = zero
+    for i in range(0, num_reqs, BLOCK_B):
+        offs = i + tl.arange(0, BLOCK_B)
+        valid = offs < num_reqs
+        lens = tl.load(SL + offs, mask=valid, other=0)
+        pad = tl.cdiv(lens, BLOCK_N) * BLOCK_N
+        e = tl.cumsum(pad, 0) + carry
+        s = e - pad
+        p0 = s // chunk
+        p1 = tl.maximum(e - 1, 0) // chunk
+        pieces = tl.where((lens > 0) & (p1 > p0), p1 - p0 + 1, 0)
+        before = valid & (offs < limit_b) & (e <= limit_t)
+        n_before += tl.sum(before.to(tl.int32), 0)
+        t_before += tl.sum(tl.where(before, pad, 0), 0)
+        slots_before += tl.sum(tl.where(before, pieces, 0), 0)
+        carry += tl.sum(pad, 0)
+    return n_before, t_before, slots_before
+
+
+@triton.jit
+def _mla_attn_loop_tma(
+    q_lo,  # [BLOCK_H, D_CKV // 2] in kv dtype
+    q_hi,  # [BLOCK_H, D_CKV // 2]
+    qpe,  # [BLOCK_H, D_PE]
+    m_i,
+    l_i,
+    acc_lo,  # [BLOCK_H, D_CKV // 2] fp32 (output columns 0 .. D_CKV / 2)
+    acc_hi,  # [BLOCK_H, D_CKV // 2] fp32
+    DESC_C,  # TMA descriptor over kv rows [pages * PAGE_SIZE, D_CKV + D_PE], block [BLOCK_N, D_CKV // 2]
+    DESC_PE,  # same rows, block [BLOCK_N, D_PE]
+    PT_row,
+    lo,
+    hi,
+    qk_scale,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_CKV: tl.constexpr,
+    MASK_N: tl.constexpr,
+):
+    """_mla_attn_loop with TMA tile loads (no per-thread address tensors, so fewer registers). A tile lies in
+    one page (PAGE_SIZE % BLOCK_N == 0) and is BLOCK_N consecutive rows of the cache; the latent row is
+    loaded as two halves (a TMA box is at most 256 wide). With MASK_N, rows >= hi (other tokens of the page,
+    possibly never written) are zeroed before they reach the P @ V product."""
+    D_HALF: tl.constexpr = D_CKV // 2
+    for n0 in range(lo, hi, BLOCK_N):
+        page = tl.load(PT_row + n0 // PAGE_SIZE)
+        row = page * PAGE_SIZE + n0 % PAGE_SIZE
+        k_lo = DESC_C.load([row, 0])
+        k_hi = DESC_C.load([row, D_HALF])
+        kpe = DESC_PE.load([row, D_CKV])
+        if MASK_N:
+            keep = (n0 + tl.arange(0, BLOCK_N)) < hi
+            k_lo = tl.where(keep[:, None], k_lo, 0.0).to(k_lo.dtype)
+            k_hi = tl.where(keep[:, None], k_hi, 0.0).to(k_hi.dtype)
+            kpe = tl.where(keep[:, None], kpe, 0.0).to(kpe.dtype)
+        qk = tl.dot(q_lo, tl.trans(k_lo))
+        qk = tl.dot(q_hi, tl.trans(k_hi), qk)
+        qk = tl.dot(qpe, tl.trans(kpe), qk)
+        qk = qk * qk_scale
+        if MASK_N:
+            qk = tl.where(keep[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pb = p.to(k_lo.dtype)
+        acc_lo = tl.dot(pb, k_lo, acc_lo * alpha[:, None])
+        acc_hi = tl.dot(pb, k_hi, acc_hi * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit
+def _store_piece(
+    o, m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL, OUT,
+    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
+    WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """o: [BLOCK_H, len(cols)] normalized output of one piece -> OUT (the whole request) or workspace slot."""
+    if split:
+        ws_b = (slot // slot_div).to(tl.int64)
+        ws_s = slot % slot_div
+        po_ptrs = PO + ws_b * stride_po_b + offs_h[:, None] * stride_po_h + ws_s * stride_po_s + cols[None, :]
+        tl.store(po_ptrs, o, mask=mask_h[:, None])
+        if WRITE_LSE:
+            lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+            tl.store(PL + ws_b * stride_pl_b + offs_h * stride_pl_h + ws_s * stride_pl_s, lse, mask=mask_h)
+    else:
+        o_ptrs = OUT + b64 * stride_o_b + offs_h[:, None] * stride_o_h + cols[None, :]
+        tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
 # Scalars that change with the batch are not specialized, so a new batch size never triggers a recompile
 # (which would break CUDA-graph capture); strides keep Triton's divisibility specialization.
-@triton.jit(
-    do_not_specialize=[
-        "H", "num_reqs_for_total", "target_splits", "min_tokens_per_split", "splits_per_req", "slot_div",
-    ]
-)  # fmt: skip
+@triton.jit(do_not_specialize=["H", "num_reqs", "num_programs", "min_chunk", "slot_div"])
 def _mla_decode_stage1_kernel(
     QN,
     QP,
     KV,
+    DESC_C,
+    DESC_PE,
     PT,
     SL,
     PO,
@@ -167,10 +272,9 @@ def _mla_decode_stage1_kernel(
     stride_o_b,
     stride_o_h,
     H,
-    num_reqs_for_total,
-    target_splits,
-    min_tokens_per_split,
-    splits_per_req,
+    num_reqs,
+    num_programs,
+    min_chunk,
     slot_div,
     PAGE_SIZE: tl.constexpr,
     D_CKV: tl.constexpr,
@@ -180,115 +284,99 @@ def _mla_decode_stage1_kernel(
     BLOCK_B: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """grid (cdiv(H, BLOCK_H), B, splits_per_req). One program: one request, BLOCK_H heads, one KV split.
-    The head block varies fastest, so the programs that read the same KV tiles run together (L2 hits).
-    A request with a single split writes ``OUT`` directly; otherwise the merge kernel does.
-
-    Partial results of (b, split) go to the workspace slot ``b * splits_per_req + split``, addressed as
-    ``[slot // slot_div, h, slot % slot_div]`` (slot_div is the workspace's split dimension), so a workspace
-    with more rows than requests gives each request more split slots."""
+    """grid (cdiv(H, BLOCK_H), num_programs). Program (h, p): BLOCK_H heads, global tokens
+    [p * chunk, (p + 1) * chunk) (see the module doc). The head block varies fastest, so the programs that
+    read the same KV tiles run together (L2 hits). USE_TMA loads KV tiles through DESC_C / DESC_PE (bf16 /
+    fp16 caches with PAGE_SIZE % BLOCK_N == 0); otherwise through pointers from KV."""
     pid_h = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    split = tl.program_id(2)
+    pid_p = tl.program_id(1)
 
-    seq_len, split_len, n_eff = _split_plan(
-        SL, pid_b, num_reqs_for_total, target_splits, min_tokens_per_split, splits_per_req, BLOCK_N, BLOCK_B
-    )
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    total = _padded_total(SL, num_reqs, BLOCK_N, BLOCK_B)
+    chunk = _chunk_len(total, num_programs, min_chunk, BLOCK_N)
+    lo_g = pid_p * chunk
+    if lo_g < total:
+        hi_g = tl.minimum(lo_g + chunk, total)
+        b, s_b, slot0 = _requests_before(SL, num_reqs, num_reqs, lo_g, chunk, BLOCK_N, BLOCK_B)
 
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
-    slot = pid_b * splits_per_req + split
-    ws_b = (slot // slot_div).to(tl.int64)
-    ws_s = slot % slot_div
-    pl_ptrs = PL + ws_b * stride_pl_b + offs_h * stride_pl_h + ws_s * stride_pl_s
-
-    if split < n_eff:
-        offs_d = tl.arange(0, D_CKV)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
         offs_pe = tl.arange(0, D_PE)
-        pid_b64 = pid_b.to(tl.int64)
-        q = tl.load(
-            QN + pid_b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d[None, :],
-            mask=mask_h[:, None],
-            other=0.0,
-        ).to(KV.dtype.element_ty)
-        qpe = tl.load(
-            QP + pid_b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_pe[None, :],
-            mask=mask_h[:, None],
-            other=0.0,
-        ).to(KV.dtype.element_ty)
-
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, D_CKV], dtype=tl.float32)
-        PT_row = PT + pid_b64 * stride_pt_b
-        # start is a multiple of BLOCK_N; full tiles first (no masks), then at most one ragged tile.
-        full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-        m_i, l_i, acc = _mla_attn_loop(
-            q,
-            qpe,
-            m_i,
-            l_i,
-            acc,
-            KV,
-            PT_row,
-            stride_kv_p,
-            stride_kv_t,
-            start,
-            full_end,
-            m_i,
-            qk_scale,
-            PAGE_SIZE,
-            BLOCK_N,
-            D_CKV,
-            D_PE,
-            MASK_N=False,
-            CAUSAL=False,
-            PREC=PREC,
-            UPCAST=UPCAST,
-        )
-        m_i, l_i, acc = _mla_attn_loop(
-            q,
-            qpe,
-            m_i,
-            l_i,
-            acc,
-            KV,
-            PT_row,
-            stride_kv_p,
-            stride_kv_t,
-            full_end,
-            end,
-            m_i,
-            qk_scale,
-            PAGE_SIZE,
-            BLOCK_N,
-            D_CKV,
-            D_PE,
-            MASK_N=True,
-            CAUSAL=False,
-            PREC=PREC,
-            UPCAST=UPCAST,
-        )
-
-        o = acc / l_i[:, None]
-        if n_eff == 1:  # the only split: final output, the merge kernel skips this request
-            o_ptrs = OUT + pid_b64 * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
-            tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
-        else:
-            po_ptrs = PO + ws_b * stride_po_b + offs_h[:, None] * stride_po_h + ws_s * stride_po_s + offs_d[None, :]
-            tl.store(po_ptrs, o, mask=mask_h[:, None])
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-        tl.store(pl_ptrs, lse, mask=mask_h)
-    else:
-        tl.store(pl_ptrs, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mask_h)
+        while (s_b < hi_g) & (b < num_reqs):
+            seq_len = tl.load(SL + b)
+            e_b = s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N
+            # local token range of this piece: start is a multiple of BLOCK_N, end may be ragged
+            start = tl.maximum(lo_g, s_b) - s_b
+            end = tl.minimum(tl.minimum(hi_g, e_b) - s_b, seq_len)
+            p0 = s_b // chunk
+            p1 = tl.maximum(e_b - 1, 0) // chunk
+            split = p1 > p0
+            slot = slot0 + (pid_p - p0)
+            if start < end:
+                b64 = b.to(tl.int64)
+                PT_row = PT + b64 * stride_pt_b
+                full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+                qpe = tl.load(
+                    QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_pe[None, :],
+                    mask=mask_h[:, None],
+                    other=0.0,
+                ).to(KV.dtype.element_ty)
+                m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+                if USE_TMA:
+                    D_HALF: tl.constexpr = D_CKV // 2
+                    cols = tl.arange(0, D_HALF)
+                    q_base = QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + cols[None, :]
+                    q_lo = tl.load(q_base, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
+                    q_hi = tl.load(q_base + D_HALF, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
+                    acc_lo = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
+                    acc_hi = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
+                    m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
+                        q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, start, full_end,
+                        qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=False,
+                    )  # fmt: skip
+                    m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
+                        q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, full_end, end,
+                        qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=True,
+                    )  # fmt: skip
+                    _store_piece(
+                        acc_lo / l_i[:, None], m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL,
+                        OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+                        stride_o_b, stride_o_h, WRITE_LSE=True,
+                    )  # fmt: skip
+                    _store_piece(
+                        acc_hi / l_i[:, None], m_i, l_i, cols + D_HALF, offs_h, mask_h, b64, split, slot, slot_div,
+                        PO, PL, OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+                        stride_o_b, stride_o_h, WRITE_LSE=False,
+                    )  # fmt: skip
+                else:
+                    offs_d = tl.arange(0, D_CKV)
+                    q = tl.load(
+                        QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d[None, :],
+                        mask=mask_h[:, None],
+                        other=0.0,
+                    ).to(KV.dtype.element_ty)
+                    acc = tl.zeros([BLOCK_H, D_CKV], dtype=tl.float32)
+                    m_i, l_i, acc = _mla_attn_loop(
+                        q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, start, full_end, m_i, qk_scale,
+                        PAGE_SIZE, BLOCK_N, D_CKV, D_PE, MASK_N=False, CAUSAL=False, PREC=PREC, UPCAST=UPCAST,
+                    )  # fmt: skip
+                    m_i, l_i, acc = _mla_attn_loop(
+                        q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, full_end, end, m_i, qk_scale,
+                        PAGE_SIZE, BLOCK_N, D_CKV, D_PE, MASK_N=True, CAUSAL=False, PREC=PREC, UPCAST=UPCAST,
+                    )  # fmt: skip
+                    _store_piece(
+                        acc / l_i[:, None], m_i, l_i, offs_d, offs_h, mask_h, b64, split, slot, slot_div, PO, PL, OUT,
+                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
+                        stride_o_h, WRITE_LSE=True,
+                    )  # fmt: skip
+            slot0 += tl.where((seq_len > 0) & split, p1 - p0 + 1, 0)
+            s_b = e_b
+            b += 1
 
 
-@triton.jit(
-    do_not_specialize=["num_reqs_for_total", "target_splits", "min_tokens_per_split", "splits_per_req", "slot_div"]
-)
+@triton.jit(do_not_specialize=["H", "num_reqs", "num_programs", "min_chunk", "slot_div"])
 def _mla_decode_stage2_kernel(
     PO,
     PL,
@@ -302,53 +390,70 @@ def _mla_decode_stage2_kernel(
     stride_pl_s,
     stride_o_b,
     stride_o_h,
-    num_reqs_for_total,
-    target_splits,
-    min_tokens_per_split,
-    splits_per_req,
+    H,
+    num_reqs,
+    num_programs,
+    min_chunk,
     slot_div,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_HM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """grid (B, H, D_CKV // BLOCK_DV): merge the non-empty splits of (b, h) with their LSEs (requests with
-    one split were finished by stage 1; a request with no keys gets zeros)."""
+    """grid (B, cdiv(H, BLOCK_HM), D_CKV // BLOCK_DV): merge the pieces of split request b with their LSEs,
+    BLOCK_S pieces x BLOCK_HM heads x BLOCK_DV columns at a time. Requests finished by stage 1 are skipped;
+    a request with no keys gets zeros."""
     pid_b = tl.program_id(0)
-    h = tl.program_id(1)
+    pid_h = tl.program_id(1)
     pid_d = tl.program_id(2)
 
-    seq_len, split_len, n_eff = _split_plan(
-        SL, pid_b, num_reqs_for_total, target_splits, min_tokens_per_split, splits_per_req, BLOCK_N, BLOCK_B
-    )
-
-    if n_eff != 1:  # one split: stage 1 wrote the output
-        offs_d = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
-        m = tl.full([1], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([1], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-        for s0 in range(0, n_eff, BLOCK_S):
-            offs_s = s0 + tl.arange(0, BLOCK_S)
-            mask_s = offs_s < n_eff
-            slot = pid_b * splits_per_req + offs_s
-            ws_b = (slot // slot_div).to(tl.int64)
-            ws_s = slot % slot_div
-            lse = tl.load(
-                PL + ws_b * stride_pl_b + h * stride_pl_h + ws_s * stride_pl_s, mask=mask_s, other=float("-inf")
-            )
-            o = tl.load(
-                PO + ws_b[:, None] * stride_po_b + h * stride_po_h + ws_s[:, None] * stride_po_s + offs_d[None, :],
-                mask=mask_s[:, None],
-                other=0.0,
-            )
-            # lse of a non-empty split is finite, and offs_s[0] < n_eff, so m_new is finite.
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            alpha = tl.exp(m - m_new)
-            w = tl.exp(lse - m_new)
-            l = l * alpha + tl.sum(w, 0)
-            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-            m = m_new
-        l_safe = tl.where(l > 0.0, l, 1.0)
-        res = acc / l_safe
-        o_ptrs = OUT + pid_b.to(tl.int64) * stride_o_b + h * stride_o_h + offs_d
-        tl.store(o_ptrs, res.to(OUT.dtype.element_ty))
+    seq_len = tl.load(SL + pid_b)
+    offs_h = pid_h * BLOCK_HM + tl.arange(0, BLOCK_HM)
+    mask_h = offs_h < H
+    offs_d = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    o_ptrs = OUT + pid_b.to(tl.int64) * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
+    if seq_len <= 0:
+        tl.store(o_ptrs, tl.zeros([BLOCK_HM, BLOCK_DV], dtype=OUT.dtype.element_ty), mask=mask_h[:, None])
+    else:
+        total = _padded_total(SL, num_reqs, BLOCK_N, BLOCK_B)
+        chunk = _chunk_len(total, num_programs, min_chunk, BLOCK_N)
+        _, s_b, slot0 = _requests_before(SL, num_reqs, pid_b, total, chunk, BLOCK_N, BLOCK_B)
+        p0 = s_b // chunk
+        p1 = (s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N - 1) // chunk
+        n_pieces = p1 - p0 + 1
+        if n_pieces > 1:
+            m = tl.full([BLOCK_HM], float("-inf"), dtype=tl.float32)
+            l = tl.zeros([BLOCK_HM], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_HM, BLOCK_DV], dtype=tl.float32)
+            for s0 in range(0, n_pieces, BLOCK_S):
+                offs_s = s0 + tl.arange(0, BLOCK_S)
+                mask_s = offs_s < n_pieces
+                slot = slot0 + offs_s
+                ws_b = (slot // slot_div).to(tl.int64)
+                ws_s = slot % slot_div
+                mask_sh = mask_s[:, None] & mask_h[None, :]
+                lse = tl.load(
+                    PL + ws_b[:, None] * stride_pl_b + offs_h[None, :] * stride_pl_h + ws_s[:, None] * stride_pl_s,
+                    mask=mask_sh,
+                    other=0.0,
+                )
+                # pieces past the end weigh 0; offs_s[0] < n_pieces so every head's m_new is finite
+                lse = tl.where(mask_s[:, None], lse, float("-inf"))
+                o = tl.load(
+                    PO
+                    + ws_b[:, None, None] * stride_po_b
+                    + offs_h[None, :, None] * stride_po_h
+                    + ws_s[:, None, None] * stride_po_s
+                    + offs_d[None, None, :],
+                    mask=mask_sh[:, :, None],
+                    other=0.0,
+                )
+                m_new = tl.maximum(m, tl.max(lse, 0))
+                alpha = tl.exp(m - m_new)
+                w = tl.exp(lse - m_new[None, :])
+                l = l * alpha + tl.sum(w, 0)
+                acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+                m = m_new
+            res = acc / l[:, None]
+            tl.store(o_ptrs, res.to(OUT.dtype.element_ty), mask=mask_h[:, None])
