@@ -47,6 +47,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from backends.kernels.mla_decode import (  # noqa: E402
     PROGRAMS_PER_SM,
+    PROGRAMS_PER_SM_TMA,
     decode_programs,
     default_decode_config,
     mla_decode,
@@ -161,12 +162,18 @@ class Paged:
         return self.kv[self.pt[b, t // self.page_size].long(), t % self.page_size].float()
 
 
-def plan_pieces(lens, programs, min_tokens, block_n):
+def plan_pieces(lens, programs, min_tokens, block_n, snap=True):
     """Split pieces of the kernels' token-balanced plan (mirror of mla_decode_kernels; see the tests)."""
     pad = [-(-L // block_n) * block_n for L in lens]
     total = sum(pad)
     chunk = max(triton.cdiv(triton.cdiv(total, programs), block_n) * block_n,
                 triton.cdiv(min_tokens, block_n) * block_n, block_n)  # fmt: skip
+    nonzero = {pd for pd in pad if pd > 0}
+    if snap and len(nonzero) == 1:  # equal lengths: cut at request boundaries if it costs <= 1/8 more
+        eq = nonzero.pop()
+        r = triton.cdiv(chunk, eq) * eq
+        if 8 * r <= 9 * chunk:
+            chunk = r
     s, pieces = 0, 0
     for L, pd in zip(lens, pad):
         p0, p1 = s // chunk, max(s + pd - 1, 0) // chunk
@@ -208,10 +215,11 @@ class DecodeProblem:
         S = self.workspace(cfg.get("ws", self.max_splits))[2]
         tp = cfg.get("target_programs")
         if tp is None:
-            tp = programs_per_sm(bh) * sms
+            tma = cfg.get("use_tma", d.get("use_tma", False)) and PAGE % bn == 0
+            tp = programs_per_sm(bh, tma) * sms
         hb = -(-self.H // bh)
         P = decode_programs(self.B, self.B * S, hb, tp)
-        _, pieces = plan_pieces(self.lens, P, cfg.get("min_tokens_per_split", 256), bn)
+        _, pieces = plan_pieces(self.lens, P, cfg.get("min_tokens_per_split", 256), bn, cfg.get("snap", True))
         return P, pieces, 2 * pieces * self.H * (D_CKV + 1) * 4
 
     def ref(self):
@@ -416,43 +424,37 @@ def S(n, smoke=None):
 
 
 def decode_configs(row, quick, sms):
-    """Configs tried per decode row (the first is the launcher's default). The previous sweeps (tiles x
-    warps x stages) are in bench/TRITON_NOTES.md; these are the contenders."""
+    """Configs tried per decode row (the first is the launcher's default: TMA loads, one program per SM).
+    Earlier sweeps (tiles x warps x stages, plans) are summarized in bench/TRITON_NOTES.md; these are the
+    contenders."""
     base = {}
+    ptr = dict(use_tma=False)  # pointer loads: 107 registers, 2 programs per SM
     if quick:
         return [base] + ([dict(ws=2048)] if row == "b1" else [])
-    t16 = dict(block_h=16, block_n=64, num_warps=8, num_stages=2)
     if row == "h16":
         return [
             base,
-            dict(t16, target_programs=sms),
-            dict(t16, target_programs=2 * sms),
-            dict(t16, target_programs=4 * sms),
-            dict(t16, max_regs=128, target_programs=2 * sms),
-            dict(t16, max_regs=128, target_programs=4 * sms),
-            dict(block_h=16, block_n=32, num_warps=4, num_stages=3, target_programs=2 * sms),
-            dict(block_h=16, block_n=32, num_warps=8, num_stages=3, max_regs=128, target_programs=2 * sms),
-            dict(t16, use_tma=True, target_programs=sms),
+            dict(use_tma=True, target_programs=2 * sms),
+            ptr,
+            dict(ptr, target_programs=sms),
+            dict(ptr, block_n=32, num_warps=4, num_stages=3, target_programs=2 * sms),
         ]
     if row == "b1":
-        out = [base, dict(t16, ws=64, min_tokens_per_split=128, target_programs=2 * sms)]
-        for tp, mt in ((sms, 256), (sms, 128), (2 * sms, 128), (2 * sms, 64), (4 * sms, 64)):
-            out.append(dict(t16, ws=2048, min_tokens_per_split=mt, target_programs=tp))
-        out.append(dict(t16, ws=2048, max_regs=128, min_tokens_per_split=128, target_programs=2 * sms))
-        out.append(dict(t16, ws=2048, max_regs=128, min_tokens_per_split=64, target_programs=4 * sms))
-        out.append(dict(block_h=16, block_n=32, num_warps=8, num_stages=3, max_regs=128, ws=2048,
-                        min_tokens_per_split=64, target_programs=4 * sms))  # fmt: skip
-        return out
-    if row == "h128":
-        t = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
         return [
             base,
-            dict(t, target_programs=sms - sms % 8),  # 128 on an H100: 64 chunks = the 64 requests, no pieces
-            dict(t, target_programs=2 * sms),
-            dict(t, block_n=32, target_programs=sms - sms % 8),
-            dict(t, block_n=32, num_stages=3, target_programs=sms - sms % 8),
-            dict(t, use_tma=True, target_programs=sms - sms % 8),
-            dict(t, block_n=32, num_stages=3, use_tma=True, target_programs=sms - sms % 8),
+            dict(ws=2048),
+            dict(ptr, ws=2048),
+            dict(ptr, ws=2048, min_tokens_per_split=128),
+            dict(ptr, ws=2048, target_programs=sms),
+            dict(ptr, ws=2048, block_n=32, num_warps=4, num_stages=4, min_tokens_per_split=128),
+        ]
+    if row == "h128":
+        return [
+            base,
+            dict(snap=False),
+            ptr,
+            dict(ptr, target_programs=2 * sms),
+            dict(ptr, block_n=32, num_stages=3),
         ]
     raise ValueError(row)
 
@@ -465,7 +467,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="default configs only")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter dry run of this script (tiny sizes)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of rows: {','.join(ROWS)}")
-    ap.add_argument("--max-splits", type=int, default=64, help="backend.max_splits (workspace S cap)")
+    ap.add_argument("--max-splits", type=int, default=2048, help="backend.max_splits (workspace S cap)")
     ap.add_argument("--split-slots", type=int, default=2048, help="backend.split_slots (workspace slots)")
     ap.add_argument("--no-fi", action="store_true", help="skip FlashInfer")
     args = ap.parse_args()
@@ -544,6 +546,9 @@ def main():
         )
         log(f"  best plan: P={P} pieces={pieces}, partials written+read {pbytes / MiB:.1f} MiB "
             f"({100 * pbytes / prob.kv_bytes:.1f}% of the KV bytes)")  # fmt: skip
+        if not SMOKE:
+            g1 = graph_ms(prob.runner(**cfg, _skip_merge=True), len(prob.copies))
+            log(f"  stage 1 alone (graph): {g1 * 1e3:.1f} us -> merge + its launch {1e3 * (gms - g1):.1f} us")
         return cfg, ms, gms
 
     def guarded(fn, *a):
@@ -563,9 +568,7 @@ def main():
     if "var" in rows_wanted:  # 4. variable lengths vs uniform of the same total
         var_cfgs = [dict(r1[0])] if r1 else [{}]
         if not quick:
-            t16 = dict(block_h=16, block_n=64, num_warps=8, num_stages=2)
-            for c in (dict(t16, target_programs=sms), dict(t16, target_programs=2 * sms),
-                      dict(t16, max_regs=128, target_programs=2 * sms)):  # fmt: skip
+            for c in ({}, dict(use_tma=False), dict(use_tma=False, target_programs=sms)):
                 if c not in var_cfgs:
                     var_cfgs.append(c)
         nb = S(128, 3)
@@ -702,7 +705,8 @@ def main():
     log(
         f"\nceilings: copy {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s; decode defaults: "
         f"{default_decode_config(16, DTYPE)} (16 heads), {default_decode_config(128, DTYPE)} (128 heads), programs "
-        f"per SM by block_h {PROGRAMS_PER_SM}; workspace max_splits={args.max_splits} split_slots={args.split_slots} "
+        f"per SM by block_h {PROGRAMS_PER_SM} (pointer loads), {PROGRAMS_PER_SM_TMA} (TMA); workspace "
+        f"max_splits={args.max_splits} split_slots={args.split_slots} "
         "(tp = target_programs, mt = min_tokens_per_split, ws = workspace max_splits, reg = maxnreg)"
     )
     head = ("row", "best config", "eager us", "graph us", "value (graph)", "% ceil eager", "% ceil graph", "goal",

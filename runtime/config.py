@@ -77,7 +77,7 @@ class TorchMLAConfig(BackendConfig):
 @dataclass
 class TritonMLAConfig(BackendConfig):
     name: str = "triton_mla"
-    max_splits: int = 64  # split-KV partitions per request at most
+    max_splits: int = 2048  # split-KV slots one request may take at most (the kernel balances tokens over slots)
     split_slots: int = 2048  # partials in the scratch workspace: a batch of B gets min(max_splits, slots // B)
     min_tokens_per_split: int = 256  # a request gets ceil(len / this) splits, capped as above
     block_n: int | None = None  # KV tokens per tile (null: the kernel's default for the head count)

@@ -183,12 +183,18 @@ def test_decode_lengths_across_split_boundaries(page_size):
     _check(out, ref, torch.float32)
 
 
-def _plan(lens, programs, min_tokens, block_n):
+def _plan(lens, programs, min_tokens, block_n, snap=True):
     """Python mirror of the kernels' work plan: (chunk, [(first slot, pieces) or None per request], slots used)."""
     pad = [-(-L // block_n) * block_n for L in lens]
     total = sum(pad)
     chunk = max(triton.cdiv(triton.cdiv(total, programs), block_n) * block_n,
                 triton.cdiv(min_tokens, block_n) * block_n, block_n)  # fmt: skip
+    nonzero = {pd for pd in pad if pd > 0}
+    if snap and len(nonzero) == 1:  # equal lengths: cut at request boundaries if it costs <= 1/8 more
+        eq = nonzero.pop()
+        r = triton.cdiv(chunk, eq) * eq
+        if 8 * r <= 9 * chunk:
+            chunk = r
     s, slot, res = 0, 0, []
     for L, pd in zip(lens, pad):
         e = s + pd
@@ -234,6 +240,21 @@ def test_decode_token_balanced_plan_spreads_long_requests():
     chunk, plan, used = _plan(lens, 6, 16, 16)
     assert chunk == 112 and plan[2][1] >= 3 and plan[1] is None and plan[3] is None
     assert used <= min(2 * (6 - 1), 6 - 1 + len(lens))
+    assert _slots_written(lse, 4) == set(range(used))
+
+
+@pytest.mark.parametrize("snap", [True, False])
+def test_decode_equal_lengths_snap_to_request_boundaries(snap):
+    # 8 x 512 tokens over 9 programs: chunks of 464 would cut every request; snapping rounds them up to 512
+    # (<= 1/8 more per program) so each program takes one whole request and nothing is split.
+    lens = [512] * 8
+    out, ref, lse = _run_decode(
+        lens, 2, 16, torch.float32, seed=14, max_splits=4, min_tokens_per_split=16, target_programs=9, snap=snap,
+        **SMALL,
+    )  # fmt: skip
+    _check(out, ref, torch.float32)
+    chunk, plan, used = _plan(lens, 9, 16, 16, snap=snap)
+    assert (chunk, used == 0) == ((512, True) if snap else (464, False))
     assert _slots_written(lse, 4) == set(range(used))
 
 
@@ -441,8 +462,8 @@ def _gpu_rel(out, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [16, 128])
-def test_gpu_decode_real_sizes(H):
+@pytest.mark.parametrize("H,use_tma", [(16, False), (128, False), (128, True)])
+def test_gpu_decode_real_sizes(H, use_tma):
     _needs_gpu()
     lens = [8192, 1, 4097, 64, 2000, 7000, 513, 8000]
     dtype = torch.bfloat16
@@ -457,7 +478,7 @@ def test_gpu_decode_real_sizes(H):
     pl = torch.empty(pl_shape, device="cuda")
     out = torch.full((B, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8)
+    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, use_tma=use_tma)
     assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
 
 

@@ -28,12 +28,15 @@ from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kerne
 __all__ = [
     "DEFAULT_MAX_SPLITS",
     "MIN_WORKSPACE_SLOTS",
+    "PROGRAMS_PER_SM",
+    "PROGRAMS_PER_SM_TMA",
     "decode_workspace_bytes",
     "decode_programs",
     "decode_workspace_shapes",
     "default_decode_config",
     "merge_config",
     "mla_decode",
+    "programs_per_sm",
 ]
 
 #: Default split slots per request row of the workspace (batch 256 x 16 heads -> 64 MiB of partials). The
@@ -43,14 +46,18 @@ DEFAULT_MAX_SPLITS = 8
 MIN_WORKSPACE_SLOTS = 512
 #: Upper bound on the stage-1 grid's program dimension (CUDA limits grid.y to 65535).
 MAX_GRID_PROGRAMS = 65535
-#: Stage-1 programs (head_blocks * num_programs) aimed at per streaming multiprocessor, by block_h: as many
-#: as fit on an SM at once (shared memory: block_h 16 with block_n 64 and 2 stages takes 92 KiB, so 2 fit;
-#: block_h 64 takes 216 KiB, 1 fits), i.e. one wave of equal programs.
+#: Stage-1 programs (head_blocks * num_programs) aimed at per streaming multiprocessor with pointer loads, by
+#: block_h: as many as fit on an SM at once, i.e. one wave of equal programs (block_h 16, block_n 64, 8 warps,
+#: 2 stages: 92 KiB of shared memory and 107 registers, so 2 fit; block_h 64: 216 KiB, 1 fits). The TMA
+#: path (see default_decode_config) holds 1 per SM (block_h 16: 162 KiB, 226 registers).
 PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
+PROGRAMS_PER_SM_TMA = 1
 _BLOCK_B = 256  # seq_lens summed in chunks of this many requests
 
 
-def programs_per_sm(block_h: int) -> int:
+def programs_per_sm(block_h: int, use_tma: bool = False) -> int:
+    if use_tma:
+        return PROGRAMS_PER_SM_TMA
     return PROGRAMS_PER_SM.get(block_h, 2 if block_h < 16 else 1)
 
 
@@ -87,16 +94,17 @@ def _interpreting() -> bool:
 
 
 def default_decode_config(heads: int, dtype: torch.dtype) -> dict:
-    """Default kernel parameters for ``heads`` query heads (see bench/triton_mla_kernels_gpu.py to retune)."""
+    """Default kernel parameters for ``heads`` query heads (see bench/triton_mla_kernels_gpu.py and
+    bench/TRITON_NOTES.md to retune). ``use_tma``: TMA tile loads where the cache allows them (Hopper,
+    bf16/fp16, page_size % block_n == 0); the launcher falls back to pointer loads otherwise."""
     if heads <= 16:
-        cfg = dict(block_h=16, block_n=64, num_warps=8, num_stages=2)
+        cfg = dict(block_h=16, block_n=64, num_warps=8, num_stages=2, use_tma=True)
     elif heads <= 32:
-        cfg = dict(block_h=32, block_n=64, num_warps=8, num_stages=2)
+        cfg = dict(block_h=32, block_n=64, num_warps=8, num_stages=2, use_tma=True)
     else:
-        cfg = dict(block_h=64, block_n=64, num_warps=8, num_stages=2)
-    if dtype == torch.float32:  # twice the bytes per tile
-        cfg["block_n"] = 16
-        cfg["num_stages"] = 1
+        cfg = dict(block_h=64, block_n=64, num_warps=8, num_stages=2, use_tma=True)
+    if dtype == torch.float32:  # twice the bytes per tile; no TMA path
+        cfg.update(block_n=16, num_stages=1, use_tma=False)
     return cfg
 
 
@@ -155,6 +163,8 @@ def mla_decode(
     merge_num_warps: int = 4,
     use_tma: bool | None = None,
     max_regs: int | None = None,
+    snap: bool = True,
+    _skip_merge: bool = False,
 ) -> None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
 
@@ -172,15 +182,18 @@ def mla_decode(
     max_splits : the workspace's split dimension (``partial_out.shape[2]``).
     min_tokens_per_split : a stage-1 chunk has at least this many tokens (rounded up to block_n).
     block_n, block_h, num_warps, num_stages : kernel tiling (defaults from :func:`default_decode_config`).
-    target_programs : stage-1 programs (x head blocks) to aim at; None -> ``programs_per_sm(block_h) *
-        SMs`` on CUDA (one wave), 0 (as many as the workspace slots allow) when interpreting on the CPU;
+    target_programs : stage-1 programs (x head blocks) to aim at; None -> ``programs_per_sm(block_h, use_tma)
+        * SMs`` on CUDA (one wave), 0 (as many as the workspace slots allow) when interpreting on the CPU;
         <= 0 -> as many as the slots allow.
     merge_block_dv, merge_block_s, merge_block_h, merge_num_warps : tiling of the merge kernel (None:
         :func:`merge_config`).
     use_tma : load KV tiles with TMA (Hopper+, bf16/fp16, page_size % block_n == 0, pages contiguous in the
-        cache); None -> the config default where possible.
+        cache); None -> the config default where possible (on the GPU; never by default when interpreting).
     max_regs : register cap per thread for stage 1 (ptxas maxnreg; 128 with 8 warps lets 2 programs share
         an SM); None -> the config default.
+    snap : a chunk of at least half the mean request length is rounded up to a multiple of it, so equal
+        lengths are cut at request boundaries (no split pieces); see ``_chunk_len``.
+    _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
     """
     B, H, D_CKV = q_nope.shape
     D_PE = q_pe.shape[-1]
@@ -239,8 +252,26 @@ def mla_decode(
     sms = _sm_count(q_nope.device.index or 0) if on_gpu else 4
     head_blocks = triton.cdiv(H, block_h)
     slots = partial_out.shape[0] * max_splits
+    tma_ok = (
+        kv_cache.dtype in (torch.bfloat16, torch.float16)
+        and kv_cache.shape[1] % block_n == 0
+        and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
+        and D_CKV % 2 == 0
+        and D_CKV // 2 <= 256
+        and block_n <= 256
+        # Hopper TMA on the GPU; the interpreter only for fp16 (it computes bf16 dots wrong)
+        and (
+            (on_gpu and _capability_major(q_nope.device.index or 0) >= 9)
+            or (interp and kv_cache.dtype == torch.float16)
+        )
+    )
+    if use_tma is None:  # the default: where possible, on the GPU only
+        use_tma = bool(cfg.get("use_tma", False)) and tma_ok and not interp
+    require(
+        not use_tma or tma_ok, "use_tma needs a bf16/fp16 cache, page_size % block_n == 0, contiguous pages, sm_90+"
+    )
     if target_programs is None:
-        target_programs = programs_per_sm(block_h) * sms if on_gpu else 0
+        target_programs = programs_per_sm(block_h, use_tma) * sms if on_gpu else 0
     programs = decode_programs(B, slots, head_blocks, target_programs)
     min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
 
@@ -252,20 +283,6 @@ def mla_decode(
     merge_block_h = mcfg["merge_block_h"] if merge_block_h is None else merge_block_h
     require(D_CKV % merge_block_dv == 0, "D_CKV % merge_block_dv == 0")
 
-    tma_ok = (
-        kv_cache.dtype in (torch.bfloat16, torch.float16)
-        and kv_cache.shape[1] % block_n == 0
-        and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
-        and D_CKV % 2 == 0
-        and D_CKV // 2 <= 256
-        and block_n <= 256
-        and (interp or (on_gpu and _capability_major(q_nope.device.index or 0) >= 9))
-    )
-    if use_tma is None:
-        use_tma = bool(cfg.get("use_tma", False)) and tma_ok
-    require(
-        not use_tma or tma_ok, "use_tma needs a bf16/fp16 cache, page_size % block_n == 0, contiguous pages, sm_90+"
-    )
     desc_c = desc_pe = None
     if use_tma:
         rows = kv_cache.shape[0] * kv_cache.shape[1]
@@ -311,6 +328,7 @@ def mla_decode(
         B,
         programs,
         min_chunk,
+        int(bool(snap)),
         max_splits,
         PAGE_SIZE=kv_cache.shape[1],
         D_CKV=D_CKV,
@@ -323,6 +341,8 @@ def mla_decode(
         USE_TMA=use_tma,
         **extra,
     )
+    if _skip_merge:
+        return
     extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2)
     _mla_decode_stage2_kernel[(B, triton.cdiv(H, merge_block_h), D_CKV // merge_block_dv)](
         partial_out,
@@ -341,6 +361,7 @@ def mla_decode(
         B,
         programs,
         min_chunk,
+        int(bool(snap)),
         max_splits,
         BLOCK_N=block_n,
         BLOCK_B=_BLOCK_B,

@@ -15,7 +15,9 @@ any lengths). The batch is laid end to end in one *global token space*: request 
 the ``pad``. That space (``T = sum(pad)``) is cut into ``num_programs`` equal chunks of ``chunk =
 max(min_chunk, roundup(cdiv(T, num_programs), BLOCK_N))`` tokens; stage-1 program ``p`` handles every
 (request, token range) piece that falls in ``[p * chunk, (p + 1) * chunk)`` -- several short requests, or a
-slice of a long one -- so all programs do the same amount of work whatever the length distribution.
+slice of a long one -- so all programs do the same amount of work whatever the length distribution. When all
+non-empty requests have the same padded length and rounding the chunk up to a multiple of it costs at most 1/8
+more tokens, the chunk is rounded up (``snap``): equal lengths are then cut at request boundaries.
 
 A request that lies inside one chunk is finished by its program (written to ``out``). A request cut by chunk
 boundaries is "split": its pieces (programs ``p0 .. p1``, ``p0 = s_b // chunk``, ``p1 = (s_b + pad_b - 1) //
@@ -35,6 +37,10 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+#: Stage 1 calls the per-piece body (_decode_piece) as a real function: inlined into the loop over pieces,
+#: its loop invariants were hoisted and kept live across that loop (ptxas, Triton 3.6, sm_90: block_h 16 went
+#: from 107 to 150 registers, block_h 64 from 64 to 504 bytes of spills).
+_PIECE_NOINLINE = True
 
 
 @triton.jit
@@ -124,48 +130,75 @@ def _mla_attn_loop(
 
 
 @triton.jit
-def _padded_total(SL, num_reqs, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """sum_b roundup(seq_lens[b], BLOCK_N): the length of the global token space."""
-    total = tl.load(SL) * 0
-    for i in range(0, num_reqs, BLOCK_B):
+def _lengths_total(SL, num_reqs, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """seq_lens[0:BLOCK_B] (reused by _requests_before: one load fewer when batch <= BLOCK_B), the global token
+    space length sum_b pad_b (pad_b = roundup(seq_lens[b], BLOCK_N)), and whether all non-empty requests
+    have the same pad (then that pad, else 0)."""
+    offs = tl.arange(0, BLOCK_B)
+    lens0 = tl.load(SL + offs, mask=offs < num_reqs, other=0)
+    pad = tl.cdiv(lens0, BLOCK_N) * BLOCK_N
+    total = tl.sum(pad, 0)
+    pad_max = tl.max(pad, 0)
+    pad_min = tl.min(tl.where(pad > 0, pad, 2147483647), 0)
+    for i in range(BLOCK_B, num_reqs, BLOCK_B):
         offs = i + tl.arange(0, BLOCK_B)
         lens = tl.load(SL + offs, mask=offs < num_reqs, other=0)
-        total += tl.sum(tl.cdiv(lens, BLOCK_N) * BLOCK_N, 0)
-    return total
-
-
-@triton.jit
-def _chunk_len(total, num_programs, min_chunk, BLOCK_N: tl.constexpr):
-    """Tokens of the global token space per stage-1 program (a multiple of BLOCK_N, >= min_chunk)."""
-    c = tl.cdiv(tl.cdiv(total, num_programs), BLOCK_N) * BLOCK_N
-    return tl.maximum(tl.maximum(c, min_chunk), BLOCK_N)
-
-
-@triton.jit
-def _requests_before(SL, num_reqs, limit_b, limit_t, chunk, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """Over the requests b < limit_b that end at or before global token limit_t (a prefix of the batch):
-    (how many, their padded tokens = start of the next one, their split pieces = its first slot)."""
-    zero = limit_t * 0
-    n_before = zero
-    t_before = zero
-    slots_before = zero
-    carry = zero
-    for i in range(0, num_reqs, BLOCK_B):
-        offs = i + tl.arange(0, BLOCK_B)
-        valid = offs < num_reqs
-        lens = tl.load(SL + offs, mask=valid, other=0)
         pad = tl.cdiv(lens, BLOCK_N) * BLOCK_N
-        e = tl.cumsum(pad, 0) + carry
-        s = e - pad
-        p0 = s // chunk
-        p1 = tl.maximum(e - 1, 0) // chunk
-        pieces = tl.where((lens > 0) & (p1 > p0), p1 - p0 + 1, 0)
-        before = valid & (offs < limit_b) & (e <= limit_t)
-        n_before += tl.sum(before.to(tl.int32), 0)
-        t_before += tl.sum(tl.where(before, pad, 0), 0)
-        slots_before += tl.sum(tl.where(before, pieces, 0), 0)
-        carry += tl.sum(pad, 0)
-    return n_before, t_before, slots_before
+        total += tl.sum(pad, 0)
+        pad_max = tl.maximum(pad_max, tl.max(pad, 0))
+        pad_min = tl.minimum(pad_min, tl.min(tl.where(pad > 0, pad, 2147483647), 0))
+    return lens0, total, tl.where(pad_min == pad_max, pad_max, 0)
+
+
+@triton.jit
+def _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N: tl.constexpr):
+    """Tokens of the global token space per stage-1 program: a multiple of BLOCK_N, >= min_chunk. With snap,
+    when every non-empty request has the same padded length (equal_pad > 0) and rounding the chunk up to a
+    multiple of it costs at most 1/8 more tokens per program, it is rounded up: the batch is then cut at
+    request boundaries (no split pieces, no partial outputs, no merge work)."""
+    c = tl.cdiv(tl.cdiv(total, num_programs), BLOCK_N) * BLOCK_N
+    c = tl.maximum(tl.maximum(c, min_chunk), BLOCK_N)
+    r = tl.cdiv(c, tl.maximum(equal_pad, 1)) * equal_pad
+    return tl.where((snap != 0) & (equal_pad > 0) & (8 * r <= 9 * c), r, c)
+
+
+@triton.jit
+def _block_stats(offs, lens, carry, num_reqs, limit_b, limit_t, end_t, chunk, BLOCK_N: tl.constexpr):
+    valid = offs < num_reqs
+    pad = tl.cdiv(lens, BLOCK_N) * BLOCK_N
+    e = tl.cumsum(pad, 0) + carry
+    s = e - pad
+    p0 = s // chunk
+    p1 = tl.maximum(e - 1, 0) // chunk
+    pieces = tl.where((lens > 0) & (p1 > p0), p1 - p0 + 1, 0)
+    before = valid & (offs < limit_b) & (e <= limit_t)
+    n_before = tl.sum(before.to(tl.int32), 0)
+    t_before = tl.sum(tl.where(before, pad, 0), 0)
+    slots_before = tl.sum(tl.where(before, pieces, 0), 0)
+    n_start = tl.sum((valid & (s < end_t)).to(tl.int32), 0)
+    return n_before, t_before, slots_before, n_start, tl.sum(pad, 0)
+
+
+@triton.jit
+def _requests_before(
+    lens0, SL, num_reqs, limit_b, limit_t, end_t, chunk, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr
+):  # fmt: skip
+    """Over the requests b < limit_b that end at or before global token limit_t (a prefix of the batch):
+    (how many, their padded tokens = start of the next one, their split pieces = its first slot), and the
+    number of requests that start before global token end_t. lens0: seq_lens[0:BLOCK_B]."""
+    n_before, t_before, slots_before, n_start, carry = _block_stats(
+        tl.arange(0, BLOCK_B), lens0, limit_t * 0, num_reqs, limit_b, limit_t, end_t, chunk, BLOCK_N
+    )
+    for i in range(BLOCK_B, num_reqs, BLOCK_B):
+        offs = i + tl.arange(0, BLOCK_B)
+        lens = tl.load(SL + offs, mask=offs < num_reqs, other=0)
+        nb, tb, sb, ns, tot = _block_stats(offs, lens, carry, num_reqs, limit_b, limit_t, end_t, chunk, BLOCK_N)
+        n_before += nb
+        t_before += tb
+        slots_before += sb
+        n_start += ns
+        carry += tot
+    return n_before, t_before, slots_before, n_start
 
 
 @triton.jit
@@ -241,9 +274,79 @@ def _store_piece(
         tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=mask_h[:, None])
 
 
+@triton.jit(noinline=_PIECE_NOINLINE)
+def _decode_piece(
+    QN, QP, KV, DESC_C, DESC_PE, PT, PO, PL, OUT, qk_scale, b64, start, end, split, slot, slot_div, pid_h, H,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_p, stride_kv_t, stride_pt_b, stride_po_b,
+    stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
+    PAGE_SIZE: tl.constexpr, D_CKV: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Tokens [start, end) of request b64 for BLOCK_H heads -> OUT (split False) or workspace slot."""
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_pe = tl.arange(0, D_PE)
+    PT_row = PT + b64 * stride_pt_b
+    full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
+    qpe = tl.load(
+        QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_pe[None, :],
+        mask=mask_h[:, None],
+        other=0.0,
+    ).to(KV.dtype.element_ty)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if USE_TMA:
+        D_HALF: tl.constexpr = D_CKV // 2
+        cols = tl.arange(0, D_HALF)
+        q_base = QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + cols[None, :]
+        q_lo = tl.load(q_base, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
+        q_hi = tl.load(q_base + D_HALF, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
+        acc_lo = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
+        acc_hi = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
+        m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
+            q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, start, full_end,
+            qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=False,
+        )  # fmt: skip
+        m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
+            q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, full_end, end,
+            qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=True,
+        )  # fmt: skip
+        _store_piece(
+            acc_lo / l_i[:, None], m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL,
+            OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+            stride_o_b, stride_o_h, WRITE_LSE=True,
+        )  # fmt: skip
+        _store_piece(
+            acc_hi / l_i[:, None], m_i, l_i, cols + D_HALF, offs_h, mask_h, b64, split, slot, slot_div,
+            PO, PL, OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+            stride_o_b, stride_o_h, WRITE_LSE=False,
+        )  # fmt: skip
+    else:
+        offs_d = tl.arange(0, D_CKV)
+        q = tl.load(
+            QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d[None, :],
+            mask=mask_h[:, None],
+            other=0.0,
+        ).to(KV.dtype.element_ty)
+        acc = tl.zeros([BLOCK_H, D_CKV], dtype=tl.float32)
+        m_i, l_i, acc = _mla_attn_loop(
+            q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, start, full_end, m_i, qk_scale,
+            PAGE_SIZE, BLOCK_N, D_CKV, D_PE, MASK_N=False, CAUSAL=False, PREC=PREC, UPCAST=UPCAST,
+        )  # fmt: skip
+        m_i, l_i, acc = _mla_attn_loop(
+            q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, full_end, end, m_i, qk_scale,
+            PAGE_SIZE, BLOCK_N, D_CKV, D_PE, MASK_N=True, CAUSAL=False, PREC=PREC, UPCAST=UPCAST,
+        )  # fmt: skip
+        _store_piece(
+            acc / l_i[:, None], m_i, l_i, offs_d, offs_h, mask_h, b64, split, slot, slot_div, PO, PL, OUT,
+            stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
+            stride_o_h, WRITE_LSE=True,
+        )  # fmt: skip
+
+
 # Scalars that change with the batch are not specialized, so a new batch size never triggers a recompile
 # (which would break CUDA-graph capture); strides keep Triton's divisibility specialization.
-@triton.jit(do_not_specialize=["H", "num_reqs", "num_programs", "min_chunk", "slot_div"])
+@triton.jit(do_not_specialize=["H", "num_reqs", "num_programs", "min_chunk", "snap", "slot_div"])
 def _mla_decode_stage1_kernel(
     QN,
     QP,
@@ -275,6 +378,7 @@ def _mla_decode_stage1_kernel(
     num_reqs,
     num_programs,
     min_chunk,
+    snap,
     slot_div,
     PAGE_SIZE: tl.constexpr,
     D_CKV: tl.constexpr,
@@ -293,17 +397,13 @@ def _mla_decode_stage1_kernel(
     pid_h = tl.program_id(0)
     pid_p = tl.program_id(1)
 
-    total = _padded_total(SL, num_reqs, BLOCK_N, BLOCK_B)
-    chunk = _chunk_len(total, num_programs, min_chunk, BLOCK_N)
+    lens0, total, equal_pad = _lengths_total(SL, num_reqs, BLOCK_N, BLOCK_B)
+    chunk = _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N)
     lo_g = pid_p * chunk
     if lo_g < total:
         hi_g = tl.minimum(lo_g + chunk, total)
-        b, s_b, slot0 = _requests_before(SL, num_reqs, num_reqs, lo_g, chunk, BLOCK_N, BLOCK_B)
-
-        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        offs_pe = tl.arange(0, D_PE)
-        while (s_b < hi_g) & (b < num_reqs):
+        b0, s_b, slot0, b_end = _requests_before(lens0, SL, num_reqs, num_reqs, lo_g, hi_g, chunk, BLOCK_N, BLOCK_B)
+        for b in range(b0, b_end):  # the requests that overlap [lo_g, hi_g)
             seq_len = tl.load(SL + b)
             e_b = s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N
             # local token range of this piece: start is a multiple of BLOCK_N, end may be ragged
@@ -314,69 +414,18 @@ def _mla_decode_stage1_kernel(
             split = p1 > p0
             slot = slot0 + (pid_p - p0)
             if start < end:
-                b64 = b.to(tl.int64)
-                PT_row = PT + b64 * stride_pt_b
-                full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
-                qpe = tl.load(
-                    QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_pe[None, :],
-                    mask=mask_h[:, None],
-                    other=0.0,
-                ).to(KV.dtype.element_ty)
-                m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-                l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-                if USE_TMA:
-                    D_HALF: tl.constexpr = D_CKV // 2
-                    cols = tl.arange(0, D_HALF)
-                    q_base = QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + cols[None, :]
-                    q_lo = tl.load(q_base, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
-                    q_hi = tl.load(q_base + D_HALF, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
-                    acc_lo = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
-                    acc_hi = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
-                    m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
-                        q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, start, full_end,
-                        qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=False,
-                    )  # fmt: skip
-                    m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
-                        q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, full_end, end,
-                        qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=True,
-                    )  # fmt: skip
-                    _store_piece(
-                        acc_lo / l_i[:, None], m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL,
-                        OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
-                        stride_o_b, stride_o_h, WRITE_LSE=True,
-                    )  # fmt: skip
-                    _store_piece(
-                        acc_hi / l_i[:, None], m_i, l_i, cols + D_HALF, offs_h, mask_h, b64, split, slot, slot_div,
-                        PO, PL, OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
-                        stride_o_b, stride_o_h, WRITE_LSE=False,
-                    )  # fmt: skip
-                else:
-                    offs_d = tl.arange(0, D_CKV)
-                    q = tl.load(
-                        QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d[None, :],
-                        mask=mask_h[:, None],
-                        other=0.0,
-                    ).to(KV.dtype.element_ty)
-                    acc = tl.zeros([BLOCK_H, D_CKV], dtype=tl.float32)
-                    m_i, l_i, acc = _mla_attn_loop(
-                        q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, start, full_end, m_i, qk_scale,
-                        PAGE_SIZE, BLOCK_N, D_CKV, D_PE, MASK_N=False, CAUSAL=False, PREC=PREC, UPCAST=UPCAST,
-                    )  # fmt: skip
-                    m_i, l_i, acc = _mla_attn_loop(
-                        q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, full_end, end, m_i, qk_scale,
-                        PAGE_SIZE, BLOCK_N, D_CKV, D_PE, MASK_N=True, CAUSAL=False, PREC=PREC, UPCAST=UPCAST,
-                    )  # fmt: skip
-                    _store_piece(
-                        acc / l_i[:, None], m_i, l_i, offs_d, offs_h, mask_h, b64, split, slot, slot_div, PO, PL, OUT,
-                        stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
-                        stride_o_h, WRITE_LSE=True,
-                    )  # fmt: skip
+                _decode_piece(
+                    QN, QP, KV, DESC_C, DESC_PE, PT, PO, PL, OUT, qk_scale, (s_b * 0 + b).to(tl.int64), start, end,
+                    split, slot, slot_div, pid_h, H, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_p,
+                    stride_kv_t, stride_pt_b, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
+                    stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H, BLOCK_N, PREC, UPCAST,
+                    USE_TMA,
+                )  # fmt: skip
             slot0 += tl.where((seq_len > 0) & split, p1 - p0 + 1, 0)
             s_b = e_b
-            b += 1
 
 
-@triton.jit(do_not_specialize=["H", "num_reqs", "num_programs", "min_chunk", "slot_div"])
+@triton.jit(do_not_specialize=["H", "num_reqs", "num_programs", "min_chunk", "snap", "slot_div"])
 def _mla_decode_stage2_kernel(
     PO,
     PL,
@@ -394,6 +443,7 @@ def _mla_decode_stage2_kernel(
     num_reqs,
     num_programs,
     min_chunk,
+    snap,
     slot_div,
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -416,9 +466,9 @@ def _mla_decode_stage2_kernel(
     if seq_len <= 0:
         tl.store(o_ptrs, tl.zeros([BLOCK_HM, BLOCK_DV], dtype=OUT.dtype.element_ty), mask=mask_h[:, None])
     else:
-        total = _padded_total(SL, num_reqs, BLOCK_N, BLOCK_B)
-        chunk = _chunk_len(total, num_programs, min_chunk, BLOCK_N)
-        _, s_b, slot0 = _requests_before(SL, num_reqs, pid_b, total, chunk, BLOCK_N, BLOCK_B)
+        lens0, total, equal_pad = _lengths_total(SL, num_reqs, BLOCK_N, BLOCK_B)
+        chunk = _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N)
+        _, s_b, slot0, _ = _requests_before(lens0, SL, num_reqs, pid_b, total, 0, chunk, BLOCK_N, BLOCK_B)
         p0 = s_b // chunk
         p1 = (s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N - 1) // chunk
         n_pieces = p1 - p0 + 1
