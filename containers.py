@@ -17,8 +17,8 @@ from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
 from backends.base import CudaGraphLevel, DecodeGraph, MHAChunkPrefill
-from backends.hybrid_linear import HybridLinearBackend
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
+from backends.hybrid_linear import HybridLinearBackend
 from backends.linear_attention import LinearAttentionBackend
 from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec

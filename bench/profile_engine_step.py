@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 from hydra import compose, initialize_config_dir
 from torch.profiler import ProfilerActivity, profile
 
