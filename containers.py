@@ -176,7 +176,7 @@ class Container(containers.DeclarativeContainer):
     graph_decision = providers.Callable(
         decide_decode_graphs, config.graph.enabled, device, backends_in_use, decode_graph, config.graph.batch_sizes)
     graph_runner = _step(build_log, "graph_runner", providers.Factory(
-        DecodeGraphRunner, model, decode_graph, graph_decision, device))
+        DecodeGraphRunner, model, decode_graph, graph_decision, req_to_token_pool.provided.padding_row, device))
     engine = _step(build_log, "engine", providers.Factory(
         Engine, model, attention, mha_prefill, graph_runner, token_slots, request_states, config.workload, device))
 

@@ -161,7 +161,8 @@ def hook_signature_problems(cls: type, protocol: type) -> list[str]:
 class DecodeGraph(Protocol):
     """CUDA-graph hooks for DECODE. The graph runner (runtime/graph_runner.py) owns static input buffers and
     hands the backend a batch whose tensors are those static buffers (padded to a captured size; padding
-    entries have seq_len 1 and write their KV to the padding page). One argument each, the batch."""
+    entries use the request table's padding row, have seq_len 1 and write their KV to the padding page). One
+    argument each, the batch."""
 
     def init_graph_state(self, batch: ForwardBatch) -> None:
         """Allocate static metadata for batches up to ``batch.batch_size`` (the largest size captured)."""
@@ -174,15 +175,3 @@ class DecodeGraph(Protocol):
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Refresh the static metadata in place for ``batch`` (host mirrors are valid), before replay."""
         ...
-
-
-@runtime_checkable
-class LinearLayerAttention(Protocol):
-    """Attention of a linear-attention layer (hybrid models); per-request recurrent state lives in a pool.
-
-    q, k [T, H, Dk] and v [T, H, Dv], packed by ``batch.qo_indptr`` -> out [T, H, Dv] in q's dtype.
-    """
-
-    def forward_linear(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: ForwardBatch
-    ) -> torch.Tensor: ...

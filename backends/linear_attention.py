@@ -40,10 +40,9 @@ class LinearAttentionBackend:
     Notes
     -----
     DECODE is graph-safe (no host sync, no data-dependent shapes, no host metadata): rows are read and written
-    through ``batch.req_pool_indices`` on the device. An entry with ``seq_len == 1`` in a DECODE batch is a
-    padding entry (a live request has at least one prefilled token, so its decode ``seq_len`` is >= 2); its
-    state goes to ``state_pool.padding_row`` so that the graph runner's padding (request row 0) never
-    overwrites a live row. EXTEND loops over requests on the host (torch) or makes one variable-length fla call;
+    through ``batch.req_pool_indices`` on the device. The graph runner pads with the request table's padding
+    row, which is ``state_pool.padding_row`` (both are ``max_requests``), so padding never touches a live
+    row. EXTEND loops over requests on the host (torch) or makes one variable-length fla call;
     it is never graphed.
     """
 
@@ -145,7 +144,7 @@ class LinearAttentionBackend:
         return self._extend(q, k, v, buf, self._plan)
 
     def _decode(self, q, k, v, buf: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        rows = torch.where(batch.seq_lens > 1, batch.req_pool_indices, self.state_pool.padding_row)
+        rows = batch.req_pool_indices
         state = buf.index_select(0, rows)  # [B, H, Dk, Dv] float32, a copy
         o = self._step(q, k, v, self.g, state, self.scale)
         buf.index_copy_(0, rows, state)

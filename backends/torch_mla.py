@@ -51,6 +51,7 @@ class TorchMLABackend:
         self.compute_dtype = TORCH_DTYPES[str(compute_dtype)]
         self._kv_slots: list[torch.Tensor] = []
         self._mha_slices: list[tuple[int, int]] = []
+        self._chunk_indptrs: list[list[int]] = []
 
     # ------------------------------------------------------------------------------ absorbed MLA
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -23,17 +23,13 @@ WORKSPACE = "triton_split_kv"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def split_slots(backend_cfg: dict) -> int:
-    return int(backend_cfg["split_slots"])
-
-
 def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpec:
     """Partial outputs (float32 [slots, H, kv_lora]) and LSEs (float32 [slots, H]) of the split-KV decode.
 
     ``split_slots`` bounds (batch x splits): a decode batch of B requests gets at most
     ``min(max_splits, split_slots // B)`` splits per request, so the scratch does not grow with the batch.
     """
-    slots, h = split_slots(backend_cfg), model.num_heads
+    slots, h = int(backend_cfg["split_slots"]), model.num_heads
     return WorkspaceSpec(WORKSPACE, nbytes=slots * h * (model.kv_lora_rank + 1) * 4, zero_init=False, shareable=False)
 
 
@@ -99,7 +95,7 @@ class TritonMLABackend:
         self.req_to_token_pool, self.kv_pool, self.model = req_to_token_pool, kv_pool, model
         self.workspace = split_kv_workspace
         self.max_splits = int(config["max_splits"])
-        self.split_slots = split_slots(config)
+        self.split_slots = int(config["split_slots"])
         self.min_tokens_per_split = int(config["min_tokens_per_split"])
         self.block_n, self.block_h = config["block_n"], config["block_h"]
         self.page_size = kv_pool.page_size

@@ -36,10 +36,6 @@ class PrefixChunk:
     kv_indptr: torch.Tensor
     kv_indptr_cpu: torch.Tensor
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.kv_indptr_cpu[-1])
-
 
 @dataclass
 class ForwardBatch:

@@ -32,11 +32,6 @@ def probe_device(requested: str, index: int = 0) -> DeviceInfo:
     return DeviceInfo(requested, kind, index, available, cc, name)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a host tensor to ``device`` without blocking the host.
 

@@ -5,8 +5,8 @@ Whether decode is graphed is decided from data: ``graph.enabled``, the device, a
 static input buffers; the backend's :class:`DecodeGraph` hooks own static metadata and refresh it on the
 host before each replay (nothing is planned or allocated inside the graph).
 
-Padding entries (up to the captured size) use request row 0 with ``seq_len`` 1, write their KV to slot 0
-(the padding page, which never holds a live token) and their outputs are dropped.
+Padding entries (up to the captured size) use the request table's padding row (never a live request's) with
+``seq_len`` 1, write their KV to slot 0 (the padding page) and their outputs are dropped.
 """
 
 from __future__ import annotations
@@ -53,18 +53,18 @@ class DecodeGraphRunner:
     hook : DecodeGraph or None
         The backend's graph hooks (None when the decision is off).
     decision : GraphDecision
+    padding_row : int
+        The request-table row padded entries use (``ReqToTokenPool.padding_row``).
     device : torch.device
     """
 
-    def __init__(self, model: MLAModel, hook: DecodeGraph | None, decision: GraphDecision, device: torch.device):
+    def __init__(self, model: MLAModel, hook: DecodeGraph | None, decision: GraphDecision, padding_row: int,
+                 device: torch.device):
         self.model, self.hook, self.decision, self.device = model, hook, decision, device
+        self.padding_row = padding_row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]] = {}
         self.max_bs = max(decision.sizes) if decision.graphed else 0
         self.replays = 0
-
-    @property
-    def captured(self) -> bool:
-        return bool(self.graphs)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.decision.graphed and batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
@@ -79,7 +79,8 @@ class DecodeGraphRunner:
         )
 
     def _padding_host(self, bs: int) -> dict[str, torch.Tensor]:
-        return {"req": torch.zeros(bs, dtype=torch.int64), "seq": torch.ones(bs, dtype=torch.int32)}
+        return {"req": torch.full((bs,), self.padding_row, dtype=torch.int64),
+                "seq": torch.ones(bs, dtype=torch.int32)}
 
     def capture(self) -> None:
         """Capture every size (largest first, so smaller graphs reuse its memory pool)."""
@@ -88,7 +89,7 @@ class DecodeGraphRunner:
         n, dev = self.max_bs, self.device
         self._bufs = {
             "ids": torch.zeros(n, dtype=torch.int64, device=dev),
-            "req": torch.zeros(n, dtype=torch.int64, device=dev),
+            "req": torch.full((n,), self.padding_row, dtype=torch.int64, device=dev),
             "seq": torch.ones(n, dtype=torch.int32, device=dev),
             "qo": torch.arange(n + 1, dtype=torch.int32, device=dev),
             "loc": torch.zeros(n, dtype=torch.int64, device=dev),
@@ -125,7 +126,7 @@ class DecodeGraphRunner:
         b["loc"][:n].copy_(batch.out_cache_loc, non_blocking=True)
         b["pos"][:n].copy_(batch.positions, non_blocking=True)
         if bs > n:
-            b["req"][n:bs].zero_()
+            b["req"][n:bs].fill_(self.padding_row)
             b["seq"][n:bs].fill_(1)
             b["loc"][n:bs].zero_()
             b["pos"][n:bs].zero_()

@@ -1,7 +1,8 @@
 """KV memory: the request -> token table, the page allocator, and the paged MLA KV pool.
 
-A token's *slot* is ``page * page_size + offset``. Page 0 is reserved as the padding page: padded batch
-entries (CUDA-graph replay) write their KV there, so it never holds a live token.
+A token's *slot* is ``page * page_size + offset``. Page 0 is reserved as the padding page, and the request
+table has one reserved padding row (``ReqToTokenPool.padding_row``, all slots 0): padded batch entries
+(CUDA-graph replay) use that row, so they read and write only the padding page and per-row state nobody owns.
 """
 
 from __future__ import annotations
@@ -21,16 +22,20 @@ class ReqToTokenPool:
     Attributes
     ----------
     req_to_token : torch.Tensor
-        [max_requests, max_context] int32 on the device: slot of token t of the request in row r.
+        [max_requests + 1, max_context] int32 on the device: slot of token t of the request in row r; the
+        last row is the padding row, never handed out, all zeros (the padding page).
     last_token : torch.Tensor
-        [max_requests] int64 on the device: the newest token of each row, written by sampling and read as
+        [max_requests + 1] int64 on the device: the newest token of each row, written by sampling and read as
         the next decode's input, so a decode step needs no host copy of the previous step's tokens.
+    padding_row : int
+        ``max_requests``: the row padded batch entries use (per-row state pools keep a row for it too).
     """
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device):
         self.max_requests, self.max_context = max_requests, max_context
-        self.req_to_token = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
-        self.last_token = torch.zeros(max_requests, dtype=torch.int64, device=device)
+        self.padding_row = max_requests
+        self.req_to_token = torch.zeros(max_requests + 1, max_context, dtype=torch.int32, device=device)
+        self.last_token = torch.zeros(max_requests + 1, dtype=torch.int64, device=device)
         self._free = list(range(max_requests - 1, -1, -1))
 
     @property
@@ -104,10 +109,6 @@ class MLAKVPool:
         self.buffers = [
             torch.zeros(num_pages, page_size, self.row_dim, dtype=dtype, device=device) for _ in layer_ids
         ]
-
-    @staticmethod
-    def planned_bytes(num_layers: int, num_pages: int, page_size: int, row_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * num_pages * page_size * row_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:
@@ -196,6 +197,3 @@ class TokenSlots:
     def release(self, row: int) -> None:
         self.pages.free(self._req_pages.pop(row))
         self.req_to_token_pool.free(row)
-
-    def page_table_width(self) -> int:
-        return -(-self.req_to_token_pool.max_context // self.page_size)

@@ -17,18 +17,14 @@ from runtime.engine import RunResult
 def memory_plan(container) -> dict:
     """Every device buffer the runtime built, in bytes."""
     ledger = container.workspace_ledger()
-    kv = container.kv_pool()
-    states = sum(pool.nbytes for pool in container.request_states())
-    return {
-        "kv_pool_bytes": kv.nbytes,
-        "request_state_bytes": states,
+    sizes = {
+        "kv_pool_bytes": container.kv_pool().nbytes,
+        "request_state_bytes": sum(pool.nbytes for pool in container.request_states()),
         "req_to_token_bytes": container.req_to_token_pool().nbytes,
         "weights_bytes": container.model().weight_bytes,
-        "workspaces": ledger.report(),
-        "workspace_consumers": ledger.consumers(),
-        "total_bytes": kv.nbytes + states + container.req_to_token_pool().nbytes + container.model().weight_bytes
-        + ledger.total_bytes,
     }
+    return {**sizes, "workspaces": ledger.report(), "workspace_consumers": ledger.consumers(),
+            "total_bytes": sum(sizes.values()) + ledger.total_bytes}
 
 
 def _phases(res: RunResult) -> dict:

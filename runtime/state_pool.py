@@ -4,9 +4,9 @@ A request's state lives in the row of its request-table row (:class:`runtime.kv_
 IS the slot, so there is no allocator here. The engine calls :meth:`LinearStatePool.reset` when it admits a
 request into a row.
 
-One extra row, :attr:`LinearStatePool.padding_row` (= ``max_requests``), takes the writes of padded batch
-entries: CUDA-graph replay pads a decode batch with entries that point at request row 0 (a live row) with
-``seq_len`` 1 (see ``backends.base.DecodeGraph``), and their state updates must not land on row 0.
+One extra row, :attr:`LinearStatePool.padding_row` (= ``max_requests``), mirrors the request table's
+padding row: CUDA-graph replay pads a decode batch with entries on that row, so their state updates land
+on a row no request owns.
 """
 
 from __future__ import annotations

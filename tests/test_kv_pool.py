@@ -72,3 +72,16 @@ def test_reserve_many_equals_one_by_one_and_fails_atomically():
     with pytest.raises(PoolExhausted):
         b.reserve_many([(rows_b[0], 5, 8), (rows_b[1], 1, 60)])
     assert b.pages.available == free  # nothing taken
+
+
+def test_padding_row_is_never_handed_out_and_points_at_the_padding_page():
+    r2t = ReqToTokenPool(3, 16, torch.device("cpu"))
+    rows = [r2t.alloc() for _ in range(3)]
+    assert r2t.padding_row == 3 and r2t.padding_row not in rows
+    with pytest.raises(PoolExhausted):
+        r2t.alloc()
+    slots = TokenSlots(ReqToTokenPool(2, 16, torch.device("cpu")), PageAllocator(5, 4))
+    for _ in range(2):
+        slots.reserve(slots.open(), 0, 8)
+    table = slots.req_to_token_pool.req_to_token
+    assert (table[slots.req_to_token_pool.padding_row] // 4 == PADDING_PAGE).all()

@@ -209,8 +209,9 @@ def run_backend_scenario(impl: str, device: torch.device, dtype: torch.dtype, se
     for _ in range(n_decode - 1):
         step(ForwardMode.DECODE, rows, [total[r] for r in rows], [1, 1, 1])
         total = {r: n + 1 for r, n in total.items()}
-    # graph-runner padding: an extra entry at row 0 with seq_len 1; its output is dropped, row 0 must not change
-    pad = make_batch(ForwardMode.DECODE, rows + [0], [total[r] for r in rows] + [0], [1, 1, 1, 1],
+    # graph-runner padding: an extra entry on the padding row with seq_len 1; its output is dropped, and no
+    # live row (row 0 included) may change
+    pad = make_batch(ForwardMode.DECODE, rows + [pool.padding_row], [total[r] for r in rows] + [0], [1, 1, 1, 1],
                      _dummy_loc(4, device), device)
     junk = qkv(1, gen, dtype=dtype)  # the padding entry's inputs: anything
     q, k, v = (torch.cat([full[r][i][total[r] : total[r] + 1] for r in rows] + [junk[i]]).to(device)
@@ -344,7 +345,7 @@ def test_gpu_backend_scenario(impl):
 @gpu_fla
 @pytest.mark.parametrize("impl", ["torch", "fla"])
 def test_gpu_decode_replays_in_a_cuda_graph(impl):
-    """Capture one decode step (4 slots: 3 live rows + 1 graph-runner padding entry at row 0, seq_len 1), replay
+    """Capture one decode step (4 slots: 3 live rows + 1 graph-runner padding entry on the padding row), replay
     it twice with new inputs; the states and outputs equal eager steps, row 0's live state is not clobbered."""
     dev = torch.device("cuda")
     pool = LinearStatePool([0], 8, H, 64, 64, dev)
@@ -352,7 +353,8 @@ def test_gpu_decode_replays_in_a_cuda_graph(impl):
     gen = torch.Generator().manual_seed(5)
     pool.states.copy_(torch.randn(pool.states.shape, generator=gen))
     rows = [0, 5, 2]
-    static = make_batch(ForwardMode.DECODE, rows + [0], [9, 3, 4, 0], [1, 1, 1, 1], _dummy_loc(4, dev), dev)
+    static = make_batch(ForwardMode.DECODE, rows + [pool.padding_row], [9, 3, 4, 0], [1, 1, 1, 1],
+                        _dummy_loc(4, dev), dev)
     q, k, v = (torch.zeros(4, H, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
     eager_state = pool.state(0)[rows].clone()
     stream = torch.cuda.Stream()
