@@ -1,8 +1,9 @@
 """The whole object graph of a runtime, in build order: read it top to bottom.
 
 device -> pools -> HiSparse coordinator slot -> workspace ledger and named workspaces -> backend (chosen
-by ``config.backend.name``) -> model -> engine. Every object receives its collaborators in ``__init__``.
-Only what the engine needs is built: the selected backend, and the workspaces that backend asks for.
+by ``config.backend.name``) -> model -> (speculative: draft KV pool, one draft backend per step, draft
+model) -> graphs -> engine. Every object receives its collaborators in ``__init__``. Only what the engine
+needs is built: the selected backend, and the workspaces that backend asks for.
 
 ``build(cfg)`` is the one public way to get a wired runtime. It validates first (every problem, one
 error, nothing allocated), then builds, recording the order in which providers ran.
@@ -16,7 +17,8 @@ from typing import Any
 from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
-from backends.base import CudaGraphLevel, DecodeGraph, MHAChunkPrefill
+from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill
+from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
 from backends.linear_attention import LinearAttentionBackend
@@ -27,10 +29,11 @@ from runtime.device import DeviceInfo, probe_device
 from runtime.dump import AttentionDumper
 from runtime.engine import Engine
 from runtime.errors import ConfigError
-from runtime.graph_runner import DecodeGraphRunner, decide_decode_graphs
+from runtime.graph_runner import GraphRunner, ModeGraphs, decide_graphs
 from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.model import MLAModel
 from runtime.model_spec import ModelSpec
+from runtime.speculative import DraftSteps, SpeculativeDriver
 from runtime.state_pool import LinearStatePool
 from runtime.validation import validate
 from runtime.workspace import WorkspaceLedger
@@ -73,7 +76,7 @@ def _mha_prefill_hook(backend: Any, prefill: str, backend_cfg: dict) -> MHAChunk
     return backend if type(backend).capabilities.mha_chunked_prefill else None
 
 
-def _decode_graph_hook(backend: Any) -> DecodeGraph | None:
+def _decode_graph_hook(backend: Any) -> GraphHooks | None:
     """The backend as its decode-graph hook when its capabilities allow graphed single-token decode."""
     level = type(backend).capabilities.graph_level(ForwardMode.DECODE)
     return backend if level >= CudaGraphLevel.SINGLE_TOKEN_DECODE else None
@@ -88,8 +91,45 @@ def _wrapper_mha(hybrid: HybridLinearBackend) -> MHAChunkPrefill | None:
     return hybrid if hybrid.mha is not None else None
 
 
-def _wrapper_graph(hybrid: HybridLinearBackend) -> DecodeGraph | None:
+def _wrapper_graph(hybrid: HybridLinearBackend) -> GraphHooks | None:
     return hybrid if hybrid.graph is not None else None
+
+
+def _on_off(enabled: bool) -> str:
+    return "on" if enabled else "off"
+
+
+def _instances(factory: providers.Provider, n: int, **per_instance: str) -> list:
+    """``n`` objects from ``factory``; each keyword value is formatted with the instance index ``i``."""
+    return [factory(**{k: v.format(i=i) for k, v in per_instance.items()}) for i in range(n)]
+
+
+def _shared_kv_indices(draft_backends: list, mode: str, req_to_token_pool: ReqToTokenPool,
+                       page_size: int) -> SharedKVIndicesPass | None:
+    """The multi-step draft's shared kv-indices pass, only when a draft step backend's capabilities say it
+    does not build its own kv indices (``shared_kv_indices=always`` forces it, for the benchmark)."""
+    steps = draft_backends[1:]
+    needed = any(not type(b).capabilities.builds_own_kv_indices for b in steps)
+    return SharedKVIndicesPass(req_to_token_pool, page_size) if steps and (needed or mode == "always") else None
+
+
+def _plain_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None, padding_row: int,
+                  device) -> list[ModeGraphs]:
+    return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device)]
+
+
+def _spec_graphs(decisions: dict, model: MLAModel, target_hooks: GraphHooks, draft_model: MLAModel,
+                 draft_attention: MultiStepDraftBackend, draft_steps: DraftSteps, num_steps: int, padding_row: int,
+                 device) -> list[ModeGraphs]:
+    t = num_steps + 1
+    return [
+        ModeGraphs(decisions["draft_decode"], ForwardMode.DECODE, draft_steps, draft_attention, 1, 1, padding_row,
+                   device),
+        ModeGraphs(decisions["target_verify"], ForwardMode.TARGET_VERIFY, model.forward, target_hooks, t, t,
+                   padding_row, device),
+        ModeGraphs(decisions["draft_extend"], ForwardMode.DRAFT_EXTEND, draft_model.forward, draft_attention, t, t,
+                   padding_row, device),
+    ]
 
 
 class Container(containers.DeclarativeContainer):
@@ -165,27 +205,86 @@ class Container(containers.DeclarativeContainer):
     mha_prefill = providers.Selector(model_kind, mla=backend_mha_prefill, hybrid=providers.Callable(_wrapper_mha, hybrid))
     decode_graph = providers.Selector(model_kind, mla=backend_decode_graph,
                                       hybrid=providers.Callable(_wrapper_graph, hybrid))
-    backends_in_use = providers.Selector(model_kind, mla=providers.List(backend),
+    target_backends = providers.Selector(model_kind, mla=providers.List(backend),
                                          hybrid=providers.List(backend, linear_backend))
     request_states = providers.Selector(model_kind, mla=providers.List(), hybrid=providers.List(linear_state_pool))
 
-    # 6. model, graphs and engine ---------------------------------------------------------------------
+    # 6. model ----------------------------------------------------------------------------------------
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     model = _step(build_log, "model", providers.Factory(
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper))
-    graph_decision = providers.Callable(
-        decide_decode_graphs, config.graph.enabled, device, backends_in_use, decode_graph, config.graph.batch_sizes)
-    graph_runner = _step(build_log, "graph_runner", providers.Factory(
-        DecodeGraphRunner, model, decode_graph, graph_decision, req_to_token_pool.provided.padding_row, device))
+
+    # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first
+    #    draft_layers layers with its own KV pool (sharing the request table, so both use the same slots);
+    #    one instance of the configured backend per draft step, over the draft pool.
+    spec_mode = providers.Callable(_on_off, config.speculative.enabled)
+    draft_spec = providers.Callable(lambda spec, n: spec.draft(n), model_spec, config.speculative.draft_layers)
+    draft_kv_pool = _step(build_log, "draft_kv_pool", providers.Factory(
+        MLAKVPool,
+        layer_ids=draft_spec.provided.kv_cache_layers,
+        num_pages=config.kv.num_pages,
+        page_size=config.kv.page_size,
+        kv_lora_rank=model_spec.provided.kv_lora_rank,
+        qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
+        dtype=model_spec.provided.dtype,
+        device=device,
+    ))
+    draft_split_kv_workspace = providers.Factory(
+        workspace_ledger.provided.acquire.call(
+            providers.Factory(split_kv_workspace_spec, model_spec, config.backend), "triton_mla:draft"))
+    draft_backends = _step(build_log, "backend:draft_steps", providers.Selector(
+        config.backend.name,
+        torch_mla=providers.Callable(_instances, providers.Factory(
+            TorchMLABackend, req_to_token_pool, draft_kv_pool, model_spec, config.backend.compute_dtype).provider,
+            config.speculative.num_steps),
+        triton_mla=providers.Callable(_instances, providers.Factory(
+            TritonMLABackend, req_to_token_pool, draft_kv_pool, model_spec, draft_split_kv_workspace,
+            config.backend).provider, config.speculative.num_steps),
+        flashinfer_mla=providers.Callable(_instances, providers.Factory(
+            FlashInferMLABackend, req_to_token_pool, draft_kv_pool, model_spec, flashinfer_float_workspace,
+            workspace_ledger, config.backend).provider, config.speculative.num_steps, instance="draft{i}"),
+    ))
+    draft_kv_indices = providers.Callable(
+        _shared_kv_indices, draft_backends, config.speculative.shared_kv_indices, req_to_token_pool,
+        config.kv.page_size)
+    draft_attention = providers.Singleton(MultiStepDraftBackend, draft_backends, draft_kv_indices, req_to_token_pool)
+    draft_model = _step(build_log, "draft_model", providers.Factory(
+        MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, weights_from=model))
+    draft_steps = providers.Singleton(DraftSteps, draft_model, draft_attention)
+
+    # every attention backend the engine runs: the graph decision takes the minimum level over them
+    backends_in_use = providers.Selector(
+        spec_mode, off=target_backends,
+        on=providers.Callable(lambda target, draft: [*target, *draft], target_backends, draft_backends))
+
+    # 8. graphs and engine ------------------------------------------------------------------------------
+    device_type = providers.Callable(lambda d: d.type, device)
+    graph_decisions = providers.Callable(
+        decide_graphs, config.graph.enabled, device_type, backends_in_use, config.speculative.enabled,
+        config.graph.batch_sizes)
+    padding_row = req_to_token_pool.provided.padding_row
+    graph_modes = providers.Selector(
+        spec_mode,
+        off=providers.Callable(_plain_graphs, graph_decisions, model, decode_graph, padding_row, device),
+        on=providers.Callable(_spec_graphs, graph_decisions, model, attention, draft_model, draft_attention,
+                              draft_steps, config.speculative.num_steps, padding_row, device),
+    )
+    graph_runner = _step(build_log, "graph_runner", providers.Factory(GraphRunner, graph_modes, device))
+    speculative = providers.Selector(
+        spec_mode, off=providers.Object(None),
+        on=_step(build_log, "speculative", providers.Factory(
+            SpeculativeDriver, model, draft_model, attention, draft_attention, draft_steps, graph_runner, token_slots,
+            config.speculative.num_steps, config.kv.max_requests, device)))
     engine = _step(build_log, "engine", providers.Factory(
-        Engine, model, attention, mha_prefill, graph_runner, token_slots, request_states, config.workload, device))
+        Engine, model, attention, mha_prefill, graph_runner, token_slots, request_states, config.workload, device,
+        speculative))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
     "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "hisparse_coordinator",
-    "workspace_ledger", "attention", "model", "graph_runner", "engine",
+    "workspace_ledger", "attention", "model", "graph_runner", "speculative", "engine",
 )
 
 

@@ -40,7 +40,9 @@ class BackendCapabilities:
     sparse : bool
         Attends to top-k selected tokens (DeepSeek sparse attention); may be used with HiSparse.
     builds_own_kv_indices : bool
-        ``init_forward_metadata`` builds its own kv indices; a multi-step driver skips the shared pass.
+        ``init_forward_metadata`` builds its own kv indices (from ``req_to_token``). When false, the backend
+        reads ``batch.kv_page_table``, which the multi-step draft backend fills for every draft step with one
+        shared kv-indices pass; for backends that build their own, that pass is skipped.
     page_sizes : frozenset of int or None
         Page sizes the kernels accept; None means any.
     min_compute_capability : tuple of int or None
@@ -158,18 +160,20 @@ def hook_signature_problems(cls: type, protocol: type) -> list[str]:
 
 
 @runtime_checkable
-class DecodeGraph(Protocol):
-    """CUDA-graph hooks for DECODE. The graph runner (runtime/graph_runner.py) owns static input buffers and
+class GraphHooks(Protocol):
+    """CUDA-graph hooks, one set for every graphed forward mode (``batch.mode`` says which: DECODE,
+    TARGET_VERIFY, DRAFT_EXTEND). The graph runner (runtime/graph_runner.py) owns static input buffers and
     hands the backend a batch whose tensors are those static buffers (padded to a captured size; padding
-    entries use the request table's padding row, have seq_len 1 and write their KV to the padding page). One
-    argument each, the batch."""
+    entries use the request table's padding row, write their KV to the padding page, and their outputs are
+    dropped). A backend keeps static metadata per mode. One argument each, the batch."""
 
     def init_graph_state(self, batch: ForwardBatch) -> None:
-        """Allocate static metadata for batches up to ``batch.batch_size`` (the largest size captured)."""
+        """Allocate static metadata for ``batch.mode`` batches up to ``batch.batch_size`` requests (the
+        largest size captured for that mode); called once per mode before any capture of it."""
         ...
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        """Point this step's metadata at the static buffers, for capturing ``batch``'s size."""
+        """Point this step's metadata at the static buffers of ``batch.mode``, for capturing ``batch``'s size."""
         ...
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:

@@ -151,11 +151,17 @@ class FlashInferMLABackend:
     config : dict
         The `backend` config: ``name``, ``kernel`` ("auto" | "fa3" | "fa2", the wrappers' ``backend=``),
         ``disable_ragged`` (true: no ragged wrappers are built; the container gives the model no MHA hook).
+    instance : str
+        Distinguishes several instances of this backend (the draft steps of speculative decoding) in the
+        ledger: their int workspaces and graph metadata are named ``...:<instance>:...``.
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
-        forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
-        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),
+        forward_modes=frozenset(ForwardMode),  # verify / draft extend: causal MLA plans like extend
+        # graph wrappers take a fixed qo_indptr buffer: uniform query lengths per request replay safely
+        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
+                    (ForwardMode.TARGET_VERIFY, CudaGraphLevel.UNIFORM_BATCH),
+                    (ForwardMode.DRAFT_EXTEND, CudaGraphLevel.UNIFORM_BATCH)),
         mha_chunked_prefill=True,
         builds_own_kv_indices=True,
         page_sizes=None,
@@ -196,8 +202,11 @@ class FlashInferMLABackend:
         float_workspace: torch.Tensor,
         ledger: WorkspaceLedger,
         config: dict,
+        instance: str = "",
     ):
         self.name = str(config.get("name", "flashinfer_mla"))
+        self.instance = instance
+        self.consumer = f"{self.name}:{instance}" if instance else self.name
         self.kernel = str(config.get("kernel", "auto"))
         self.disable_ragged = bool(config.get("disable_ragged", False))
         self._check(kv_pool, model, float_workspace)
@@ -226,12 +235,12 @@ class FlashInferMLABackend:
         self._chunk_wrappers: list[Any] = []
         self._num_chunks = 0
 
-        # CUDA graphs (DecodeGraph): filled by init_graph_state
-        self._graph_max_bs = 0
-        self._graph_bufs: dict[str, torch.Tensor] = {}
+        # CUDA graphs (GraphHooks): per graphed mode, filled by init_graph_state
+        self._graph_max_bs: dict[ForwardMode, int] = {}
+        self._graph_bufs: dict[ForwardMode, dict[str, torch.Tensor]] = {}
         self._graph_int_ws: torch.Tensor | None = None
         self._graph_pinned: torch.Tensor | None = None
-        self._graph_wrappers: dict[int, Any] = {}
+        self._graph_wrappers: dict[tuple[ForwardMode, int], Any] = {}
         self._graph_active = False  # set by the graph hooks, cleared by init_forward_metadata
         self._graph_wrapper: Any = None
 
@@ -265,9 +274,13 @@ class FlashInferMLABackend:
         if problems:
             raise ConfigError(problems)
 
+    def _ledger_name(self, kind: str, tag: str) -> str:
+        return f"{kind}:{self.instance}:{tag}" if self.instance else f"{kind}:{tag}"
+
     def _int_workspace(self, tag: str) -> torch.Tensor:
-        spec = WorkspaceSpec(f"flashinfer_int:{tag}", INT_WORKSPACE_BYTES, zero_init=False, shareable=False)
-        return self.ledger.acquire(spec, self.name)
+        spec = WorkspaceSpec(self._ledger_name("flashinfer_int", tag), INT_WORKSPACE_BYTES, zero_init=False,
+                             shareable=False)
+        return self.ledger.acquire(spec, self.consumer)
 
     def _new_mla_wrapper(self, int_ws: torch.Tensor, **graph_buffers: Any):
         w = self._MLAWrapper(self.float_workspace, backend=self.kernel, **graph_buffers)
@@ -342,8 +355,10 @@ class FlashInferMLABackend:
         return self._run_mla(wrapper, q_nope, q_pe, layer_id)
 
     def forward_extend(self, q_nope, q_pe, layer_id, batch):
-        """q_nope [T, H, 512], q_pe [T, H, 64] -> [T, H, 512]; causal bottom-right over prefix + new tokens."""
-        return self._run_mla(self._mla, q_nope, q_pe, layer_id)
+        """q_nope [T, H, 512], q_pe [T, H, 64] -> [T, H, 512]; causal bottom-right over prefix + new tokens
+        (EXTEND, and TARGET_VERIFY / DRAFT_EXTEND, graphed when a graph hook planned this step)."""
+        wrapper = self._graph_wrapper if self._graph_active else self._mla
+        return self._run_mla(wrapper, q_nope, q_pe, layer_id)
 
     # ------------------------------------------------------------------ MHA chunked-prefix prefill
     def init_mha_chunk_metadata(self, batch: ForwardBatch) -> None:
@@ -401,16 +416,17 @@ class FlashInferMLABackend:
 
     # ------------------------------------------------------------------------------- CUDA graphs
     def init_graph_state(self, batch: ForwardBatch) -> None:
-        """Static metadata for decode batches of up to ``batch.batch_size`` requests: qo_indptr, kv_indptr
-        [bs + 1], kv_len [bs] and kv_indices [bs * (max_context // page_size + 1)] int32, in one ledger
-        buffer (``flashinfer_graph_meta:mla``), plus the int workspace shared by the graph wrappers."""
-        bs = batch.batch_size
-        if self._graph_max_bs:
-            if bs <= self._graph_max_bs:
+        """Static metadata for ``batch.mode`` batches of up to ``batch.batch_size`` requests: qo_indptr,
+        kv_indptr [bs + 1], kv_len [bs] and kv_indices [bs * (max_context // page_size + 1)] int32, in one
+        ledger buffer per mode (``flashinfer_graph_meta:<mode>``), plus one int workspace shared by every graph
+        wrapper (each plans right before its own capture/replay, and modes never replay concurrently)."""
+        mode, bs = batch.mode, batch.batch_size
+        if mode in self._graph_max_bs:
+            if bs <= self._graph_max_bs[mode]:
                 return  # the static buffers already cover this size
             raise RuntimeError(
-                f"{self.name}: init_graph_state was already called for {self._graph_max_bs} requests; got a "
-                f"second call for {bs}. Fix: call it once, with the largest captured batch.")
+                f"{self.name}: init_graph_state({mode.value}) was already called for {self._graph_max_bs[mode]} "
+                f"requests; got a second call for {bs}. Fix: call it once per mode, with the largest captured batch.")
         max_pages = self.req_to_token_pool.max_context // self.page_size + 1
         sizes = {"qo_indptr": bs + 1, "kv_indptr": bs + 1, "kv_len": bs, "kv_indices": bs * max_pages}
         # each piece starts 16-byte aligned
@@ -418,43 +434,43 @@ class FlashInferMLABackend:
         for key, n in sizes.items():
             offsets[key] = total
             total += -(-n // 4) * 4
-        meta = self.ledger.acquire(WorkspaceSpec("flashinfer_graph_meta:mla", total * 4, zero_init=True), self.name)
-        ints = meta.view(torch.int32)
-        self._graph_bufs = {k: ints[offsets[k] : offsets[k] + n] for k, n in sizes.items()}
-        self._graph_int_ws = self._int_workspace("mla_graph")
-        self._graph_max_bs = bs
+        spec = WorkspaceSpec(self._ledger_name("flashinfer_graph_meta", mode.value), total * 4, zero_init=True)
+        ints = self.ledger.acquire(spec, self.consumer).view(torch.int32)
+        self._graph_bufs[mode] = {k: ints[offsets[k] : offsets[k] + n] for k, n in sizes.items()}
+        if self._graph_int_ws is None:
+            self._graph_int_ws = self._int_workspace("mla_graph")
+        self._graph_max_bs[mode] = bs
 
-    def _graph_wrapper_for(self, bs: int):
-        if not 0 < bs <= self._graph_max_bs:
+    def _graph_wrapper_for(self, mode: ForwardMode, bs: int):
+        if not 0 < bs <= self._graph_max_bs.get(mode, 0):
             raise ValueError(
-                f"{self.name}: CUDA-graph batch of {bs} requests; expected 1..{self._graph_max_bs} (the size given "
-                "to init_graph_state). Fix: call init_graph_state with the largest captured batch first.")
-        w = self._graph_wrappers.get(bs)
+                f"{self.name}: CUDA-graph {mode.value} batch of {bs} requests; expected 1.."
+                f"{self._graph_max_bs.get(mode, 0)} (the size given to init_graph_state for this mode). Fix: call "
+                "init_graph_state with the largest captured batch of the mode first.")
+        w = self._graph_wrappers.get((mode, bs))
         if w is None:
-            b = self._graph_bufs
+            b = self._graph_bufs[mode]
             w = self._new_mla_wrapper(
                 self._graph_int_ws, use_cuda_graph=True, qo_indptr=b["qo_indptr"][: bs + 1],
                 kv_indptr=b["kv_indptr"][: bs + 1], kv_indices=b["kv_indices"], kv_len_arr=b["kv_len"][:bs],
             )
             # Every graph wrapper plans right before its own capture/replay and the plan layout in the int
-            # workspace is fixed-size, so one int workspace and one pinned mirror serve every batch size.
+            # workspace is fixed-size, so one int workspace and one pinned mirror serve every mode and size.
             if self._graph_pinned is None:
                 self._graph_pinned = w._pin_memory_int_workspace_buffer
             w._pin_memory_int_workspace_buffer = self._graph_pinned
-            self._graph_wrappers[bs] = w
+            self._graph_wrappers[(mode, bs)] = w
         return w
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        """Plan the graph wrapper of ``batch.batch_size`` (created on first use) for the capture batch."""
-        self._graph_wrapper = self._graph_wrapper_for(batch.batch_size)
-        self._plan_mla(self._graph_wrapper, batch, causal=False)
+        """Plan the graph wrapper of (``batch.mode``, ``batch.batch_size``), created on first use."""
+        self._graph_wrapper = self._graph_wrapper_for(batch.mode, batch.batch_size)
+        self._plan_mla(self._graph_wrapper, batch, causal=batch.mode != ForwardMode.DECODE)
         self._graph_active = True
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        """Re-plan the graph wrapper of ``batch.batch_size`` in place (static buffers) before replay."""
-        self._graph_wrapper = self._graph_wrapper_for(batch.batch_size)
-        self._plan_mla(self._graph_wrapper, batch, causal=False)
-        self._graph_active = True
+        """Re-plan the graph wrapper of (``batch.mode``, ``batch.batch_size``) in place before replay."""
+        self.init_forward_metadata_capture(batch)
 
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The hybrid wrapper: routes full-attention layers to one backend and linear-attention layers to another.
 
 Everything it forwards it received in its constructor, as typed objects: the full backend, the linear
-backend, the full-attention layer ids, and each hook implementation (``MHAChunkPrefill``, ``DecodeGraph``)
+backend, the full-attention layer ids, and each hook implementation (``MHAChunkPrefill``, ``GraphHooks``)
 or None. No ``hasattr``/``getattr``/``isinstance`` decides anything: a hook object that does not match its
 Protocol is refused here, at construction, naming the backend and the hook; every hook takes the batch.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import AttentionBackend, DecodeGraph, MHAChunkPrefill, hook_signature_problems
+from backends.base import AttentionBackend, GraphHooks, MHAChunkPrefill, hook_signature_problems
 from runtime.batch import ForwardBatch
 from runtime.errors import HookMismatch
 
@@ -41,18 +41,18 @@ class HybridLinearBackend:
     full_layer_ids : list of int
     mha_prefill : MHAChunkPrefill or None
         The full backend's MHA chunked-prefill hook (None: prefill takes the absorbed path).
-    decode_graph : DecodeGraph or None
+    decode_graph : GraphHooks or None
         The full backend's decode-graph hooks (None: decode is not graphed).
     full_name : str
         For error messages.
     """
 
     def __init__(self, full: AttentionBackend, linear, full_layer_ids: list[int],
-                 mha_prefill: MHAChunkPrefill | None, decode_graph: DecodeGraph | None, full_name: str):
+                 mha_prefill: MHAChunkPrefill | None, decode_graph: GraphHooks | None, full_name: str):
         self.full, self.linear = full, linear
         self.full_layer_ids = frozenset(full_layer_ids)
         self.mha = _checked(mha_prefill, MHAChunkPrefill, full_name)
-        self.graph = _checked(decode_graph, DecodeGraph, full_name)
+        self.graph = _checked(decode_graph, GraphHooks, full_name)
 
     # --------------------------------------------------------------------- AttentionBackend
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -81,7 +81,7 @@ class HybridLinearBackend:
     def merge_states(self, out_a, lse_a, out_b, lse_b):
         return self.mha.merge_states(out_a, lse_a, out_b, lse_b)
 
-    # ---------------------------------------------------------------------------- DecodeGraph
+    # ---------------------------------------------------------------------------- GraphHooks
     def init_graph_state(self, batch: ForwardBatch) -> None:
         self.graph.init_graph_state(batch)
 

@@ -96,7 +96,7 @@ class LinearAttentionBackend:
             raise ValueError(self._mode_message(batch.mode))
         self._plan = _ExtendPlan.of(batch, self.state_pool.device) if batch.mode == ForwardMode.EXTEND else None
 
-    # DecodeGraph hooks: decode reads only device tensors of the batch, so there is no static metadata to keep.
+    # GraphHooks hooks: decode reads only device tensors of the batch, so there is no static metadata to keep.
     def init_graph_state(self, batch: ForwardBatch) -> None:
         """Nothing to allocate: decode needs no metadata beyond the batch's own static buffers."""
 

@@ -28,9 +28,11 @@ def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpe
 
     ``split_slots`` bounds (batch x splits): a decode batch of B requests gets at most
     ``min(max_splits, split_slots // B)`` splits per request, so the scratch does not grow with the batch.
+    Shareable: it is scratch of one decode call (partials written, then merged), so the target and every
+    speculative draft step, which run one after another on one stream, use the same buffer.
     """
     slots, h = int(backend_cfg["split_slots"]), model.num_heads
-    return WorkspaceSpec(WORKSPACE, nbytes=slots * h * (model.kv_lora_rank + 1) * 4, zero_init=False, shareable=False)
+    return WorkspaceSpec(WORKSPACE, nbytes=slots * h * (model.kv_lora_rank + 1) * 4, zero_init=False, shareable=True)
 
 
 class TritonMLABackend:
@@ -48,8 +50,11 @@ class TritonMLABackend:
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
-        forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
-        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),
+        forward_modes=frozenset(ForwardMode),  # verify / draft extend run the causal extend kernel
+        # the extend kernel's grid depends only on max_q_len: fixed for uniform batches, so those graph
+        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
+                    (ForwardMode.TARGET_VERIFY, CudaGraphLevel.UNIFORM_BATCH),
+                    (ForwardMode.DRAFT_EXTEND, CudaGraphLevel.UNIFORM_BATCH)),
         mha_chunked_prefill=False,
         builds_own_kv_indices=True,
         page_sizes=None,
@@ -115,7 +120,10 @@ class TritonMLABackend:
 
     # ------------------------------------------------------------------------------- decode graphs
     def init_graph_state(self, batch: ForwardBatch) -> None:
-        """A static page table wide enough for the longest request the request table can hold."""
+        """A static page table wide enough for the longest request the request table can hold; one table
+        serves every graphed mode (modes never replay concurrently), sized for the largest batch asked."""
+        if batch.batch_size <= self._graph_page_table.shape[0]:
+            return
         width = -(-self.req_to_token_pool.max_context // self.page_size)
         self._graph_page_table = torch.zeros(batch.batch_size, width, dtype=torch.int32, device=self.workspace.device)
 

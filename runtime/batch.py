@@ -64,6 +64,10 @@ class ForwardBatch:
         [T] int64 device: absolute position of every new token (for RoPE).
     prefix_chunks : list of PrefixChunk
         Filled by the runtime for an EXTEND batch that takes the MHA chunked-prefix path; empty otherwise.
+    kv_page_table : torch.Tensor or None
+        [B, W] int32 device page ids (``req_to_token[req, k * page_size] // page_size``), filled by the
+        shared kv-indices pass of a multi-step draft for backends whose capabilities say they do not build
+        their own kv indices; None otherwise.
     """
 
     mode: ForwardMode
@@ -77,6 +81,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor
     positions: torch.Tensor
     prefix_chunks: list[PrefixChunk] = field(default_factory=list)
+    kv_page_table: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from containers import build, to_plain
 from runtime.config import Config
 from runtime.errors import ConfigError, Problem
 from runtime.parity import compare, reference_config
-from runtime.report import make_report, memory_plan, print_report, write_report
+from runtime.report import make_report, memory_plan, print_report, speculative_section, write_report
 
 EXTRA_KEYS = {"dump_dir": "a directory path (+dump_dir=DIR)", "explain": "true or false (+explain=true)"}
 
@@ -35,7 +36,8 @@ def explain(runtime, console: Console) -> None:
     console.print("[bold]build order[/bold]: " + " -> ".join(runtime.build_order))
     plan = memory_plan(runtime.container)
     console.print("[bold]memory plan[/bold] (bytes):")
-    rows = {"kv_pool": plan["kv_pool_bytes"], "request_states": plan["request_state_bytes"],
+    rows = {"kv_pool": plan["kv_pool_bytes"], "draft_kv_pool": plan["draft_kv_pool_bytes"],
+            "request_states": plan["request_state_bytes"],
             "req_to_token": plan["req_to_token_bytes"],
             "weights": plan["weights_bytes"], **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
     for name, n in rows.items():
@@ -58,13 +60,22 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
         explain(runtime, console)
         return 0
     res = runtime.engine.run(progress=plain["progress"], record_hidden=plain["check"] == "reference")
+    speculative = None
+    spec = plain["speculative"]
+    if spec["enabled"]:  # the same workload on the same backend without speculation, for tokens/s
+        baseline = None
+        if spec["baseline"]:
+            base_cfg = copy.deepcopy(plain)
+            base_cfg["speculative"]["enabled"] = False
+            baseline = build(base_cfg).engine.run(record_hidden=False)
+        speculative = speculative_section(res, runtime.container.speculative().stats, baseline)
     parity = None
     if plain["check"] == "reference":
         ref = build(reference_config(plain))
         ref_res = ref.engine.run(forced=res.outputs)
         parity = compare(res, ref_res, plain["model"]["dtype"]).as_dict()
     dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
-    report = make_report(runtime, res, parity, dumps)
+    report = make_report(runtime, res, parity, dumps, speculative)
     print_report(report, console)
     path = write_report(report, output_dir)
     console.print(f"report: {path}")

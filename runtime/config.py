@@ -139,12 +139,23 @@ class HiSparseConfig:
     host_to_device_ratio: float = 4.0  # host KV pool size / device KV pool size
 
 
+class SharedKVIndices(str, enum.Enum):
+    auto = "auto"  # the multi-step draft runs its shared kv-indices pass only for backends that need it
+    always = "always"  # run it for every backend (what a leading engine did; for benchmarks of the skip)
+
+
 @dataclass
 class SpeculativeConfig:
+    """EAGLE-style chain speculation: per round the draft proposes ``num_steps`` tokens (the first from the
+    previous round's draft extend, then ``num_steps - 1`` draft decode steps), the target verifies them in
+    one forward, greedy acceptance keeps the longest agreeing prefix plus the target's next token."""
+
     enabled: bool = False
-    num_steps: int = 3
-    topk: int = 1
-    draft_layers: int = 1
+    num_steps: int = 3  # draft tokens per round (verify runs num_steps + 1 tokens per request)
+    topk: int = 1  # chain speculation: one candidate per step
+    draft_layers: int = 1  # the draft model = the target's first draft_layers layers + its embedding/LM head
+    shared_kv_indices: SharedKVIndices = SharedKVIndices.auto
+    baseline: bool = True  # also run the workload without speculation (same backend) for the report
 
 
 @dataclass

@@ -8,6 +8,7 @@ the pool, their generated tokens are kept, and they are prefilled again later). 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,25 +18,31 @@ from backends.base import AttentionBackend, MHAChunkPrefill
 from runtime.batch import ForwardMode, make_batch
 from runtime.device import to_device
 from runtime.errors import PoolExhausted
-from runtime.graph_runner import DecodeGraphRunner
+from runtime.graph_runner import GraphRunner
 from runtime.kv_pool import TokenSlots
 from runtime.model import MLAModel
 from runtime.prefix_chunks import plan_prefix_chunks
 from runtime.progress import Progress
+from runtime.speculative import SpeculativeDriver
 from runtime.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
 from runtime.workload import Request, make_requests
 
 
 @dataclass
 class StepRecord:
-    """One step; ``seconds`` (device time between its start and end marks) and ``marks`` are filled when
-    the step's outputs are resolved (CUDA events on a GPU, perf_counter values on the CPU)."""
+    """One forward (or one speculative round's phase); ``seconds`` (device time between its start and end
+    marks) and ``marks`` are filled when the step's outputs are resolved (CUDA events on a GPU,
+    perf_counter values on the CPU). ``phase``: prefill | decode, and with speculation draft_prefill |
+    draft_bootstrap | draft_decode | target_verify | draft_extend. ``tokens``: tokens the forward
+    processed, or for target_verify the tokens the round emitted."""
 
     mode: ForwardMode
     batch_size: int
     tokens: int
     seconds: float
     marks: tuple = ()
+    phase: str = ""
+    graphed: bool = False
 
 
 @dataclass
@@ -76,8 +83,8 @@ class Engine:
     backend : AttentionBackend
     mha_prefill : MHAChunkPrefill or None
         Planned before an EXTEND step when the model takes the MHA chunked-prefix path.
-    graphs : DecodeGraphRunner
-        Replays captured decode graphs for the batch sizes it holds; other steps run eagerly.
+    graphs : GraphRunner
+        Replays captured graphs (per mode) for the batch sizes it holds; other steps run eagerly.
     token_slots : TokenSlots
     request_states : list
         Per-request state pools indexed by request row (``reset(rows)``), e.g. linear-attention states;
@@ -85,6 +92,8 @@ class Engine:
     workload : dict
         The resolved `workload` config.
     device : torch.device
+    spec : SpeculativeDriver or None
+        Speculative decoding: decode steps become rounds of draft, verify and draft extend.
     """
 
     def __init__(
@@ -92,15 +101,18 @@ class Engine:
         model: MLAModel,
         backend: AttentionBackend,
         mha_prefill: MHAChunkPrefill | None,
-        graphs: DecodeGraphRunner,
+        graphs: GraphRunner,
         token_slots: TokenSlots,
         request_states: list,
         workload: dict,
         device: torch.device,
+        spec: SpeculativeDriver | None = None,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
         self.slots, self.workload, self.device = token_slots, workload, device
         self.request_states = request_states
+        self.spec = spec
+        self._lookahead = spec.lookahead if spec is not None else 0
         self.clock = StepClock(device)
         self._fence = None  # event after the previous step's metadata copies (see _forward)
 
@@ -120,27 +132,43 @@ class Engine:
             res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
         waiting: deque[Request] = deque(requests)
         running: list[Request] = []  # admitted, in admission order
+        if forced is not None and self.spec is not None:
+            raise ValueError("Engine.run(forced=...) replays given tokens through plain greedy decoding; this engine "
+                             "speculates. Fix: build the replay engine with speculative.enabled=false.")
         self._outputs = StepOutputs(self.clock, record_hidden)
         self._res = res
+        self._timed: list[tuple[StepRecord, object, object]] = []  # speculative phases awaiting their times
         self.graphs.capture()
         with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
             while waiting or running:
                 step = self._prefill_step(waiting, running, res)
-                if step is None:
+                if step is None and self.spec is not None:
+                    decoding, locs = self._reserve_decoding(waiting, running, res, self.spec.round_span)
+                    if decoding:
+                        self._spec_round(decoding, locs, running, res, bar)
+                        continue
+                    step = self._unblock(waiting, running, res)
+                elif step is None:
                     step = self._decode_step(waiting, running, res)
                 if step is None:
                     raise StalledError(self._stall_message(waiting, running))
                 reqs, batch, ids, sample_rows, req_rows = step
-                record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0)
+                phase = "prefill" if batch.mode == ForwardMode.EXTEND else "decode"
+                record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0, phase=phase)
                 res.steps.append(record)
                 start = self.clock.mark()
                 h = self._forward(ids, batch)
                 sel = h if sample_rows is None else h[sample_rows]
                 pending = self._sample(reqs, req_rows, sel, forced, record, start)
+                if self.spec is not None and batch.mode == ForwardMode.EXTEND:
+                    starting = [r for r in reqs if len(r.output) + 1 < r.max_new_tokens]
+                    self.spec.after_prefill(ids, batch, [r.row for r in starting], [r.cached for r in starting],
+                                            self.slots.req_to_token_pool.last_token, self._spec_forward)
                 self._finish_step(reqs, running, res)
                 self._outputs.push(pending, res)
                 bar.advance(len(reqs))
         self._outputs.resolve_all(res)
+        self._resolve_times(wait=True)
         hidden_dim = self.model.spec.hidden_size
         res.hidden = {rid: (torch.stack([t[i] for t, i in v]) if v else torch.empty(0, hidden_dim))
                       for rid, v in res.hidden_rows.items()}
@@ -176,9 +204,10 @@ class Engine:
         GPU has *started* step N: planning N+1 still overlaps step N's kernels, and the host never runs more
         than one step ahead."""
         self.clock.wait(self._fence)
-        graphed = self.graphs.can_run(batch)
+        graphs = self.graphs.get("decode")
+        graphed = graphs is not None and graphs.can_run(batch)
         if graphed:
-            self.graphs.prepare(ids, batch)  # copies inputs, the backend's hook refreshes static metadata
+            graphs.prepare(ids, batch)  # copies inputs, the backend's hook refreshes static metadata
         else:
             self.backend.init_forward_metadata(batch)
             if batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None:
@@ -187,7 +216,66 @@ class Engine:
                 )
                 self.mha_prefill.init_mha_chunk_metadata(batch)
         self._fence = self.clock.mark()
-        return self.graphs.replay() if graphed else self.model.forward(ids, batch)
+        return graphs.replay() if graphed else self.model.forward(ids, batch)
+
+    # ------------------------------------------------------------------------------ speculative
+    def _spec_forward(self, phase: str, fn, planner, ids: torch.Tensor, batch) -> torch.Tensor:
+        """One forward of a speculative phase: graph replay of mode ``phase`` when captured, else plan
+        ``planner`` and call ``fn(ids, batch)``; timed as its own StepRecord (with the metadata fence of
+        :meth:`_forward`)."""
+        record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0, phase=phase)
+        self._res.steps.append(record)
+        self.clock.wait(self._fence)
+        start = self.clock.mark()
+        graphs = self.graphs.get(phase)
+        record.graphed = graphs is not None and graphs.can_run(batch)
+        if record.graphed:
+            graphs.prepare(ids, batch)
+        else:
+            planner.init_forward_metadata(batch)
+        self._fence = self.clock.mark()
+        out = graphs.replay() if record.graphed else fn(ids, batch)
+        self._timed.append((record, start, self.clock.mark()))
+        return out
+
+    def _spec_round(self, decoding: list[Request], locs: list[int], running: list[Request], res: RunResult,
+                    bar) -> None:
+        """One speculative round; the host waits for the verify results (the next round's lengths depend on
+        them) while the draft extend runs."""
+        rows, lens = [r.row for r in decoding], [r.cached for r in decoding]
+        host, verified = self.spec.round(rows, lens, locs, self.slots.req_to_token_pool.last_token,
+                                         self._spec_forward, self._outputs.record_hidden, self.clock)
+        self._outputs.resolve_all(res)  # earlier (prefill) tokens first: outputs stay in order
+        self.clock.wait(verified)
+        rr = self.spec.resolve(host, [r.max_new_tokens - len(r.output) for r in decoding])
+        verify = next(s for s in reversed(res.steps) if s.phase == "target_verify")
+        verify.tokens = sum(len(t) for t in rr.tokens)  # a round's decode tokens are the ones it emitted
+        for r, toks, margins, i in zip(decoding, rr.tokens, rr.margins, range(len(decoding))):
+            r.output.extend(toks)
+            res.argmax[r.rid].extend(toks)
+            res.margins[r.rid].extend(margins)
+            if rr.hidden is not None:
+                res.hidden_rows[r.rid].extend((rr.hidden[i], j) for j in range(len(toks)))
+            r.cached += len(toks)  # the target's KV now covers L + n + 1 positions
+            if r.done:
+                self.slots.release(r.row)
+                running.remove(r)
+                r.row = None
+                res.finished += 1
+            else:
+                self.slots.truncate(r.row, r.cached + 1)  # the draft's KV covers one more (t_L')
+        bar.advance(sum(len(t) for t in rr.tokens))
+        self._resolve_times(wait=False)
+
+    def _resolve_times(self, wait: bool) -> None:
+        """Fill the seconds of speculative phases whose end mark passed (all of them when ``wait``)."""
+        keep = []
+        for record, start, end in self._timed:
+            if wait or not self.clock.cuda or end.query():
+                record.seconds, record.marks = self.clock.seconds(start, end), (start, end)
+            else:
+                keep.append((record, start, end))
+        self._timed = keep
 
     # --------------------------------------------------------------------------------- scheduling
     def _prefill_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
@@ -198,7 +286,7 @@ class Engine:
         blocked = False  # a partly prefilled request cannot grow: admit nobody new
         for r in [r for r in running if not r.decoding]:
             n = min(len(r.tokens) - r.cached, self.workload["chunked_prefill_size"], budget)
-            need = self.slots.pages_needed(r.row, r.cached + n)
+            need = self.slots.pages_needed(r.row, r.cached + n + self._tail(r, n))
             if n <= 0 or need > pages_free:
                 blocked = True
                 break
@@ -207,7 +295,7 @@ class Engine:
         while not blocked and waiting and budget > 0 and len(running) < self.workload["max_running_requests"]:
             r = waiting[0]
             n = min(len(r.tokens), self.workload["chunked_prefill_size"], budget)
-            need = -(-n // self.slots.page_size)
+            need = -(-(n + self._tail(r, n)) // self.slots.page_size)
             if need > pages_free or self.slots.req_to_token_pool.available == 0:
                 res.queued_for_memory += 1
                 break
@@ -221,7 +309,12 @@ class Engine:
         if not chosen:
             return None
         reqs = [r for r, _ in chosen]
-        locs = self.slots.reserve_many([(r.row, r.cached, r.cached + n) for r, n in chosen])
+        tails = [self._tail(r, n) for r, n in chosen]
+        locs = self.slots.reserve_many([(r.row, r.cached, r.cached + n + t) for (r, n), t in zip(chosen, tails)])
+        if any(tails):  # drop the look-ahead slots: this step writes only the chunk's tokens
+            spans = [n + t for (_, n), t in zip(chosen, tails)]
+            starts = [0, *itertools.accumulate(spans)]
+            locs = [x for (_, n), s0 in zip(chosen, starts) for x in locs[s0 : s0 + n]]
         ids = torch.tensor([t for r, n in chosen for t in self._host_tokens(r, r.cached, r.cached + n)],
                            dtype=torch.int64)
         batch = make_batch(
@@ -236,24 +329,40 @@ class Engine:
         sample_rows, req_rows = to_device(rows, self.device)
         return [r for _, r in done], batch, to_device(ids, self.device), sample_rows, req_rows
 
-    def _decode_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
+    def _tail(self, r: Request, n: int) -> int:
+        """Look-ahead slots a prefill chunk of ``n`` tokens reserves: with speculation, a request whose
+        chunk completes its sequence also needs the slot of the token it samples (the draft sees it).
+        (A waiting request has ``cached == 0``.)"""
+        return self._lookahead if r.cached + n == len(r.tokens) else 0
+
+    def _reserve_decoding(self, waiting: deque[Request], running: list[Request], res: RunResult,
+                          span) -> tuple[list[Request], list[int] | None]:
+        """Reserve ``span(row, cached)`` for every decoding request, retracting the most recently started
+        requests while the pool cannot hold them; ([], None) when no decoding request is left (or the only
+        running request cannot grow)."""
         decoding = [r for r in running if r.decoding]
-        locs = None
         while decoding:
             try:  # reserve_many checks everything first: on exhaustion nothing was taken
-                locs = self.slots.reserve_many([(r.row, r.cached, r.cached + 1) for r in decoding])
-                break
+                return decoding, self.slots.reserve_many([span(r.row, r.cached) for r in decoding])
             except PoolExhausted:
                 if len(running) == 1:
-                    return None
+                    return [], None
                 self._retract(running[-1], waiting, running, res)
                 decoding = [r for r in running if r.decoding]
+        return [], None
+
+    def _unblock(self, waiting: deque[Request], running: list[Request], res: RunResult):
+        """No request can decode: partly prefilled requests hold pages none can grow; free one, prefill."""
+        prefilling = [r for r in running if not r.decoding]
+        if prefilling and len(running) > 1:
+            self._retract(running[-1], waiting, running, res)
+            return self._prefill_step(waiting, running, res)
+        return None
+
+    def _decode_step(self, waiting: deque[Request], running: list[Request], res: RunResult):
+        decoding, locs = self._reserve_decoding(waiting, running, res, lambda row, n: (row, n, n + 1))
         if not decoding:
-            prefilling = [r for r in running if not r.decoding]
-            if prefilling and len(running) > 1:  # partly prefilled requests hold pages none can grow: free one
-                self._retract(running[-1], waiting, running, res)
-                return self._prefill_step(waiting, running, res)
-            return None
+            return self._unblock(waiting, running, res)
         batch = make_batch(
             ForwardMode.DECODE, [r.row for r in decoding], [r.cached for r in decoding], [1] * len(decoding),
             locs, self.device,

@@ -1,23 +1,39 @@
-"""Decode CUDA graphs, backend-agnostic: capture once per padded batch size, replay with padded batches.
+"""CUDA graphs, backend-agnostic: which forward modes are graphed is decided from capability data, and each
+graphed mode is captured once per padded batch size and replayed with padded batches.
 
-Whether decode is graphed is decided from data: ``graph.enabled``, the device, and the backend's
-``capabilities.graph_level(DECODE)``; the report carries the decision and, when off, why. The runner owns
-static input buffers; the backend's :class:`DecodeGraph` hooks own static metadata and refresh it on the
-host before each replay (nothing is planned or allocated inside the graph).
+Modes the runner knows (``GRAPH_MODES``): plain ``decode``; and with speculative decoding ``draft_decode``
+(all draft decode steps of a round in one graph), ``target_verify`` and ``draft_extend`` (uniform
+``num_steps + 1`` tokens per request). A mode is graphed iff ``graph.enabled``, the device is CUDA, and the
+*minimum* graph level for its forward mode over every backend in use (target, every draft step, the linear
+backend of a hybrid) reaches the level the mode needs. No backend type is looked at: only
+``capabilities.graph_level``. The report carries each decision and, when off, why.
 
-Padding entries (up to the captured size) use the request table's padding row (never a live request's) with
-``seq_len`` 1, write their KV to slot 0 (the padding page) and their outputs are dropped.
+The runner owns static input buffers per mode; the backends' :class:`GraphHooks` own static metadata and
+refresh it on the host before each replay (nothing is planned or allocated inside a graph). Padding
+entries (up to the captured size) use the request table's padding row (never a live request's), positions
+``0..t-1`` (``seq_len`` t for t tokens per request), write their KV to slot 0 (the padding page), and their
+outputs are dropped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from backends.base import AttentionBackend, CudaGraphLevel, DecodeGraph
+from backends.base import CudaGraphLevel, GraphHooks
 from runtime.batch import ForwardBatch, ForwardMode
-from runtime.model import MLAModel
+
+# name -> (forward mode of its batches, graph level every backend in use must reach)
+GRAPH_MODES: dict[str, tuple[ForwardMode, CudaGraphLevel]] = {
+    "decode": (ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
+    "draft_decode": (ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
+    "target_verify": (ForwardMode.TARGET_VERIFY, CudaGraphLevel.UNIFORM_BATCH),
+    "draft_extend": (ForwardMode.DRAFT_EXTEND, CudaGraphLevel.UNIFORM_BATCH),
+}
+PLAIN_MODES = ("decode",)
+SPECULATIVE_MODES = ("draft_decode", "target_verify", "draft_extend")
 
 
 @dataclass
@@ -28,116 +44,181 @@ class GraphDecision:
     reason: str = ""
 
 
-def decide_decode_graphs(enabled: bool, device: torch.device, backends_in_use: list[AttentionBackend],
-                         hook: DecodeGraph | None, sizes: list[int]) -> GraphDecision:
-    """Graph decode iff asked for, on CUDA, and the *minimum* decode graph level over every backend in use
-    (full + linear for a hybrid model) allows single-token decode."""
-    levels = [(type(b).__name__, type(b).capabilities.graph_level(ForwardMode.DECODE)) for b in backends_in_use]
-    lowest = min(level for _, level in levels)
-    if not enabled:
-        return GraphDecision("decode", False, reason="graph.enabled=false")
-    if device.type != "cuda":
-        return GraphDecision("decode", False, reason=f"device is {device.type}")
-    if lowest < CudaGraphLevel.SINGLE_TOKEN_DECODE or hook is None:
-        why = ", ".join(f"{name}: {lvl.name}" for name, lvl in levels)
-        return GraphDecision("decode", False, reason=f"decode graph level of the backends in use ({why})")
-    return GraphDecision("decode", True, sizes=sorted(set(sizes)))
-
-
-class DecodeGraphRunner:
-    """Captures ``model.forward`` for DECODE batches of each size in ``decision.sizes``.
+def decide_graphs(enabled: bool, device_type: str, backends_in_use: list, speculative: bool,
+                  sizes: list[int]) -> dict[str, GraphDecision]:
+    """One decision per mode the engine runs (``SPECULATIVE_MODES`` when speculating, else ``PLAIN_MODES``).
 
     Parameters
     ----------
-    model : MLAModel
-    hook : DecodeGraph or None
-        The backend's graph hooks (None when the decision is off).
+    enabled : graph.enabled
+    device_type : "cuda" or "cpu"
+    backends_in_use : every attention backend object the engine runs (levels are read from
+        ``type(b).capabilities``)
+    speculative : speculative.enabled
+    sizes : graph.batch_sizes
+    """
+    out = {}
+    for mode in SPECULATIVE_MODES if speculative else PLAIN_MODES:
+        fmode, need = GRAPH_MODES[mode]
+        levels = [(type(b).__name__, type(b).capabilities.graph_level(fmode)) for b in backends_in_use]
+        lowest = min(level for _, level in levels)
+        if not enabled:
+            out[mode] = GraphDecision(mode, False, reason="graph.enabled=false")
+        elif device_type != "cuda":
+            out[mode] = GraphDecision(mode, False, reason=f"device is {device_type}")
+        elif lowest < need:
+            why = ", ".join(f"{name}: {lvl.name}" for name, lvl in dict.fromkeys(levels))
+            out[mode] = GraphDecision(mode, False, reason=(
+                f"{fmode.value} graph level of the backends in use is {lowest.name} ({why}); needs {need.name}"))
+        else:
+            out[mode] = GraphDecision(mode, True, sizes=sorted(set(sizes)))
+    return out
+
+
+class ModeGraphs:
+    """Captured graphs of one mode: ``fn(ids, batch)`` per padded batch size.
+
+    Parameters
+    ----------
     decision : GraphDecision
-    padding_row : int
-        The request-table row padded entries use (``ReqToTokenPool.padding_row``).
+    forward_mode : ForwardMode of the batches
+    fn : callable (ids [bs * t] int64, batch) -> tensor whose first dim is bs * rows_per_request
+    hooks : GraphHooks (the attention object ``fn`` runs through)
+    tokens_per_request : t (1 for decode modes, num_steps + 1 for verify / draft extend)
+    rows_per_request : output rows per request (t for hidden states, 1 for draft_decode's [bs, steps])
+    padding_row : the request table's padding row
     device : torch.device
     """
 
-    def __init__(self, model: MLAModel, hook: DecodeGraph | None, decision: GraphDecision, padding_row: int,
-                 device: torch.device):
-        self.model, self.hook, self.decision, self.device = model, hook, decision, device
-        self.padding_row = padding_row
+    def __init__(self, decision: GraphDecision, forward_mode: ForwardMode, fn: Callable, hooks: GraphHooks,
+                 tokens_per_request: int, rows_per_request: int, padding_row: int, device: torch.device):
+        self.decision, self.mode, self.fn, self.hooks = decision, forward_mode, fn, hooks
+        self.t, self.rows, self.padding_row, self.device = tokens_per_request, rows_per_request, padding_row, device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]] = {}
         self.max_bs = max(decision.sizes) if decision.graphed else 0
         self.replays = 0
+        self._bufs: dict[str, torch.Tensor] = {}
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return self.decision.graphed and batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
+        return (self.decision.graphed and batch.mode == self.mode and 0 < batch.batch_size <= self.max_bs
+                and batch.num_tokens == batch.batch_size * self.t)
 
     def _static_batch(self, bs: int, host: dict[str, torch.Tensor]) -> ForwardBatch:
-        b = self._bufs
+        b, t = self._bufs, self.t
         return ForwardBatch(
-            mode=ForwardMode.DECODE, req_pool_indices=b["req"][:bs], req_pool_indices_cpu=host["req"],
-            seq_lens=b["seq"][:bs], seq_lens_cpu=host["seq"], extend_lens_cpu=torch.ones(bs, dtype=torch.int32),
-            qo_indptr=b["qo"][: bs + 1], qo_indptr_cpu=torch.arange(bs + 1, dtype=torch.int32),
-            out_cache_loc=b["loc"][:bs], positions=b["pos"][:bs],
+            mode=self.mode, req_pool_indices=b["req"][:bs], req_pool_indices_cpu=host["req"],
+            seq_lens=b["seq"][:bs], seq_lens_cpu=host["seq"], extend_lens_cpu=torch.full((bs,), t, dtype=torch.int32),
+            qo_indptr=b["qo"][: bs + 1], qo_indptr_cpu=torch.arange(0, (bs + 1) * t, t, dtype=torch.int32),
+            out_cache_loc=b["loc"][: bs * t], positions=b["pos"][: bs * t],
         )
 
     def _padding_host(self, bs: int) -> dict[str, torch.Tensor]:
         return {"req": torch.full((bs,), self.padding_row, dtype=torch.int64),
-                "seq": torch.ones(bs, dtype=torch.int32)}
+                "seq": torch.full((bs,), self.t, dtype=torch.int32)}
 
-    def capture(self) -> None:
-        """Capture every size (largest first, so smaller graphs reuse its memory pool)."""
-        if not self.decision.graphed or self.graphs:
-            return
-        n, dev = self.max_bs, self.device
+    def init_state(self) -> None:
+        """Static inputs for the largest size, and the hooks' static metadata for this mode."""
+        n, t, dev = self.max_bs, self.t, self.device
         self._bufs = {
-            "ids": torch.zeros(n, dtype=torch.int64, device=dev),
+            "ids": torch.zeros(n * t, dtype=torch.int64, device=dev),
             "req": torch.full((n,), self.padding_row, dtype=torch.int64, device=dev),
-            "seq": torch.ones(n, dtype=torch.int32, device=dev),
-            "qo": torch.arange(n + 1, dtype=torch.int32, device=dev),
-            "loc": torch.zeros(n, dtype=torch.int64, device=dev),
-            "pos": torch.zeros(n, dtype=torch.int64, device=dev),
+            "seq": torch.full((n,), t, dtype=torch.int32, device=dev),
+            "qo": torch.arange(0, (n + 1) * t, t, dtype=torch.int32, device=dev),
+            "loc": torch.zeros(n * t, dtype=torch.int64, device=dev),
+            "pos": torch.arange(t, device=dev).repeat(n),
         }
-        self.hook.init_graph_state(self._static_batch(n, self._padding_host(n)))
-        pool = None
+        self.hooks.init_graph_state(self._static_batch(n, self._padding_host(n)))
+
+    def capture(self, pool) -> object:
+        """Capture every size (largest first, so smaller graphs reuse its memory); returns the memory pool."""
         for bs in sorted(self.decision.sizes, reverse=True):
             batch = self._static_batch(bs, self._padding_host(bs))
-            self.hook.init_forward_metadata_capture(batch)
-            stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
+            ids = self._bufs["ids"][: bs * self.t]
+            self.hooks.init_forward_metadata_capture(batch)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up (autotuning, lazy module loads) outside the capture
-                    self.model.forward(self._bufs["ids"][:bs], batch)
-            torch.cuda.current_stream(dev).wait_stream(stream)
+                    self.fn(ids, batch)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.model.forward(self._bufs["ids"][:bs], batch)
+                out = self.fn(ids, batch)
             pool = graph.pool()
             self.graphs[bs] = (graph, out, batch)
-        torch.cuda.synchronize(dev)
+        return pool
 
     def prepare(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
         """Copy the step's inputs into the static buffers of the smallest captured size >= the batch and let
         the backend refresh its static metadata (host planning; stream-ordered copies, no sync)."""
-        n = batch.batch_size
+        n, t = batch.batch_size, self.t
         bs = min(s for s in self.graphs if s >= n)
         self._prepared = (bs, n)
         b = self._bufs
-        b["ids"][:n].copy_(input_ids, non_blocking=True)
+        b["ids"][: n * t].copy_(input_ids, non_blocking=True)
         b["req"][:n].copy_(batch.req_pool_indices, non_blocking=True)
         b["seq"][:n].copy_(batch.seq_lens, non_blocking=True)
-        b["loc"][:n].copy_(batch.out_cache_loc, non_blocking=True)
-        b["pos"][:n].copy_(batch.positions, non_blocking=True)
+        b["loc"][: n * t].copy_(batch.out_cache_loc, non_blocking=True)
+        b["pos"][: n * t].copy_(batch.positions, non_blocking=True)
         if bs > n:
             b["req"][n:bs].fill_(self.padding_row)
-            b["seq"][n:bs].fill_(1)
-            b["loc"][n:bs].zero_()
-            b["pos"][n:bs].zero_()
+            b["seq"][n:bs].fill_(t)
+            b["loc"][n * t : bs * t].zero_()
+            b["pos"][n * t : bs * t].copy_(torch.arange(t, device=self.device).repeat(bs - n))
         host = self._padding_host(bs)
         host["req"][:n], host["seq"][:n] = batch.req_pool_indices_cpu, batch.seq_lens_cpu
-        self.hook.init_forward_metadata_replay(self._static_batch(bs, host))
+        self.hooks.init_forward_metadata_replay(self._static_batch(bs, host))
 
     def replay(self) -> torch.Tensor:
-        """Replay the graph ``prepare`` chose; hidden [B, hidden] for the real (unpadded) requests."""
+        """Replay the graph ``prepare`` chose; the output rows of the real (unpadded) requests."""
         bs, n = self._prepared
         graph, out, _ = self.graphs[bs]
         graph.replay()
         self.replays += 1
-        return out[:n]
+        return out[: n * self.rows]
+
+
+class GraphRunner:
+    """The graphed modes of one engine. ``capture`` sets up every mode's static state first (a backend may
+    size one buffer for several modes), then captures them all into one memory pool.
+
+    Parameters
+    ----------
+    modes : list of ModeGraphs (graphed or not; an ungraphed one never captures)
+    device : torch.device
+    """
+
+    def __init__(self, modes: list[ModeGraphs], device: torch.device):
+        self.modes = {m.decision.mode: m for m in modes}
+        self.device = device
+        self._captured = False
+
+    @property
+    def decisions(self) -> dict[str, GraphDecision]:
+        return {name: m.decision for name, m in self.modes.items()}
+
+    def get(self, mode: str) -> ModeGraphs | None:
+        return self.modes.get(mode)
+
+    def capture(self) -> None:
+        if self._captured:
+            return
+        self._captured = True
+        graphed = [m for m in self.modes.values() if m.decision.graphed]
+        if not graphed:
+            return
+        for m in graphed:
+            m.init_state()
+        pool = None
+        for m in graphed:
+            pool = m.capture(pool)
+        torch.cuda.synchronize(self.device)
+
+    def run(self, mode: str, ids: torch.Tensor, batch: ForwardBatch, eager: Callable[[], torch.Tensor]):
+        """Replay ``mode``'s graph for ``batch`` when one fits, else plan and run ``eager()``; returns
+        (output, graphed)."""
+        m = self.modes.get(mode)
+        if m is not None and m.can_run(batch):
+            m.prepare(ids, batch)
+            return m.replay(), True
+        return eager(), False

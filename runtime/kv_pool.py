@@ -194,6 +194,21 @@ class TokenSlots:
             table.view(-1)[idx] = val.to(torch.int32)
         return slots
 
+    def slots_of(self, row: int, start: int, end: int) -> list[int]:
+        """Slots of the already reserved tokens ``start:end`` of ``row`` (host ints; nothing changes)."""
+        pages, ps = self._req_pages[row], self.page_size
+        return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def truncate(self, row: int, new_len: int) -> None:
+        """Keep room for the first ``new_len`` tokens of ``row``; pages past them return to the allocator
+        (speculative decoding reserves for every draft token and gives back what was rejected). Table
+        entries past ``new_len`` go stale; nothing reads a row past its sequence length."""
+        pages = self._req_pages[row]
+        keep = -(-new_len // self.page_size)
+        if keep < len(pages):
+            self.pages.free(pages[keep:])
+            del pages[keep:]
+
     def release(self, row: int) -> None:
         self.pages.free(self._req_pages.pop(row))
         self.req_to_token_pool.free(row)

@@ -4,6 +4,11 @@ Per layer: q projection (optional q-LoRA), kv_a projection to the latent (kv_lor
 RMSNorm on the latent, RoPE on the rope dims, kv_b (latent -> per-head k_nope and v), o projection.
 Decode takes the absorbed path (W_UK folded into q; W_UV applied to the latent output). Prefill takes the
 MHA chunked-prefix path when a :class:`MHAChunkPrefill` hook is injected, the absorbed path otherwise.
+
+Initialisation: normal weights scaled by 1/sqrt(fan_in); the output projections that write into the
+residual stream are scaled by a further 1/sqrt(2 * num_layers) (the GPT-2 / Megatron residual init), so the
+stream stays O(1) through depth and the first layers already say much of what the whole stack says, as in a
+trained model: a draft made of the first layers (speculative decoding) is accepted at a meaningful rate.
 """
 
 from __future__ import annotations
@@ -70,7 +75,10 @@ class MLAModel:
     backend : AttentionBackend
     mha_prefill : MHAChunkPrefill or None
         The hook for the MHA chunked-prefix prefill; None selects the absorbed path for prefill.
-    dumper : AttentionDumper
+    dumper : AttentionDumper or None
+    weights_from : MLAModel or None
+        Share this model's embedding, final norm, LM head and first ``spec.num_layers`` layers (by
+        reference) instead of seeding new weights: the speculative draft model.
     """
 
     def __init__(
@@ -80,12 +88,16 @@ class MLAModel:
         kv_pool: MLAKVPool,
         backend: AttentionBackend,
         mha_prefill: MHAChunkPrefill | None,
-        dumper: AttentionDumper,
+        dumper: AttentionDumper | None,
+        weights_from: MLAModel | None = None,
     ):
         self.spec, self.device, self.kv_pool = spec, device, kv_pool
         self.backend, self.mha_prefill, self.dumper = backend, mha_prefill, dumper
-        self.dump_layer = spec.full_layers[0] if spec.full_layers else -1  # dumps: the first MLA layer
-        self._init_weights()
+        self.dump_layer = spec.full_layers[0] if spec.full_layers and dumper is not None else -1
+        if weights_from is None:
+            self._init_weights()
+        else:
+            self._share_weights(weights_from)
         inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.qk_rope_head_dim, 2, dtype=torch.float64) / spec.qk_rope_head_dim))
         freqs = torch.outer(torch.arange(spec.max_context, dtype=torch.float64), inv)
         self.rope_cos = freqs.cos().float().to(device)
@@ -95,8 +107,9 @@ class MLAModel:
     def _init_weights(self) -> None:
         s, gen = self.spec, torch.Generator().manual_seed(self.spec.weight_seed)
 
-        def w(*shape: int, fan_in: int) -> torch.Tensor:
-            t = torch.randn(*shape, generator=gen, dtype=torch.float32) / fan_in**0.5
+        def w(*shape: int, fan_in: int, residual: bool = False) -> torch.Tensor:
+            scale = fan_in * (2 * s.num_layers if residual else 1)
+            t = torch.randn(*shape, generator=gen, dtype=torch.float32) / scale**0.5
             return t.to(device=self.device, dtype=s.dtype)
 
         def ones(n: int) -> torch.Tensor:
@@ -110,7 +123,7 @@ class MLAModel:
             if kind == LayerKind.linear:
                 self.layers.append(LinearLayerWeights(
                     attn_norm=ones(d), wq=w(d, hl * dl, fan_in=d), wk=w(d, hl * dl, fan_in=d),
-                    wv=w(d, hl * dl, fan_in=d), out_norm=ones(hl * dl), wo=w(hl * dl, d, fan_in=hl * dl)))
+                    wv=w(d, hl * dl, fan_in=d), out_norm=ones(hl * dl), wo=w(hl * dl, d, fan_in=hl * dl, residual=True)))
                 continue
             q_in = s.q_lora_rank or d
             wkv_b = w(s.kv_lora_rank, h, s.qk_nope_head_dim + s.v_head_dim, fan_in=s.kv_lora_rank)
@@ -124,14 +137,30 @@ class MLAModel:
                     kv_a_norm=ones(s.kv_lora_rank),
                     w_uk=wkv_b[:, :, : s.qk_nope_head_dim].permute(1, 2, 0).contiguous(),
                     w_uv=wkv_b[:, :, s.qk_nope_head_dim :].permute(1, 0, 2).contiguous(),
-                    wo=w(h * s.v_head_dim, d, fan_in=h * s.v_head_dim),
+                    wo=w(h * s.v_head_dim, d, fan_in=h * s.v_head_dim, residual=True),
                 )
             )
         self.final_norm = ones(d)
         self.lm_head = w(d, s.vocab_size, fan_in=d)
 
+    def _share_weights(self, other: MLAModel) -> None:
+        n = self.spec.num_layers
+        if other.spec.layer_kinds[:n] != self.spec.layer_kinds or other.spec.hidden_size != self.spec.hidden_size:
+            raise ValueError(
+                f"draft model '{self.spec.name}': its {n} layers ({[k.value for k in self.spec.layer_kinds]}) must "
+                f"be the first layers of '{other.spec.name}' ({[k.value for k in other.spec.layer_kinds[:n]]}). "
+                "Fix: derive the draft spec with ModelSpec.draft(n).")
+        self.embed, self.final_norm, self.lm_head = other.embed, other.final_norm, other.lm_head
+        self.layers = other.layers[:n]
+        self.shares_weights = True
+
+    shares_weights = False
+
     @property
     def weight_bytes(self) -> int:
+        """Bytes of weights this model owns (0 for a draft that shares the target's)."""
+        if self.shares_weights:
+            return 0
         tensors = [self.embed, self.final_norm, self.lm_head]
         for lw in self.layers:  # LayerWeights or LinearLayerWeights
             tensors += [t for t in vars(lw).values() if t is not None]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,6 +62,11 @@ class ModelSpec:
             linear_head_dim=model.get("linear_head_dim", 128),
             weight_seed=model["weight_seed"],
         )
+
+    def draft(self, num_layers: int) -> ModelSpec:
+        """The spec of a draft model made of this model's first ``num_layers`` layers."""
+        return replace(self, name=f"{self.name}:draft{num_layers}", num_layers=num_layers,
+                       layer_kinds=self.layer_kinds[:num_layers])
 
     @property
     def qk_head_dim(self) -> int:

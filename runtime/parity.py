@@ -36,11 +36,13 @@ class ParityReport:
 
 
 def reference_config(plain: dict) -> dict:
-    """The candidate's config with the float32 torch reference, no graphs, no dumps."""
+    """The candidate's config with the float32 torch reference, no graphs, no dumps, and plain greedy
+    decoding (speculation is lossless, so its tokens must equal plain greedy's)."""
     ref = copy.deepcopy(plain)
     ref["backend"] = {"name": "torch_mla", "compute_dtype": "float32"}
     ref["model"]["dtype"] = "float32"
     ref["graph"]["enabled"] = False
+    ref["speculative"]["enabled"] = False
     ref["attention"]["linear_impl"] = "torch"
     ref["dump_dir"] = None
     return ref

@@ -22,39 +22,79 @@ def memory_plan(container) -> dict:
         "request_state_bytes": sum(pool.nbytes for pool in container.request_states()),
         "req_to_token_bytes": container.req_to_token_pool().nbytes,
         "weights_bytes": container.model().weight_bytes,
+        # the speculative draft's own KV pool (its weights are the target's)
+        "draft_kv_pool_bytes": container.draft_kv_pool().nbytes if container.config.speculative.enabled() else 0,
     }
     return {**sizes, "workspaces": ledger.report(), "workspace_consumers": ledger.consumers(),
             "total_bytes": sum(sizes.values()) + ledger.total_bytes}
 
 
+SPEC_PHASES = ("draft_decode", "target_verify", "draft_extend")
+
+
+def _step_stats(steps: list) -> dict:
+    ms = np.array([s.seconds * 1e3 for s in steps]) if steps else np.zeros(0)
+    return {
+        "steps": len(steps), "graphed_steps": sum(1 for s in steps if s.graphed),
+        "mean_step_ms": float(ms.mean()) if steps else 0.0,
+        "p50_step_ms": float(np.percentile(ms, 50)) if steps else 0.0,
+        "p99_step_ms": float(np.percentile(ms, 99)) if steps else 0.0,
+        "seconds": float(ms.sum() / 1e3),
+    }
+
+
 def _phases(res: RunResult) -> dict:
-    pre = [s for s in res.steps if s.mode == ForwardMode.EXTEND]
-    dec = [s for s in res.steps if s.mode == ForwardMode.DECODE]
+    """Prefill and decode. With speculation, decode is the rounds: its tokens are the tokens the rounds
+    emitted and its time the sum of their draft, verify and draft-extend phases (one "step" = one round)."""
+    pre = [s for s in res.steps if s.phase == "prefill"]
     pre_tokens, pre_s = sum(s.tokens for s in pre), sum(s.seconds for s in pre)
-    dec_ms = np.array([s.seconds * 1e3 for s in dec]) if dec else np.zeros(0)
-    dec_tokens = sum(s.tokens for s in dec)
+    dec = [s for s in res.steps if s.phase == "decode"]
+    verify = [s for s in res.steps if s.phase == "target_verify"]
+    if verify:  # speculative: time per round = its phases
+        rounds = np.array([s.seconds for s in res.steps if s.phase in SPEC_PHASES])
+        dec_tokens = sum(s.tokens for s in verify)
+        stats = _step_stats(verify)
+        total = float(rounds.sum())
+        per_round = total / len(verify)
+        stats.update(mean_step_ms=per_round * 1e3, seconds=total)
+    else:
+        dec_tokens = sum(s.tokens for s in dec)
+        stats = _step_stats(dec)
     return {
         "prefill": {
             "steps": len(pre), "tokens": pre_tokens, "seconds": pre_s,
             "tokens_per_s": pre_tokens / pre_s if pre_s > 0 else 0.0,
         },
         "decode": {
-            "steps": len(dec), "tokens": dec_tokens,
-            "mean_step_ms": float(dec_ms.mean()) if dec else 0.0,
-            "p50_step_ms": float(np.percentile(dec_ms, 50)) if dec else 0.0,
-            "p99_step_ms": float(np.percentile(dec_ms, 99)) if dec else 0.0,
-            "tokens_per_s": dec_tokens / (dec_ms.sum() / 1e3) if dec and dec_ms.sum() > 0 else 0.0,
+            **stats, "tokens": dec_tokens,
+            "tokens_per_s": dec_tokens / stats["seconds"] if stats["seconds"] > 0 else 0.0,
         },
     }
 
 
+def speculative_section(res: RunResult, stats, baseline: RunResult | None) -> dict:
+    """Acceptance, per-phase step times, and decode tokens/s with and without speculation."""
+    phases = {p: _step_stats([s for s in res.steps if s.phase == p])
+              for p in ("draft_prefill", "draft_bootstrap", *SPEC_PHASES)}
+    out = {
+        "rounds": stats.rounds, "acceptance_length": stats.acceptance_length,
+        "acceptance_rate": stats.acceptance_rate, "accepted_histogram": list(stats.accept_hist),
+        "phases": phases, "decode_tokens_per_s": _phases(res)["decode"]["tokens_per_s"],
+    }
+    if baseline is not None:
+        base = _phases(baseline)["decode"]["tokens_per_s"]
+        out["baseline_decode_tokens_per_s"] = base
+        out["speedup"] = out["decode_tokens_per_s"] / base if base > 0 else 0.0
+    return out
+
+
 def _graphs(runner) -> dict:
-    d = runner.decision
-    return {d.mode: {"graphed": d.graphed, "sizes": sorted(runner.graphs), "replays": runner.replays,
-                     "reason": d.reason}}
+    return {name: {"graphed": m.decision.graphed, "sizes": sorted(m.graphs), "replays": m.replays,
+                   "reason": m.decision.reason} for name, m in runner.modes.items()}
 
 
-def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, str]) -> dict:
+def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, str],
+                speculative: dict | None = None) -> dict:
     cfg = runtime.config
     generated = sum(len(v) for v in res.outputs.values())
     return {
@@ -72,6 +112,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
             "outputs_sha1": hashlib.sha1(json.dumps(sorted(res.outputs.items())).encode()).hexdigest(),
         },
         "graphs": _graphs(runtime.container.graph_runner()),
+        "speculative": speculative,
         "parity": parity if parity is not None else {"reference": None, "ok": None},
         "dumps": dumps,
     }
@@ -102,9 +143,20 @@ def print_report(report: dict, console: Console | None = None) -> None:
     t.add_row("requests", f"{r['finished']}/{r['total']} finished, {r['retracted']} retracted, "
               f"{r['queued_for_memory']} times queued for memory, {r['lost']} lost")
     mem = report["memory"]
-    t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, request states {_mib(mem['request_state_bytes'])}, "
+    draft = f"draft kv pool {_mib(mem['draft_kv_pool_bytes'])}, " if mem["draft_kv_pool_bytes"] else ""
+    t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, {draft}request states {_mib(mem['request_state_bytes'])}, "
               f"weights {_mib(mem['weights_bytes'])}, "
               + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
+    sp = report.get("speculative")
+    if sp:
+        ph = sp["phases"]
+        base = (f"; without speculation {sp['baseline_decode_tokens_per_s']:.1f} tok/s (x{sp['speedup']:.2f})"
+                if "baseline_decode_tokens_per_s" in sp else "")
+        t.add_row("speculative", f"{sp['rounds']} rounds, acceptance length {sp['acceptance_length']:.2f} "
+                  f"(rate {sp['acceptance_rate']:.2f}); step ms draft {ph['draft_decode']['mean_step_ms']:.3f} "
+                  f"verify {ph['target_verify']['mean_step_ms']:.3f} "
+                  f"extend {ph['draft_extend']['mean_step_ms']:.3f}; decode {sp['decode_tokens_per_s']:.1f} tok/s"
+                  + base)
     for mode, g in report["graphs"].items():
         t.add_row(f"{mode} graphs", f"{len(g['sizes'])} sizes captured, {g['replays']} replays" if g["graphed"]
                   else f"eager ({g['reason']})")

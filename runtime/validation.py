@@ -10,7 +10,7 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from backends.base import BackendCapabilities, CudaGraphLevel, DecodeGraph, MHAChunkPrefill, hook_signature_problems
+from backends.base import BackendCapabilities, CudaGraphLevel, GraphHooks, MHAChunkPrefill, hook_signature_problems
 from runtime.batch import ForwardMode
 from runtime.config import LayerKind
 from runtime.device import DeviceInfo
@@ -88,8 +88,7 @@ def validate(
 
     # --- speculative decoding
     if cfg["speculative"]["enabled"]:
-        add(Problem("speculative.enabled=true", "speculative decoding requested",
-                    "speculative=off in this version", "drop the speculative override (speculative=off)"))
+        problems += _speculative_problems(cfg, name, caps)
 
     # --- graphs
     g = cfg["graph"]
@@ -103,8 +102,43 @@ def validate(
                         "e.g. graph.batch_sizes=[1,2,4,8,16,32]"))
 
     # --- KV cache and workload
-    problems += _workload_problems(work, kv, model)
+    spec = cfg["speculative"]
+    lookahead = spec["num_steps"] + 2 if spec["enabled"] and spec["num_steps"] >= 1 else 0
+    problems += _workload_problems(work, kv, model, lookahead)
     return problems
+
+
+def _speculative_problems(cfg, name: str, caps: BackendCapabilities | None) -> list[Problem]:
+    out: list[Problem] = []
+    add = out.append
+    spec, model = cfg["speculative"], cfg["model"]
+    if spec["topk"] != 1:
+        add(Problem("speculative.topk", str(spec["topk"]), "1 (chain speculation; tree drafts are not implemented)",
+                    "set speculative.topk=1"))
+    if spec["num_steps"] < 1:
+        add(Problem("speculative.num_steps", str(spec["num_steps"]), ">= 1 draft tokens per round",
+                    "set speculative.num_steps=3"))
+    n, layers = spec["draft_layers"], model["num_layers"]
+    if not 1 <= n <= layers:
+        add(Problem("speculative.draft_layers", str(n), f"1..model.num_layers ({layers})",
+                    "set speculative.draft_layers=1"))
+    pattern = [LayerKind(k) for k in model["layer_pattern"]] or [LayerKind.full]
+    kinds = {pattern[i % len(pattern)] for i in range(layers)}
+    if LayerKind.linear in kinds:
+        add(Problem(f"speculative decoding with model '{model['name']}'", "linear-attention layers",
+                    "an MLA-only model (rejected draft tokens would need the linear state rolled back, which is "
+                    "not implemented)", "use speculative=off for hybrid models"))
+    if LayerKind.sparse in kinds or cfg["hisparse"]["enabled"]:
+        add(Problem("speculative decoding", "sparse layers / hisparse.enabled=true",
+                    "dense MLA layers (verify and draft extend over a HiSparse device buffer are not implemented)",
+                    "use speculative=off with sparse attention"))
+    if caps is not None:
+        missing = [m.value for m in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) if m not in caps.forward_modes]
+        if missing:
+            add(Problem(f"backend '{name}' with speculative decoding", f"forward modes without {missing}",
+                        "target_verify and draft_extend in capabilities.forward_modes",
+                        "pick a backend that lists them, or speculative=off"))
+    return out
 
 
 def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_present) -> list[Problem]:
@@ -139,8 +173,8 @@ def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_
     out += backend_cls.config_problems(cfg["backend"], cfg["model"], device)
     hooks = [(MHAChunkPrefill, caps.mha_chunked_prefill, "capabilities.mha_chunked_prefill")]
     if cfg["graph"]["enabled"]:
-        graphable = caps.graph_level(ForwardMode.DECODE) >= CudaGraphLevel.SINGLE_TOKEN_DECODE
-        hooks.append((DecodeGraph, graphable, "a decode CUDA-graph level"))
+        graphable = any(level > CudaGraphLevel.NEVER for _, level in caps.cuda_graph)
+        hooks.append((GraphHooks, graphable, "a CUDA-graph level above NEVER"))
     for proto, declared, because in hooks:
         if declared:
             for msg in hook_signature_problems(backend_cls, proto):
@@ -212,7 +246,8 @@ def _linear_problems(cfg, linear_backend: type | None, device: DeviceInfo, packa
     return out
 
 
-def _workload_problems(work, kv, model) -> list[Problem]:
+def _workload_problems(work, kv, model, lookahead: int = 0) -> list[Problem]:
+    """``lookahead``: positions a speculative round reserves past a request's length (num_steps + 2)."""
     out: list[Problem] = []
     add = out.append
     for key in ("num_requests", "max_running_requests", "max_tokens_per_batch", "chunked_prefill_size",
@@ -224,9 +259,10 @@ def _workload_problems(work, kv, model) -> list[Problem]:
         if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
             add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
                         "1 <= min <= max, mean >= 1, std >= 0", f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
-    longest = work["prompt_len"]["max"] + work["output_len"]["max"]
+    longest = work["prompt_len"]["max"] + work["output_len"]["max"] + lookahead
+    spec = f" + speculative look-ahead {lookahead}" if lookahead else ""
     if longest > model["max_context"]:
-        add(Problem("workload length", f"prompt_len.max + output_len.max = {longest} tokens",
+        add(Problem("workload length", f"prompt_len.max + output_len.max{spec} = {longest} tokens",
                     f"<= model.max_context ({model['max_context']})",
                     f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
     for key in ("page_size", "num_pages", "max_requests"):

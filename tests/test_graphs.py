@@ -5,25 +5,27 @@ from __future__ import annotations
 from typing import ClassVar
 
 import pytest
-import torch
 from conftest import compose_config
+from dependency_injector import providers
 
 import containers
 from backends.base import BackendCapabilities, CudaGraphLevel
 from runtime.batch import ForwardMode
 from runtime.device import DeviceInfo
-from runtime.graph_runner import decide_decode_graphs
+from runtime.graph_runner import decide_graphs
 from runtime.validation import validate
 
-CUDA = torch.device("cuda", 0)
 GPU = DeviceInfo("cuda", "cuda", 0, True, (9, 0), "H100")
 
 
-def fake(level: CudaGraphLevel, with_hooks: bool = True):
+def fake(level: CudaGraphLevel | dict, with_hooks: bool = True, builds_own: bool = True):
+    """A backend class whose only content is capability data (a level for DECODE, or a level per mode)."""
+    levels = level if isinstance(level, dict) else {ForwardMode.DECODE: level}
+
     class Fake:
         capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
-            forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
-            cuda_graph=((ForwardMode.DECODE, level),), devices=frozenset({"cuda", "cpu"}))
+            forward_modes=frozenset(ForwardMode), cuda_graph=tuple(levels.items()),
+            builds_own_kv_indices=builds_own, devices=frozenset({"cuda", "cpu"}))
 
         @classmethod
         def config_problems(cls, backend_cfg, model_cfg, device):
@@ -37,36 +39,82 @@ def fake(level: CudaGraphLevel, with_hooks: bool = True):
 
 
 @pytest.mark.parametrize("level,enabled,device,graphed", [
-    (CudaGraphLevel.NEVER, True, CUDA, False),
-    (CudaGraphLevel.SINGLE_TOKEN_DECODE, True, CUDA, True),
-    (CudaGraphLevel.UNIFORM_BATCH, True, CUDA, True),
-    (CudaGraphLevel.ALWAYS, True, CUDA, True),
-    (CudaGraphLevel.ALWAYS, False, CUDA, False),
-    (CudaGraphLevel.ALWAYS, True, torch.device("cpu"), False),
+    (CudaGraphLevel.NEVER, True, "cuda", False),
+    (CudaGraphLevel.SINGLE_TOKEN_DECODE, True, "cuda", True),
+    (CudaGraphLevel.UNIFORM_BATCH, True, "cuda", True),
+    (CudaGraphLevel.ALWAYS, True, "cuda", True),
+    (CudaGraphLevel.ALWAYS, False, "cuda", False),
+    (CudaGraphLevel.ALWAYS, True, "cpu", False),
 ])
 def test_decode_graph_decision_from_capabilities(level, enabled, device, graphed):
     backend = fake(level)()
-    hook = containers._decode_graph_hook(backend)
-    d = decide_decode_graphs(enabled, device, [backend], hook, [4, 1, 2, 4])
+    d = decide_graphs(enabled, device, [backend], False, [4, 1, 2, 4])
+    assert list(d) == ["decode"]
+    d = d["decode"]
     assert d.graphed is graphed
     assert (d.sizes == [1, 2, 4]) if graphed else (d.reason and not d.sizes)
-    if level == CudaGraphLevel.NEVER and enabled and device.type == "cuda":
-        assert "NEVER" in d.reason and hook is None
+    if level == CudaGraphLevel.NEVER and enabled and device == "cuda":
+        assert "NEVER" in d.reason and containers._decode_graph_hook(backend) is None
 
 
 def test_the_minimum_level_over_every_backend_in_use_decides():
     full, linear = fake(CudaGraphLevel.ALWAYS)(), fake(CudaGraphLevel.NEVER)()
-    d = decide_decode_graphs(True, CUDA, [full, linear], containers._decode_graph_hook(full), [8])
+    d = decide_graphs(True, "cuda", [full, linear], False, [8])["decode"]
     assert not d.graphed and "NEVER" in d.reason and "ALWAYS" in d.reason
     both = [full, fake(CudaGraphLevel.SINGLE_TOKEN_DECODE)()]
-    assert decide_decode_graphs(True, CUDA, both, containers._decode_graph_hook(full), [8]).graphed
+    assert decide_graphs(True, "cuda", both, False, [8])["decode"].graphed
+
+
+A, U, S, N = CudaGraphLevel.ALWAYS, CudaGraphLevel.UNIFORM_BATCH, CudaGraphLevel.SINGLE_TOKEN_DECODE, CudaGraphLevel.NEVER
+D, V, E = ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND
+
+
+@pytest.mark.parametrize("target,draft,graphed", [
+    # every mode allowed by both
+    ({D: A, V: A, E: A}, {D: A, V: A, E: A}, {"draft_decode", "target_verify", "draft_extend"}),
+    # what the shipped GPU backends declare
+    ({D: S, V: U, E: U}, {D: S, V: U, E: U}, {"draft_decode", "target_verify", "draft_extend"}),
+    # decode-only backends: the round's draft steps are graphed, verify and draft extend run eagerly
+    ({D: S}, {D: S}, {"draft_decode"}),
+    # verify needs uniform batches: single-token decode is not enough
+    ({D: S, V: S, E: U}, {D: S, V: S, E: U}, {"draft_decode", "draft_extend"}),
+    # the minimum over draft + target: one backend that never graphs a mode takes it off for all
+    ({D: A, V: A, E: A}, {D: N, V: A, E: A}, {"target_verify", "draft_extend"}),
+    ({D: A, V: A, E: A}, {D: A, V: A, E: N}, {"draft_decode", "target_verify"}),
+    ({D: A, V: A, E: A}, {}, set()),
+])
+def test_speculative_graph_modes_from_fake_backend_capabilities(target, draft, graphed):
+    """Fakes replace the target and the draft-step backends through provider overrides; the decision reads
+    only their capability data (no backend class is named anywhere in it)."""
+    plain = containers.to_plain(compose_config("+deploy=cpu_speculative", "graph=decode"))
+    c = containers.Container()
+    c.config.from_dict(plain)
+    c.backend.override(providers.Object(fake(target)()))
+    c.draft_backends.override(providers.Object([fake(draft)() for _ in range(3)]))
+    c.device_type.override(providers.Object("cuda"))
+    decisions = c.graph_decisions()
+    assert set(decisions) == {"draft_decode", "target_verify", "draft_extend"}
+    assert {m for m, d in decisions.items() if d.graphed} == graphed
+    for mode, d in decisions.items():
+        assert d.graphed or ("needs" in d.reason and "Fake" in d.reason), (mode, d.reason)
+
+
+@pytest.mark.parametrize("builds_own,mode,expect_pass", [
+    (True, "auto", False), (False, "auto", True), (True, "always", True),
+])
+def test_shared_kv_indices_pass_only_for_backends_that_need_it(builds_own, mode, expect_pass):
+    plain = containers.to_plain(compose_config("+deploy=cpu_speculative", f"speculative.shared_kv_indices={mode}"))
+    c = containers.Container()
+    c.config.from_dict(plain)
+    c.draft_backends.override(providers.Object([fake(N, builds_own=builds_own)() for _ in range(3)]))
+    assert (c.draft_kv_indices() is not None) is expect_pass
 
 
 def test_graphable_backend_without_hooks_is_refused_at_startup():
     plain = containers.to_plain(compose_config("device=cuda", "graph=decode", "model.dtype=bfloat16"))
     problems = validate(plain, {"torch_mla": fake(CudaGraphLevel.SINGLE_TOKEN_DECODE, with_hooks=False)}, GPU)
     text = "\n".join(map(str, problems))
-    assert "DecodeGraph" in text and "init_forward_metadata_replay" in text
+    assert "GraphHooks" in text and "init_forward_metadata_replay" in text
     assert validate(plain, {"torch_mla": fake(CudaGraphLevel.SINGLE_TOKEN_DECODE)}, GPU) == []
 
 
@@ -78,5 +126,5 @@ def test_graphs_on_cpu_are_refused():
 
 def test_report_says_why_decode_was_not_graphed():
     rt = containers.build(compose_config("device=cpu"))
-    d = rt.container.graph_runner().decision
+    d = rt.container.graph_runner().modes["decode"].decision
     assert not d.graphed and d.reason == "graph.enabled=false"
