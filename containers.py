@@ -18,10 +18,10 @@ from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
 from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill
-from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
 from backends.linear_attention import LinearAttentionBackend
+from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
 from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
 from runtime.batch import ForwardMode
@@ -244,7 +244,7 @@ class Container(containers.DeclarativeContainer):
             FlashInferMLABackend, req_to_token_pool, draft_kv_pool, model_spec, flashinfer_float_workspace,
             workspace_ledger, config.backend).provider, config.speculative.num_steps, instance="draft{i}"),
     ))
-    draft_kv_indices = providers.Callable(
+    draft_kv_indices = providers.Singleton(
         _shared_kv_indices, draft_backends, config.speculative.shared_kv_indices, req_to_token_pool,
         config.kv.page_size)
     draft_attention = providers.Singleton(MultiStepDraftBackend, draft_backends, draft_kv_indices, req_to_token_pool)

@@ -10,7 +10,6 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from runtime.batch import ForwardMode
 from runtime.engine import RunResult
 
 
