@@ -24,7 +24,6 @@ from hydra import compose, initialize_config_dir
 
 import runtime.config  # noqa: F401
 from containers import build
-from runtime.batch import ForwardMode
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -44,10 +43,10 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int) -> dic
         cfg = compose("config", overrides=overrides)
     rt = build(cfg)
     res = rt.engine.run(record_hidden=False)
-    full = [s for s in res.steps if s.mode == ForwardMode.DECODE and s.batch_size == bs]
+    full = [s for s in res.steps if s.phase == "decode" and s.batch_size == bs]
     ends = [s.marks[1] for s in full]
     periods = [a.elapsed_time(b) for a, b in zip(ends[:-1], ends[1:])][2:]  # skip the first steps
-    runner = rt.container.graph_runner()
+    runner = rt.container.graph_runner().get("decode")
     graph = runner.graphs[bs][0]
     for _ in range(5):
         graph.replay()

@@ -50,3 +50,25 @@ def test_graph_replay_equals_eager_through_the_engine(preset, tmp_path):
     eager = run_cli(tmp_path / "e", f"+deploy={preset}", *SMALL, "check=off", "graph=off")
     assert graphed["graphs"]["decode"]["replays"] > 0 and not eager["graphs"]["decode"]["graphed"]
     assert graphed["requests"]["outputs_sha1"] == eager["requests"]["outputs_sha1"]
+
+
+SPEC = ["speculative=eagle_chain", "speculative.baseline=false", "model.num_layers=4", "model.max_context=4096"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", [
+    pytest.param("h100_triton_tp8", marks=_needs("triton")),
+    pytest.param("h100_dsv3_tp8", marks=_needs("flashinfer")),
+])
+def test_speculative_graphs_replay_equal_eager_and_parity(preset, tmp_path):
+    """Every speculative mode (draft decode, target verify, draft extend) graphed: tokens equal the eager
+    run, and the reference's plain greedy decoding (parity) agrees."""
+    graphed = run_cli(tmp_path / "g", f"+deploy={preset}", *SMALL, *SPEC)
+    eager = run_cli(tmp_path / "e", f"+deploy={preset}", *SMALL, *SPEC, "check=off", "graph=off")
+    for mode in ("draft_decode", "target_verify", "draft_extend"):
+        g = graphed["graphs"][mode]
+        assert g["graphed"] and g["replays"] > 0, (mode, g)
+        assert not eager["graphs"][mode]["graphed"]
+    assert graphed["requests"]["outputs_sha1"] == eager["requests"]["outputs_sha1"]
+    assert graphed["parity"]["ok"] is True, graphed["parity"]
+    assert graphed["requests"]["lost"] == 0 and graphed["speculative"]["acceptance_length"] > 1.0

@@ -1,0 +1,164 @@
+"""Speculative decoding on the GPU (device only): the shared kv-indices skip, and tokens/s with vs without.
+
+1. **Draft step with and without the shared kv-indices pass**, for backends that build their own kv indices
+   (FlashInfer MLA, our Triton MLA): ``speculative.shared_kv_indices=always`` runs the multi-step draft's
+   shared pass anyway (what a leading engine did), ``auto`` skips it. For each, the draft decode phase of a
+   round (plan every step + the captured draft graph: ``num_steps - 1`` draft forwards) is run back to back
+   and timed on the GPU timeline (period per round, host planning included, as in the engine), and the pass
+   alone is timed too. The skip must remove the pass's whole cost: saved ~= pass time.
+2. **Decode tokens/s with vs without speculation**, same workload, same backend, CUDA graphs on: the engine's
+   decode phase (with speculation: the rounds' emitted tokens over the sum of their draft, verify and
+   draft-extend times), and the acceptance length.
+
+Run: ``python bench/bench_speculative.py [--backends flashinfer_mla triton_mla] [--batch 32] [--context 1024]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+import runtime.config  # noqa: F401
+from containers import build
+from runtime.batch import ForwardMode, make_batch
+from runtime.report import _phases
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def _cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def _events_ms(fn, iters: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def draft_step(backend: str, mode: str, bs: int, context: int, steps: int, iters: int = 200) -> dict:
+    rt = build(_cfg([
+        "+deploy=h100_dsv3_tp8_spec", f"backend={backend}", f"speculative.shared_kv_indices={mode}",
+        f"speculative.num_steps={steps}", f"graph.batch_sizes=[{bs}]", f"kv.max_requests={max(bs, 8)}",
+        f"kv.num_pages={bs * (-(-(context + steps + 2) // 64)) + 8}", f"model.max_context={context + 64}",
+        "check=off", "progress=false"]))
+    c = rt.container
+    slots, drafts = c.token_slots(), c.draft_attention()
+    rows = [slots.open() for _ in range(bs)]
+    slots.reserve_many([(r, 0, context + steps + 2) for r in rows])
+    for buf in c.draft_kv_pool().buffers:  # any finite latent rows: timing does not depend on values
+        buf.normal_()
+    table = c.req_to_token_pool().req_to_token
+    locs = [int(table[r, context + 1]) for r in rows]
+    step0 = make_batch(ForwardMode.DECODE, rows, [context + 1] * bs, [1] * bs, locs, rt.device.torch_device)
+    ids = torch.randint(0, c.model_spec().vocab_size, (bs,), device=rt.device.torch_device)
+    runner = c.graph_runner()
+    runner.capture()
+    graphs = runner.get("draft_decode")
+    assert graphs.decision.graphed, graphs.decision.reason
+
+    def graphed_round():
+        graphs.prepare(ids, step0)  # the per-step plans (and the shared pass, when on) run here
+        graphs.replay()
+
+    for _ in range(20):
+        graphed_round()
+    period = statistics.median(_events_ms(graphed_round, iters) for _ in range(5))
+    kernels = statistics.median(_events_ms(graphs.graphs[bs][0].replay, iters) for _ in range(5))
+    kv_pass = c.draft_kv_indices()
+    pass_ms = host_pass_us = 0.0
+    if kv_pass is not None:
+        step_batches = drafts.step_batches
+        pass_ms = statistics.median(_events_ms(lambda: kv_pass.run(step_batches), iters) for _ in range(5))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            kv_pass.run(step_batches)
+        host_pass_us = (time.perf_counter() - t0) / iters * 1e6
+        torch.cuda.synchronize()
+    out = {"backend": backend, "mode": mode, "period_us": period * 1e3, "kernels_us": kernels * 1e3,
+           "pass_us": pass_ms * 1e3, "pass_host_us": host_pass_us, "draft_steps": drafts.num_decode_steps}
+    del rt, c, runner
+    torch.cuda.empty_cache()
+    return out
+
+
+def tokens_per_s(backend: str, spec: bool, bs: int, prompt: int, out_len: int, layers: int, draft_layers: int) -> dict:
+    pages = bs * -(-(prompt + out_len + 8) // 64) + 16
+    rt = build(_cfg([
+        "+deploy=h100_dsv3_tp8_spec", f"backend={backend}", f"speculative.enabled={str(spec).lower()}",
+        f"speculative.draft_layers={draft_layers}", f"model.num_layers={layers}", "check=off", "progress=false",
+        f"workload.num_requests={bs}", f"workload.max_running_requests={bs}", f"kv.max_requests={max(bs, 8)}",
+        "workload.prompt_len.dist=fixed", f"workload.prompt_len.mean={prompt}", f"workload.prompt_len.min={prompt}",
+        f"workload.prompt_len.max={prompt}", "workload.output_len.dist=fixed", f"workload.output_len.mean={out_len}",
+        f"workload.output_len.min={out_len}", f"workload.output_len.max={out_len}",
+        "workload.chunked_prefill_size=8192", "workload.max_tokens_per_batch=16384", f"kv.num_pages={pages}",
+        f"graph.batch_sizes=[1,2,4,8,16,{bs}]"]))
+    res = rt.engine.run(record_hidden=False)
+    dec = _phases(res)["decode"]
+    st = rt.container.speculative().stats if spec else None
+    out = {"backend": backend, "spec": spec, "tokens_per_s": dec["tokens_per_s"], "tokens": dec["tokens"],
+           "acceptance_length": st.acceptance_length if st else 1.0,
+           "graphed": {m: g.decision.graphed for m, g in rt.container.graph_runner().modes.items()}}
+    del rt
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", nargs="+", default=["flashinfer_mla", "triton_mla"])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=4, help="speculative.num_steps (draft decode steps = steps - 1)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--draft-layers", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--out-len", type=int, default=128)
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+
+    rows = [draft_step(b, m, args.batch, args.context, args.steps) for b in args.backends for m in ("always", "auto")]
+    print(f"\ndraft decode phase per round ({dev}): DeepSeek-V3 TP8 shapes, draft = 1 layer, batch {args.batch}, "
+          f"context {args.context}, {args.steps - 1} draft steps in one CUDA graph")
+    print(f"{'backend':<16}{'kv pass':>9}{'round us':>10}{'kernels us':>12}{'pass us (gpu/host)':>20}"
+          f"{'saved us':>10}{'% of round':>12}")
+    for b in args.backends:
+        on, off = [r for r in rows if r["backend"] == b]
+        for r in (on, off):
+            print(f"{b:<16}{r['mode']:>9}{r['period_us']:>10.1f}{r['kernels_us']:>12.1f}"
+                  f"{r['pass_us']:>11.1f}/{r['pass_host_us']:<8.1f}" + (
+                      f"{on['period_us'] - off['period_us']:>10.1f}"
+                      f"{100 * (on['period_us'] - off['period_us']) / on['period_us']:>11.1f}%"
+                      if r is off else ""))
+
+    tps = []
+    for b in args.backends:
+        tps.append(tokens_per_s(b, False, args.batch, args.context, args.out_len, args.layers, 1))
+        for d in args.draft_layers:
+            r = tokens_per_s(b, True, args.batch, args.context, args.out_len, args.layers, d)
+            r["draft_layers"] = d
+            tps.append(r)
+    print(f"\ndecode tokens/s, {args.layers} layers DeepSeek-V3 TP8, batch {args.batch}, prompt {args.context}, "
+          f"output {args.out_len}, CUDA graphs ({dev})")
+    print(f"{'backend':<16}{'speculation':>16}{'accept len':>12}{'tok/s':>10}{'vs plain':>10}  graphed modes")
+    for b in args.backends:
+        base = next(r for r in tps if r["backend"] == b and not r["spec"])
+        for r in [x for x in tps if x["backend"] == b]:
+            name = f"k={args.steps} draft {r['draft_layers']}L" if r["spec"] else "off"
+            graphed = ",".join(m for m, g in r["graphed"].items() if g) or "none"
+            print(f"{b:<16}{name:>16}{r['acceptance_length']:>12.2f}{r['tokens_per_s']:>10.0f}"
+                  f"{r['tokens_per_s'] / base['tokens_per_s']:>9.2f}x  {graphed}")
+
+
+if __name__ == "__main__":
+    main()
