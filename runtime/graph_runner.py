@@ -213,12 +213,3 @@ class GraphRunner:
         for m in graphed:
             pool = m.capture(pool)
         torch.cuda.synchronize(self.device)
-
-    def run(self, mode: str, ids: torch.Tensor, batch: ForwardBatch, eager: Callable[[], torch.Tensor]):
-        """Replay ``mode``'s graph for ``batch`` when one fits, else plan and run ``eager()``; returns
-        (output, graphed)."""
-        m = self.modes.get(mode)
-        if m is not None and m.can_run(batch):
-            m.prepare(ids, batch)
-            return m.replay(), True
-        return eager(), False
