@@ -46,14 +46,16 @@ def _events_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def draft_step(backend: str, mode: str, bs: int, context: int, steps: int, iters: int = 200) -> dict:
+def _draft_runtime(backend: str, mode: str, bs: int, context: int, steps: int):
+    """A runtime whose draft has one round of ``bs`` requests at ``context`` planned-ready; returns
+    (runtime, graphs of draft_decode, ids, step-0 batch)."""
     rt = build(_cfg([
         "+deploy=h100_dsv3_tp8_spec", f"backend={backend}", f"speculative.shared_kv_indices={mode}",
         f"speculative.num_steps={steps}", f"graph.batch_sizes=[{bs}]", f"kv.max_requests={max(bs, 8)}",
         f"kv.num_pages={bs * (-(-(context + steps + 2) // 64)) + 8}", f"model.max_context={context + 64}",
         "workload=smoke", "check=off", "progress=false"]))  # the workload is unused: rounds are driven here
     c = rt.container
-    slots, drafts = c.token_slots(), c.draft_attention()
+    slots = c.token_slots()
     rows = [slots.open() for _ in range(bs)]
     slots.reserve_many([(r, 0, context + steps + 2) for r in rows])
     for buf in c.draft_kv_pool().buffers:  # any finite latent rows: timing does not depend on values
@@ -66,44 +68,46 @@ def draft_step(backend: str, mode: str, bs: int, context: int, steps: int, iters
     runner.capture()
     graphs = runner.get("draft_decode")
     assert graphs.decision.graphed, graphs.decision.reason
+    return rt, graphs, ids, step0
 
-    def graphed_round():
-        graphs.prepare(ids, step0)  # the per-step plans (and the shared pass, when on) run here
-        graphs.replay()
 
-    for _ in range(20):
-        graphed_round()
-    # host time of prepare (every step's plan, and the shared pass when on): on the round's critical path,
-    # since a round's lengths are known only after the previous verify
-    prep = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graphs.prepare(ids, step0)
-        prep.append((time.perf_counter() - t0) * 1e6)
-        graphs.replay()
-    torch.cuda.synchronize()
-    prepare_us = statistics.median(prep)
-    kernels = statistics.median(_events_ms(graphs.graphs[bs][0].replay, iters) for _ in range(5))
-    kv_pass = c.draft_kv_indices()
-    pass_ms = host_pass_us = 0.0
-    if kv_pass is not None:
-        step_batches = drafts.step_batches
-        pass_ms = statistics.median(_events_ms(lambda: kv_pass.run(step_batches), iters) for _ in range(5))
-        samples = []
-        for _ in range(iters):
+def draft_step(backend: str, bs: int, context: int, steps: int, iters: int = 400) -> list[dict]:
+    """The draft step with the shared pass forced (``always``) and skipped (``auto``), measured interleaved in
+    one process (host timings drift; alternating samples cancel the drift out of the difference)."""
+    runs = {m: _draft_runtime(backend, m, bs, context, steps) for m in ("always", "auto")}
+    prep: dict[str, list[float]] = {m: [] for m in runs}
+    for i in range(iters + 20):
+        for m, (_, graphs, ids, step0) in runs.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            kv_pass.run(step_batches)
-            samples.append((time.perf_counter() - t0) * 1e6)
-        host_pass_us = statistics.median(samples)
-        torch.cuda.synchronize()
-    out = {"backend": backend, "mode": mode, "prepare_us": prepare_us, "kernels_us": kernels * 1e3,
-           "period_us": prepare_us + kernels * 1e3,
-           "pass_us": pass_ms * 1e3, "pass_host_us": host_pass_us, "draft_steps": drafts.num_decode_steps}
-    del rt, c, runner
+            graphs.prepare(ids, step0)  # every step's plan (and the shared pass, when on): host work
+            t1 = time.perf_counter()
+            graphs.replay()
+            if i >= 20:
+                prep[m].append((t1 - t0) * 1e6)
+    torch.cuda.synchronize()
+    rows = []
+    for m, (rt, graphs, _, _) in runs.items():
+        kernels = statistics.median(_events_ms(graphs.graphs[bs][0].replay, 100) for _ in range(5)) * 1e3
+        kv_pass = rt.container.draft_kv_indices()
+        pass_gpu = pass_host = 0.0
+        if kv_pass is not None:
+            step_batches = rt.container.draft_attention().step_batches
+            pass_gpu = statistics.median(_events_ms(lambda p=kv_pass, sb=step_batches: p.run(sb), 100) for _ in range(5)) * 1e3
+            samples = []
+            for _ in range(iters):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                kv_pass.run(step_batches)
+                samples.append((time.perf_counter() - t0) * 1e6)
+            pass_host = statistics.median(samples)
+        prepare = statistics.median(prep[m])
+        rows.append({"backend": backend, "mode": m, "prepare_us": prepare, "kernels_us": kernels,
+                     "period_us": prepare + kernels, "pass_us": pass_gpu, "pass_host_us": pass_host,
+                     "draft_steps": graphs.hooks.num_decode_steps})
+    del runs
     torch.cuda.empty_cache()
-    return out
+    return rows
 
 
 def tokens_per_s(backend: str, spec: bool, bs: int, prompt: int, out_len: int, layers: int, draft_layers: int) -> dict:
@@ -145,7 +149,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
 
-    rows = [draft_step(b, m, args.batch, args.context, args.steps) for b in args.backends for m in ("always", "auto")]
+    rows = [r for b in args.backends for r in draft_step(b, args.batch, args.context, args.steps)]
     print(f"\ndraft decode phase per round ({dev}): DeepSeek-V3 TP8 shapes, draft = 1 layer, batch {args.batch}, "
           f"context {args.context}, {args.steps - 1} draft steps in one CUDA graph")
     print("draft step = host prepare (plans of every step, + the shared pass when on) + the draft graph's kernels")
