@@ -21,7 +21,12 @@ import torch
 
 from backends.kernels.checks import require
 
-__all__ = ["gather_rows_from_host", "scatter_rows_to_host"]
+__all__ = ["copy_rows", "gather_rows_from_host", "scatter_rows_to_host"]
+
+#: Segments per tile and tiles per program of the copy kernel (see bench/bench_dsa.py to retune).
+BLOCK_SEG = 64
+ITERS = 4
+NUM_WARPS = 4
 
 
 def _check_rows(a: torch.Tensor, b: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
@@ -59,6 +64,80 @@ def _copy_rows_torch(src_rows, src_idx, dst_rows, dst_idx, count) -> None:
     dst_rows.index_copy_(0, d.to(dst_rows.device), src_rows[s].to(dst_rows.device))
 
 
+def _require_pinned(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cpu" or not t.is_pinned():
+        raise ValueError(
+            f"{name}: expected a pinned CPU tensor (the kernel reads it over PCIe through unified addressing); "
+            f"got device={t.device}, pinned={t.device.type == 'cpu' and t.is_pinned()}. "
+            "Fix: allocate it with torch.empty(..., pin_memory=True)"
+        )
+
+
+def _require_on(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise ValueError(
+                f"{name}: expected a tensor on {device} (the index lists are read by the kernel); got {t.device}. "
+                f"Fix: build it on the device (no host sync is needed: pad with src_idx = -1)"
+            )
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """The rows viewed as the widest of int32 / int16 / uint8 words that divides the row, stride and base."""
+    nbytes = rows.element_size()
+    for word in (torch.int32, torch.int16, torch.uint8):
+        size = torch.tensor([], dtype=word).element_size()
+        ok = (rows.shape[1] * nbytes) % size == 0 and (rows.stride(0) * nbytes) % size == 0
+        if ok and rows.data_ptr() % size == 0 and size >= nbytes:
+            return rows.view(torch.uint8).view(word) if nbytes == 1 else rows.view(word)
+    return rows
+
+
+def copy_rows(
+    src_rows: torch.Tensor,
+    src_idx: torch.Tensor,
+    dst_rows: torch.Tensor,
+    dst_idx: torch.Tensor,
+    count: int | torch.Tensor | None = None,
+    *,
+    block_seg: int = BLOCK_SEG,
+    iters: int = ITERS,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """The Triton row copy behind both directions: ``dst_rows[dst_idx[i]] = src_rows[src_idx[i]]`` for the
+    entries before ``count`` with ``src_idx[i] >= 0``. Either row tensor may be pinned host memory; the index
+    lists and ``count`` are on the GPU (under TRITON_INTERPRET=1 everything is on the CPU). No checks beyond
+    shapes: call :func:`gather_rows_from_host` or :func:`scatter_rows_to_host`."""
+    import triton
+
+    from backends.kernels import host_gather_kernels as kern
+
+    _check_rows(src_rows, dst_rows, src_idx, dst_idx)
+    m = src_idx.shape[0]
+    if m == 0 or (isinstance(count, int) and count <= 0):
+        return
+    if isinstance(count, int):
+        m, count = min(m, count), None
+    src_w, dst_w = _words(src_rows), _words(dst_rows)
+    require(src_w.dtype == dst_w.dtype, "src and dst rows with the same word view (alignment)")
+    words = src_w.shape[1]
+    seg = 1
+    while seg < 32 and words % (2 * seg) == 0:
+        seg *= 2
+    segs_per_row = words // seg
+    block_seg = max(1, int(block_seg))
+    per_prog = block_seg * int(iters)
+    grid = (triton.cdiv(m * segs_per_row, per_prog),)
+    interp = kern._copy_rows_kernel.__class__.__name__ == "InterpretedFunction"
+    extra = {} if interp else dict(num_warps=num_warps)
+    kern._copy_rows_kernel[grid](
+        src_w, src_idx, dst_w, dst_idx, count if count is not None else src_idx, m,
+        src_w.stride(0), dst_w.stride(0),
+        SEG=seg, SEGS_PER_ROW=segs_per_row, BLOCK_SEG=block_seg, ITERS=int(iters), HAS_COUNT=count is not None,
+        **extra,
+    )  # fmt: skip
+
+
 def gather_rows_from_host(
     host_rows: torch.Tensor,
     src_idx: torch.Tensor,
@@ -85,7 +164,9 @@ def gather_rows_from_host(
     if dst_rows.device.type != "cuda":
         _copy_rows_torch(host_rows, src_idx, dst_rows, dst_idx, count)
         return
-    raise NotImplementedError("gather_rows_from_host: the CUDA kernel is not written yet")
+    _require_pinned(host_rows, "host_rows")
+    _require_on(dst_rows.device, src_idx=src_idx, dst_idx=dst_idx, count=count)
+    copy_rows(host_rows, src_idx, dst_rows, dst_idx, count)
 
 
 def scatter_rows_to_host(
@@ -112,4 +193,6 @@ def scatter_rows_to_host(
     if src_rows.device.type != "cuda":
         _copy_rows_torch(src_rows, src_idx, host_rows, dst_idx, count)
         return
-    raise NotImplementedError("scatter_rows_to_host: the CUDA kernel is not written yet")
+    _require_pinned(host_rows, "host_rows")
+    _require_on(src_rows.device, src_idx=src_idx, dst_idx=dst_idx, count=count)
+    copy_rows(src_rows, src_idx, host_rows, dst_idx, count)

@@ -25,7 +25,10 @@ import torch
 
 from backends.kernels.checks import require
 
-__all__ = ["indexer_scratch_bytes", "indexer_topk_reference"]
+__all__ = ["indexer_scratch_bytes", "indexer_topk", "indexer_topk_reference"]
+
+#: Key positions scored per program of the scoring kernel (the query stays in registers across them).
+KEYS_PER_PROGRAM = 512
 
 #: Query tokens scored per reference step (bounds the [tokens, heads, keys] float32 intermediate).
 _REF_TOKENS_PER_STEP = 64
@@ -111,8 +114,128 @@ def indexer_topk_reference(
     return out_pos, out_scores
 
 
+def _scratch_layout(tokens: int, max_len: int, top_k: int) -> tuple[int, int, int, int]:
+    """Byte offsets in the scratch: (scores, top-k values, top-k indices, end). Scores float32 [T, max_len],
+    values float32 [T, k], indices int64 [T, k] (8-byte aligned), k = min(top_k, max_len)."""
+    k = min(top_k, max_len)
+    vals = 4 * tokens * max_len
+    idx = vals + 4 * tokens * k
+    idx += -idx % 8
+    return 0, vals, idx, idx + 8 * tokens * k
+
+
 def indexer_scratch_bytes(max_tokens: int, max_len: int, top_k: int) -> int:
     """Bytes of the scratch :func:`indexer_topk` needs for up to ``max_tokens`` query tokens that see at most
-    ``max_len`` key positions: a float32 score buffer [max_tokens, max_len] and int64 top-k indices
-    [max_tokens, min(top_k, max_len)] (8-byte aligned)."""
-    return 4 * max_tokens * max_len + (-(4 * max_tokens * max_len) % 8) + 8 * max_tokens * min(top_k, max_len)
+    ``max_len`` key positions (a score buffer [max_tokens, max_len] and the top-k values and indices)."""
+    return _scratch_layout(max_tokens, max_len, top_k)[3]
+
+
+def default_indexer_config(heads: int, head_dim: int, dtype: torch.dtype) -> dict:
+    """Scoring-kernel tiling: BLOCK_N keys per dot, KEYS_PER_PROGRAM keys per program."""
+    block_n = 64 if heads * head_dim <= 64 * 128 else 32
+    if dtype == torch.float32:
+        block_n = 32
+    return dict(block_n=block_n, keys_per_program=KEYS_PER_PROGRAM, num_warps=4, num_stages=2)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    positions: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    top_k: int,
+    *,
+    max_len: int | None = None,
+    out_pos: torch.Tensor | None = None,
+    out_scores: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+    block_n: int | None = None,
+    keys_per_program: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer top-k with a Triton scoring kernel and ``torch.topk``; the inputs and outputs of
+    :func:`indexer_topk_reference` (equal scores may pick different positions).
+
+    Parameters (beyond the reference's)
+    ----------
+    max_len : int, optional
+        A bound on ``positions + 1`` over the batch (the engine knows it on the host: its longest sequence).
+        Scores and the top-k run over ``max_len`` columns; positions past it are never selected. None ->
+        ``req_to_token.shape[1]`` (always correct, slower when the table is much wider than the batch).
+    out_pos : [T, top_k] int32, optional; out_scores : [T, top_k] float32, optional
+        Written in place and returned (None: allocated).
+    scratch : uint8 or float32 contiguous tensor of >= :func:`indexer_scratch_bytes` bytes, optional
+        Score buffer and top-k values/indices (None: allocated).
+    block_n, keys_per_program, num_warps, num_stages : scoring-kernel tiling (None:
+        :func:`default_indexer_config`).
+
+    No host sync; no allocation when ``out_pos``, ``out_scores`` and ``scratch`` are given (CUDA-graph safe
+    for a fixed ``max_len``).
+    """
+    import triton
+
+    from backends.kernels import indexer_kernels as kern
+
+    _check_args(q, weights, k_cache, req_to_token, req_rows, positions, qo_indptr, top_k)
+    T, Hi, Di = q.shape
+    B = req_rows.shape[0]
+    dev = q.device
+    top_k = int(top_k)
+    max_len = req_to_token.shape[1] if max_len is None else int(max_len)
+    require(1 <= max_len <= req_to_token.shape[1], f"1 <= max_len <= req_to_token.shape[1]; got {max_len}")
+    require(triton.next_power_of_2(Di) == Di and Di >= 16, f"indexer head dim a power of two >= 16; got {Di}")
+    for name, x in (("q", q), ("weights", weights), ("k_cache", k_cache), ("req_to_token", req_to_token)):
+        require(x.stride(-1) == 1, f"{name} with a contiguous last dim")
+    if out_pos is None:
+        out_pos = torch.empty(T, top_k, dtype=torch.int32, device=dev)
+    if out_scores is None:
+        out_scores = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    require(
+        out_pos.shape == (T, top_k) and out_pos.dtype == torch.int32 and out_pos.stride(-1) == 1,
+        f"out_pos int32 [T, top_k] = {(T, top_k)}",
+    )
+    require(
+        out_scores.shape == (T, top_k) and out_scores.dtype == torch.float32 and out_scores.stride(-1) == 1,
+        f"out_scores float32 [T, top_k] = {(T, top_k)}",
+    )
+    if T == 0:
+        return out_pos, out_scores
+
+    o_scores, o_vals, o_idx, nbytes = _scratch_layout(T, max_len, top_k)
+    if scratch is None:
+        scratch = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    require(scratch.is_contiguous(), "a contiguous scratch tensor")
+    raw = scratch.view(-1).view(torch.uint8) if scratch.dtype != torch.uint8 else scratch.view(-1)
+    require(raw.numel() >= nbytes, f"scratch of >= indexer_scratch_bytes({T}, {max_len}, {top_k}) = {nbytes} bytes")
+    k = min(top_k, max_len)
+    scores = raw[o_scores:o_vals].view(torch.float32).view(T, max_len)
+    vals = raw[o_vals : o_vals + 4 * T * k].view(torch.float32).view(T, k)
+    idx = raw[o_idx:nbytes].view(torch.int64).view(T, k)
+
+    cfg = default_indexer_config(Hi, Di, k_cache.dtype)
+    block_n = cfg["block_n"] if block_n is None else block_n
+    keys = cfg["keys_per_program"] if keys_per_program is None else keys_per_program
+    keys = triton.cdiv(max(keys, block_n), block_n) * block_n
+    interp = kern._indexer_scores_kernel.__class__.__name__ == "InterpretedFunction"
+    extra = {} if interp else dict(num_warps=cfg["num_warps"] if num_warps is None else num_warps,
+                                   num_stages=cfg["num_stages"] if num_stages is None else num_stages)  # fmt: skip
+    kern._indexer_scores_kernel[(triton.cdiv(max_len, keys), T)](
+        q, weights, k_cache, req_to_token, req_rows, positions, qo_indptr, scores,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), req_to_token.stride(0), scores.stride(0),
+        B, max_len, keys,
+        HI=Hi, DI=Di, BLOCK_H=max(16, triton.next_power_of_2(Hi)), BLOCK_N=block_n, BLOCK_B=128,
+        PREC="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        UPCAST=interp and k_cache.dtype == torch.bfloat16,
+        **extra,
+    )  # fmt: skip
+    torch.topk(scores, k, dim=1, largest=True, sorted=True, out=(vals, idx))
+    block = min(1024, triton.next_power_of_2(top_k))
+    kern._topk_fixup_kernel[(T, triton.cdiv(top_k, block))](
+        vals, idx, out_pos, out_scores, T, k, vals.stride(0), idx.stride(0), out_pos.stride(0),
+        out_scores.stride(0), TOP_K=top_k, BLOCK=block,
+    )  # fmt: skip
+    return out_pos, out_scores
