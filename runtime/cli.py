@@ -60,9 +60,9 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
     res = runtime.engine.run(progress=plain["progress"], record_hidden=plain["check"] == "reference")
     parity = None
     if plain["check"] == "reference":
-        ref = build(reference_config(plain))
-        ref_res = ref.engine.run(forced=res.outputs)
-        parity = compare(res, ref_res, plain["model"]["dtype"]).as_dict()
+        ref_cfg = reference_config(plain)
+        ref_res = build(ref_cfg).engine.run(forced=res.outputs)
+        parity = compare(res, ref_res, plain["model"]["dtype"], ref_cfg["backend"]["name"]).as_dict()
     dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
     report = make_report(runtime, res, parity, dumps)
     print_report(report, console)
