@@ -12,8 +12,9 @@ Two implementations with one signature:
 
 * :func:`indexer_topk_reference`: torch, any device, float32 math; the oracle for tests and the CPU path.
 * :func:`indexer_topk`: a Triton scoring kernel (keys gathered through the request table inside the kernel, so
-  no ``[B, ctx, Di]`` copy is made) into a ``[T, max_len]`` float32 score buffer, then ``torch.topk`` and a
-  small fix-up kernel (int32 positions, ``-1`` / ``-inf`` padding). Graph-safe when given ``max_len`` and
+  no ``[B, ctx, Di]`` copy is made) into a ``[T, max_len]`` float32 score buffer, then a Triton radix-select
+  top-k (one program per token: the k-th largest score by 8-bit digit histograms, the candidates compacted and
+  sorted in registers; ``torch.topk`` + a fix-up kernel for top_k > 4096). Graph-safe when given ``max_len`` and
   preallocated ``out_pos`` / ``out_scores`` / ``scratch``: no allocation, no host sync.
 
 Triton is imported lazily, so the reference works where Triton is not installed.
@@ -25,10 +26,21 @@ import torch
 
 from backends.kernels.checks import require
 
-__all__ = ["indexer_scratch_bytes", "indexer_topk", "indexer_topk_reference"]
+__all__ = [
+    "default_indexer_config",
+    "indexer_scores",
+    "indexer_scratch_bytes",
+    "indexer_topk",
+    "indexer_topk_reference",
+    "scores_topk",
+]
 
 #: Key positions scored per program of the scoring kernel (the query stays in registers across them).
 KEYS_PER_PROGRAM = 512
+#: The Triton top-k sorts its k candidates in registers: up to this many.
+MAX_TRITON_TOPK = 4096
+#: Scores per step of the Triton top-k's passes over a row.
+TOPK_BLOCK = 4096
 
 #: Query tokens scored per reference step (bounds the [tokens, heads, keys] float32 intermediate).
 _REF_TOKENS_PER_STEP = 64
@@ -156,8 +168,9 @@ def indexer_topk(
     keys_per_program: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    topk_impl: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer top-k with a Triton scoring kernel and ``torch.topk``; the inputs and outputs of
+    """Indexer top-k with a Triton scoring kernel and a Triton radix-select top-k; the inputs and outputs of
     :func:`indexer_topk_reference` (equal scores may pick different positions).
 
     Parameters (beyond the reference's)
@@ -172,17 +185,16 @@ def indexer_topk(
         Score buffer and top-k values/indices (None: allocated).
     block_n, keys_per_program, num_warps, num_stages : scoring-kernel tiling (None:
         :func:`default_indexer_config`).
+    topk_impl : "triton" (radix select + in-register sort, one program per token; top_k <= MAX_TRITON_TOPK) or
+        "torch" (``torch.topk`` + a fix-up kernel); None -> "triton" where it applies.
 
     No host sync; no allocation when ``out_pos``, ``out_scores`` and ``scratch`` are given (CUDA-graph safe
     for a fixed ``max_len``).
     """
     import triton
 
-    from backends.kernels import indexer_kernels as kern
-
     _check_args(q, weights, k_cache, req_to_token, req_rows, positions, qo_indptr, top_k)
     T, Hi, Di = q.shape
-    B = req_rows.shape[0]
     dev = q.device
     top_k = int(top_k)
     max_len = req_to_token.shape[1] if max_len is None else int(max_len)
@@ -216,6 +228,39 @@ def indexer_topk(
     vals = raw[o_vals : o_vals + 4 * T * k].view(torch.float32).view(T, k)
     idx = raw[o_idx:nbytes].view(torch.int64).view(T, k)
 
+    indexer_scores(
+        q, weights, k_cache, req_to_token, req_rows, positions, qo_indptr, scores,
+        block_n=block_n, keys_per_program=keys_per_program, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    scores_topk(scores, top_k, out_pos, out_scores, vals, idx, impl=topk_impl)
+    return out_pos, out_scores
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    positions: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    block_n: int | None = None,
+    keys_per_program: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> None:
+    """The scoring kernel alone: ``scores[t, j]`` = score(t, j) for ``j <= positions[t]``, -inf after, over the
+    ``max_len = scores.shape[1]`` columns (inputs as :func:`indexer_topk_reference`; scores float32 [T, max_len],
+    rows contiguous). Used by :func:`indexer_topk`; exposed for benchmarks."""
+    import triton
+
+    from backends.kernels import indexer_kernels as kern
+
+    T, Hi, Di = q.shape
+    max_len = scores.shape[1]
+    require(scores.dtype == torch.float32 and scores.shape[0] == T and scores.stride(1) == 1, "scores f32 [T, L]")
     cfg = default_indexer_config(Hi, Di, k_cache.dtype)
     block_n = cfg["block_n"] if block_n is None else block_n
     keys = cfg["keys_per_program"] if keys_per_program is None else keys_per_program
@@ -226,16 +271,52 @@ def indexer_topk(
     kern._indexer_scores_kernel[(triton.cdiv(max_len, keys), T)](
         q, weights, k_cache, req_to_token, req_rows, positions, qo_indptr, scores,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), req_to_token.stride(0), scores.stride(0),
-        B, max_len, keys,
+        req_rows.shape[0], max_len, keys,
         HI=Hi, DI=Di, BLOCK_H=max(16, triton.next_power_of_2(Hi)), BLOCK_N=block_n, BLOCK_B=128,
         PREC="ieee" if k_cache.dtype == torch.float32 else "tf32",
         UPCAST=interp and k_cache.dtype == torch.bfloat16,
         **extra,
     )  # fmt: skip
-    torch.topk(scores, k, dim=1, largest=True, sorted=True, out=(vals, idx))
-    block = min(1024, triton.next_power_of_2(top_k))
-    kern._topk_fixup_kernel[(T, triton.cdiv(top_k, block))](
-        vals, idx, out_pos, out_scores, T, k, vals.stride(0), idx.stride(0), out_pos.stride(0),
-        out_scores.stride(0), TOP_K=top_k, BLOCK=block,
-    )  # fmt: skip
-    return out_pos, out_scores
+
+
+def scores_topk(
+    scores: torch.Tensor,
+    top_k: int,
+    out_pos: torch.Tensor,
+    out_scores: torch.Tensor,
+    vals: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    impl: str | None = None,
+    num_warps: int = 8,
+    block: int = TOPK_BLOCK,
+) -> None:
+    """Top-k of each row of ``scores`` float32 [T, L] into ``out_pos`` int32 [T, top_k] (column index, -1 at
+    padding: past L, or -inf scores) and ``out_scores`` float32 [T, top_k] (-inf at padding), by descending
+    score. ``vals`` float32 [T, k] and ``idx`` int64 [T, k] (k = min(top_k, L)) are scratch. impl: "triton"
+    (radix select, top_k <= MAX_TRITON_TOPK) or "torch" (``torch.topk``); None -> "triton" where it applies."""
+    import triton
+
+    from backends.kernels import indexer_kernels as kern
+
+    T, L = scores.shape
+    k = min(top_k, L)
+    interp = kern._topk_rows_kernel.__class__.__name__ == "InterpretedFunction"
+    if impl is None:
+        impl = "triton" if top_k <= MAX_TRITON_TOPK else "torch"
+    if impl == "triton":
+        require(top_k <= MAX_TRITON_TOPK, f"impl='triton' needs top_k <= {MAX_TRITON_TOPK}; got {top_k}")
+        extra = {} if interp else dict(num_warps=num_warps)
+        kern._topk_rows_kernel[(T,)](
+            scores, idx, out_pos, out_scores, L, k, scores.stride(0), idx.stride(0), out_pos.stride(0),
+            out_scores.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
+            BLOCK=min(block, triton.next_power_of_2(L)), **extra,
+        )  # fmt: skip
+    else:
+        require(impl == "torch", f"topk impl 'triton' or 'torch'; got {impl!r}")
+        torch.topk(scores, k, dim=1, largest=True, sorted=True, out=(vals, idx))
+        blk = min(1024, triton.next_power_of_2(top_k))
+        kern._topk_fixup_kernel[(T, triton.cdiv(top_k, blk))](
+            vals, idx, out_pos, out_scores, T, k, vals.stride(0), idx.stride(0), out_pos.stride(0),
+            out_scores.stride(0), TOP_K=top_k, BLOCK=blk,
+        )  # fmt: skip

@@ -58,29 +58,121 @@ def _indexer_scores_kernel(
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, DI)
     mask_h = offs_h < HI
-    q = tl.load(Q + t64 * stride_q_t + offs_h[:, None] * stride_q_h + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    # the query as the dot's B operand [DI, BLOCK_H]: logits come out [BLOCK_N, BLOCK_H], so the weighted sum
+    # over heads is a reduction along rows (within a few threads) rather than across warps
+    q_t = tl.load(Q + t64 * stride_q_t + offs_h[None, :] * stride_q_h + offs_d[:, None], mask=mask_h[None, :], other=0.0)
     w = tl.load(W + t64 * stride_w_t + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     if UPCAST:
-        q = q.to(tl.float32)
+        q_t = q_t.to(tl.float32)
 
     lo = pid_c * chunk
     hi = tl.minimum(lo + chunk, max_len)
+    seen = tl.minimum(hi, pos + 1)  # keys [lo, seen) are visible
     s_row = SCORES + t64 * stride_s_t
     r2t_row = R2T + row * stride_r2t
-    for n0 in range(lo, hi, BLOCK_N):
+    # no branch in this loop body, so the loads are software-pipelined
+    for n0 in range(lo, seen, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if n0 <= pos:
-            vis = offs_n <= pos
-            slot = tl.load(r2t_row + offs_n, mask=vis, other=0).to(tl.int64)
-            k = tl.load(KC + slot[:, None] * stride_k + offs_d[None, :], mask=vis[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            logits = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BLOCK_H, BLOCK_N] fp32
-            score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
-            score = tl.where(vis, score, float("-inf"))
-        else:
-            score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-        tl.store(s_row + offs_n, score, mask=offs_n < hi)
+        vis = offs_n < seen
+        slot = tl.load(r2t_row + offs_n, mask=vis, other=0).to(tl.int64)
+        k = tl.load(KC + slot[:, None] * stride_k + offs_d[None, :], mask=vis[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        logits = tl.dot(k, q_t, input_precision=PREC)  # [BLOCK_N, BLOCK_H] fp32
+        score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], 1)
+        tl.store(s_row + offs_n, tl.where(vis, score, float("-inf")), mask=offs_n < hi)
+    # tiles wholly past the token's position: -inf only
+    first_hidden = lo + tl.cdiv(tl.maximum(seen - lo, 0), BLOCK_N) * BLOCK_N
+    for n0 in range(first_hidden, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(s_row + offs_n, tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), mask=offs_n < hi)
+
+
+@triton.jit
+def _sortable(x):
+    """float32 -> int32 whose signed order is the float order (-0.0 just below +0.0)."""
+    u = x.to(tl.int32, bitcast=True)
+    return tl.where(u >= 0, u, u ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _unsortable(s):
+    return tl.where(s >= 0, s, s ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["n_cols", "k"])
+def _topk_rows_kernel(
+    SCORES,
+    CAND,
+    OUT_POS,
+    OUT_SCORES,
+    n_cols,
+    k,  # min(TOP_K, n_cols)
+    stride_s_t,
+    stride_c_t,
+    stride_op_t,
+    stride_os_t,
+    TOP_K: tl.constexpr,
+    K_P2: tl.constexpr,  # next power of two >= TOP_K
+    BLOCK: tl.constexpr,
+):
+    """grid (T,): the k largest of SCORES[t, :n_cols], sorted descending (ties: lower position first).
+
+    Radix select on the scores' order-preserving int32 keys, 8 bits per pass from the top (4 passes over the
+    row, each a 256-bin histogram of the keys that match the digits chosen so far), gives the k-th largest key
+    and how many keys equal to it are needed; a fifth pass writes (key, position) of every key above it and of
+    the first needed equal ones to CAND[t, :k] (stream compaction by prefix sums); then the k candidates are
+    sorted in registers. Padding (positions past k, or -inf scores) gets -1 / -inf."""
+    t = tl.program_id(0).to(tl.int64)
+    row = SCORES + t * stride_s_t
+    bins = tl.arange(0, 512)
+    prefix = tl.zeros([], dtype=tl.int32)  # chosen high digits of the k-th key (unsigned-order bits)
+    pmask = tl.zeros([], dtype=tl.int32)
+    rem = k  # how many of the keys matching the prefix are still to be taken
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        hist = tl.zeros([512], dtype=tl.int32)
+        for c0 in range(0, n_cols, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            live = offs < n_cols
+            key = _sortable(tl.load(row + offs, mask=live, other=float("-inf"))) ^ -2147483648  # unsigned order
+            digit = (key >> shift) & 0xFF
+            match = live & ((key & pmask) == prefix)
+            hist += tl.histogram(tl.where(match, digit, digit + 256), 512)  # bins >= 256: not matching
+        hist = tl.where(bins < 256, hist, 0)
+        suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching keys with digit >= d
+        d = tl.max(tl.where((suffix >= rem) & (bins < 256), bins, -1), 0)
+        rem -= tl.sum(tl.where(bins == d, suffix - hist, 0), 0)  # minus those strictly above digit d
+        prefix |= d << shift
+        pmask |= tl.full([], 255, tl.int32) << shift
+    thr = prefix ^ -2147483648  # the k-th largest key, signed order
+    n_gt = k - rem
+    cnt_gt = tl.zeros([], dtype=tl.int32)
+    cnt_eq = tl.zeros([], dtype=tl.int32)
+    cand_row = CAND + t * stride_c_t
+    for c0 in range(0, n_cols, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        live = offs < n_cols
+        s = _sortable(tl.load(row + offs, mask=live, other=float("-inf")))
+        gt = live & (s > thr)
+        eq = live & (s == thr)
+        pos_gt = cnt_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        pos_eq = n_gt + cnt_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take = gt | (eq & (pos_eq < k))
+        packed = (s.to(tl.int64) << 32) | (0x7FFFFFFF - offs).to(tl.int64)  # ties: lower position first
+        tl.store(cand_row + tl.where(gt, pos_gt, pos_eq), packed, mask=take)
+        cnt_gt += tl.sum(gt.to(tl.int32), 0)
+        cnt_eq += tl.sum(eq.to(tl.int32), 0)
+    tl.debug_barrier()  # the candidates written above are read back by other threads of this program
+    offs_k = tl.arange(0, K_P2)
+    packed = tl.load(cand_row + offs_k, mask=offs_k < k, other=-9223372036854775807 - 1)
+    packed = tl.sort(packed, descending=True)
+    score = _unsortable((packed >> 32).to(tl.int32))
+    pos = 0x7FFFFFFF - (packed & 0x7FFFFFFF).to(tl.int32)
+    ok = (offs_k < k) & (score > float("-inf"))
+    keep = offs_k < TOP_K
+    tl.store(OUT_POS + t * stride_op_t + offs_k, tl.where(ok, pos, -1), mask=keep)
+    tl.store(OUT_SCORES + t * stride_os_t + offs_k, tl.where(ok, score, float("-inf")), mask=keep)
 
 
 @triton.jit(do_not_specialize=["T", "k"])

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from backends.kernels.mla_decode_kernels import _mm, _mm_acc
 
-LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # for the launcher (qk_scale = sm_scale * LOG2E)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 # Scalars that change with the batch are not specialized: a new token count never recompiles (CUDA graphs).
