@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from runtime.engine import RunResult
+from runtime.hisparse import host_page_count
 
 # Max relative error of final hidden states, and the logit margin under which a flipped choice is a tie,
 # by the candidate model's dtype.
@@ -38,11 +39,14 @@ class ParityReport:
 def reference_config(plain: dict) -> dict:
     """The candidate's config with the float32 torch reference, no graphs, no dumps. A model with sparse
     layers gets the same sparse model on the dsa backend's torch impl, without HiSparse (its KV all in the
-    paged pool): sparse attention over the indexer's selection stays the thing compared."""
+    paged pool, as many pages as the candidate's host pool): sparse attention over the indexer's selection
+    stays the thing compared."""
     ref = copy.deepcopy(plain)
     if "sparse" in [str(k) for k in plain["model"]["layer_pattern"]]:
         ref["backend"] = {"name": "dsa", "impl": "torch", "max_splits": 1}
-        ref["hisparse"]["enabled"] = False
+        if plain["hisparse"]["enabled"]:  # the reference keeps everything in its device pool: as many pages
+            ref["kv"]["num_pages"] = host_page_count(plain["kv"]["num_pages"], plain["hisparse"]["host_to_device_ratio"])
+            ref["hisparse"]["enabled"] = False
     else:
         ref["backend"] = {"name": "torch_mla", "compute_dtype": "float32"}
     ref["model"]["dtype"] = "float32"
