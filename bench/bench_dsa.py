@@ -175,8 +175,11 @@ def bench_sparse(quick: bool, copy_gbs: float, gen):
             dict(block_n=32, num_warps=8, target_programs=4 * sms),
             dict(block_n=64, num_warps=8, target_programs=4 * sms),
             dict(block_n=64, num_warps=8, target_programs=1 * sms),
-            dict(block_n=64, num_warps=8, min_entries_per_split=64, target_programs=4 * sms),
-            dict(block_n=32, num_warps=4, num_stages=3, min_entries_per_split=64, target_programs=8 * sms),
+            dict(max_splits=4),
+            dict(max_splits=6),
+            dict(block_n=32, num_warps=4, num_stages=3, max_splits=4),
+            dict(block_n=32, num_warps=4, num_stages=4),
+            dict(block_n=16, num_warps=4, num_stages=4),
         ]
     read = B * TOPK * ROW_BYTES
     best = None

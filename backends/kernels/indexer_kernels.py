@@ -130,7 +130,7 @@ def _topk_rows_kernel(
     pmask = tl.zeros([], dtype=tl.int32)
     rem = k  # how many of the keys matching the prefix are still to be taken
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros([512], dtype=tl.int32)
         for c0 in range(0, n_cols, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
