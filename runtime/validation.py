@@ -195,7 +195,7 @@ def _hisparse_problems(cfg, name: str, caps: BackendCapabilities | None, backend
         sparse = [n for n, b in backends.items() if b.capabilities.sparse]
         add(Problem("hisparse.enabled=true", f"backend '{name}', which is not sparse-capable",
                     "a backend whose capabilities.sparse is true",
-                    f"use hisparse=off, or a sparse backend ({sparse or 'none ships in this version'})"))
+                    "use hisparse=off" + (f", or backend={sparse[0]} (sparse-capable)" if sparse else "")))
     if hs["top_k"] < 1:
         add(Problem("hisparse.top_k", str(hs["top_k"]), ">= 1", "set hisparse.top_k=2048"))
     if hs["device_buffer_size"] < hs["top_k"]:
