@@ -344,7 +344,8 @@ def bench_indexer(quick: bool):
     variants = [("triton", dict())]
     if not quick:
         variants += [("triton", dict(num_warps=4)), ("triton", dict(num_warps=16)), ("triton", dict(block=2048)),
-                     ("triton", dict(block=8192, num_warps=16))]  # fmt: skip
+                     ("triton", dict(block=8192, num_warps=16)), ("triton", dict(radix_bits=8)),
+                     ("triton", dict(block=1024, num_warps=4))]  # fmt: skip
     variants += [("torch", dict())]
     for impl, v in variants:
         try:

@@ -31,7 +31,12 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from backends.kernels.host_gather import copy_rows, gather_rows_from_host, scatter_rows_to_host  # noqa: E402
-from backends.kernels.indexer import indexer_scratch_bytes, indexer_topk, indexer_topk_reference  # noqa: E402
+from backends.kernels.indexer import (  # noqa: E402
+    indexer_scratch_bytes,
+    indexer_topk,
+    indexer_topk_reference,
+    scores_topk,
+)
 from backends.kernels.sparse_mla_decode import (  # noqa: E402
     sparse_decode_scratch_bytes,
     sparse_decode_splits,
@@ -248,6 +253,33 @@ def test_indexer_triton_preallocated_outputs_max_len_and_one_token():
                        block_n=16, keys_per_program=16)  # fmt: skip
     assert res[0] is out_pos and res[1] is out_scores
     _check_topk(out_pos, out_scores, oracle, 20, 1e-4)
+
+
+@pytest.mark.parametrize("radix_bits", [4, 8])
+def test_rows_topk_radix_select_negatives_ties_and_padding(radix_bits):
+    # Rows with negative and positive scores, -0.0 / +0.0, heavy ties at the k-th value, -inf tails (fewer
+    # finite scores than k), and a row that is all -inf: the k largest by value, sorted, positions distinct.
+    g = _gen(radix_bits)
+    T, L, k = 5, 300, 40
+    x = torch.randn(T, L, generator=g) * 3
+    x[1] = torch.randint(-3, 4, (L,), generator=g).float()  # ties everywhere
+    x[1, ::7] = -0.0
+    x[2, 25:] = float("-inf")  # 25 finite < k
+    x[3] = float("-inf")
+    x[4, :200] = 1e-30 * torch.randn(200, generator=g)  # tiny values and denormal-range neighbours
+    out_pos = torch.full((T, k), 123, dtype=torch.int32, device=DEV)
+    out_scores = torch.full((T, k), float("nan"), device=DEV)
+    vals = torch.empty(T, k, device=DEV)
+    idx = torch.empty(T, k, dtype=torch.int64, device=DEV)
+    scores_topk(x.to(DEV), k, out_pos, out_scores, vals, idx, impl="triton", radix_bits=radix_bits, block=64)
+    pos, sc = out_pos.cpu(), out_scores.cpu()
+    for t in range(T):
+        finite = int(torch.isfinite(x[t]).sum())
+        n = min(k, finite)
+        assert (pos[t, n:] == -1).all() and (sc[t, n:] == float("-inf")).all()
+        sel = pos[t, :n].long()
+        assert sel.unique().numel() == n and torch.equal(x[t, sel], sc[t, :n])
+        assert torch.equal(sc[t, :n], torch.sort(x[t], descending=True).values[:n])
 
 
 # ------------------------------------------------------------------------------------ host row copies

@@ -290,11 +290,14 @@ def scores_topk(
     impl: str | None = None,
     num_warps: int = 8,
     block: int = TOPK_BLOCK,
+    radix_bits: int = 4,
 ) -> None:
     """Top-k of each row of ``scores`` float32 [T, L] into ``out_pos`` int32 [T, top_k] (column index, -1 at
     padding: past L, or -inf scores) and ``out_scores`` float32 [T, top_k] (-inf at padding), by descending
     score. ``vals`` float32 [T, k] and ``idx`` int64 [T, k] (k = min(top_k, L)) are scratch. impl: "triton"
-    (radix select, top_k <= MAX_TRITON_TOPK) or "torch" (``torch.topk``); None -> "triton" where it applies."""
+    (radix select, ``radix_bits`` 4 or 8 per pass, top_k <= MAX_TRITON_TOPK) or "torch" (``torch.topk``); None ->
+    "triton" where it applies."""
+    require(radix_bits in (4, 8), f"radix_bits 4 or 8; got {radix_bits}")
     import triton
 
     from backends.kernels import indexer_kernels as kern
@@ -310,7 +313,7 @@ def scores_topk(
         kern._topk_rows_kernel[(T,)](
             scores, idx, out_pos, out_scores, L, k, scores.stride(0), idx.stride(0), out_pos.stride(0),
             out_scores.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
-            BLOCK=min(block, triton.next_power_of_2(L)), **extra,
+            BLOCK=min(block, triton.next_power_of_2(L)), RADIX_BITS=radix_bits, **extra,
         )  # fmt: skip
     else:
         require(impl == "torch", f"topk impl 'triton' or 'torch'; got {impl!r}")

@@ -115,36 +115,39 @@ def _topk_rows_kernel(
     TOP_K: tl.constexpr,
     K_P2: tl.constexpr,  # next power of two >= TOP_K
     BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,  # 4 or 8: bits of the key decided per pass
 ):
     """grid (T,): the k largest of SCORES[t, :n_cols], sorted descending (ties: lower position first).
 
-    Radix select on the scores' order-preserving int32 keys, 8 bits per pass from the top (4 passes over the
-    row, each a 256-bin histogram of the keys that match the digits chosen so far), gives the k-th largest key
-    and how many keys equal to it are needed; a fifth pass writes (key, position) of every key above it and of
-    the first needed equal ones to CAND[t, :k] (stream compaction by prefix sums); then the k candidates are
-    sorted in registers. Padding (positions past k, or -inf scores) gets -1 / -inf."""
+    Radix select on the scores' order-preserving int32 keys, RADIX_BITS bits per pass from the top (32 /
+    RADIX_BITS passes over the row, each a histogram of the digit of the keys that match the digits chosen so
+    far), gives the k-th largest key and how many keys equal to it are needed; one more pass writes (key,
+    position) of every key above it and of the first needed equal ones to CAND[t, :k] (stream compaction by
+    prefix sums); then the k candidates are sorted in registers. Padding (positions past k, or -inf scores)
+    gets -1 / -inf. Few bins per pass: tl.histogram costs about (bins / 32) popcounts per element."""
+    NB: tl.constexpr = 1 << RADIX_BITS
     t = tl.program_id(0).to(tl.int64)
     row = SCORES + t * stride_s_t
-    bins = tl.arange(0, 512)
+    bins = tl.arange(0, 2 * NB)
     prefix = tl.zeros([], dtype=tl.int32)  # chosen high digits of the k-th key (unsigned-order bits)
     pmask = tl.zeros([], dtype=tl.int32)
     rem = k  # how many of the keys matching the prefix are still to be taken
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        hist = tl.zeros([512], dtype=tl.int32)
+    for p in tl.static_range(32 // RADIX_BITS):
+        shift = 32 - RADIX_BITS * (p + 1)
+        hist = tl.zeros([2 * NB], dtype=tl.int32)
         for c0 in range(0, n_cols, BLOCK):
             offs = c0 + tl.arange(0, BLOCK)
             live = offs < n_cols
             key = _sortable(tl.load(row + offs, mask=live, other=float("-inf"))) ^ -2147483648  # unsigned order
-            digit = (key >> shift) & 0xFF
+            digit = (key >> shift) & (NB - 1)
             match = live & ((key & pmask) == prefix)
-            hist += tl.histogram(tl.where(match, digit, digit + 256), 512)  # bins >= 256: not matching
-        hist = tl.where(bins < 256, hist, 0)
+            hist += tl.histogram(tl.where(match, digit, digit + NB), 2 * NB)  # bins >= NB: not matching
+        hist = tl.where(bins < NB, hist, 0)
         suffix = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching keys with digit >= d
-        d = tl.max(tl.where((suffix >= rem) & (bins < 256), bins, -1), 0)
+        d = tl.max(tl.where((suffix >= rem) & (bins < NB), bins, -1), 0)
         rem -= tl.sum(tl.where(bins == d, suffix - hist, 0), 0)  # minus those strictly above digit d
         prefix |= d << shift
-        pmask |= tl.full([], 255, tl.int32) << shift
+        pmask |= tl.full([], NB - 1, tl.int32) << shift
     thr = prefix ^ -2147483648  # the k-th largest key, signed order
     n_gt = k - rem
     cnt_gt = tl.zeros([], dtype=tl.int32)
