@@ -35,12 +35,17 @@ def explain(runtime, console: Console) -> None:
     console.print("[bold]build order[/bold]: " + " -> ".join(runtime.build_order))
     plan = memory_plan(runtime.container)
     console.print("[bold]memory plan[/bold] (bytes):")
-    rows = {"kv_pool": plan["kv_pool_bytes"], "request_states": plan["request_state_bytes"],
+    rows = {"kv_pool": plan["kv_pool_bytes"], "index_keys": plan["index_key_bytes"],
+            "hisparse_device": plan["hisparse_device_bytes"], "request_states": plan["request_state_bytes"],
             "req_to_token": plan["req_to_token_bytes"],
             "weights": plan["weights_bytes"], **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
     for name, n in rows.items():
         console.print(f"  {name:<32} {n:>16,d}")
     console.print(f"  {'total':<32} {plan['total_bytes']:>16,d}")
+    coordinator = runtime.container.hisparse_coordinator()
+    if coordinator is not None:
+        host = coordinator.host_pool.numel() * coordinator.host_pool.element_size()
+        console.print(f"  {'host (pinned): hisparse KV':<32} {host:>16,d}")
 
 
 def run(cfg: DictConfig, output_dir: Path) -> int:
