@@ -159,8 +159,13 @@ def _run(*overrides):
     return rt, rt.engine.run()
 
 
-def test_engine_outputs_do_not_depend_on_the_device_buffer_size():
-    _, off = _run("hisparse=off", "check=off")
+@pytest.fixture(scope="module")
+def off():
+    """The same sparse model with everything in the paged device pool (no HiSparse)."""
+    return _run("hisparse=off", "check=off")[1]
+
+
+def test_engine_outputs_do_not_depend_on_the_device_buffer_size(off):
     runs = {buf: _run(f"hisparse.device_buffer_size={buf}") for buf in (8, 1024)}
     for buf, (_rt, res) in runs.items():
         assert res.outputs == off.outputs, buf
@@ -170,8 +175,8 @@ def test_engine_outputs_do_not_depend_on_the_device_buffer_size():
     assert tiny["hits"] + tiny["swap_ins"] == big["hits"] + big["swap_ins"]
 
 
-def test_top_k_really_selects_a_subset():
-    _, sparse = _run("hisparse=off", "check=off")
+def test_top_k_really_selects_a_subset(off):
+    sparse = off
     _, wide = _run("hisparse=off", "check=off", "model.index_topk=1024")  # >= every context: dense attention
     assert compare(sparse, wide, "float32").max_rel_err > 1e-3
 
