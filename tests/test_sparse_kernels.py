@@ -384,7 +384,8 @@ def test_gpu_sparse_decode_cuda_graph_replay_matches_eager():
 
 
 @pytest.mark.gpu
-def test_gpu_indexer_real_heads_matches_reference_and_replays_in_a_graph():
+@pytest.mark.parametrize("topk_impl", ["torch", "triton"])
+def test_gpu_indexer_real_heads_matches_reference_and_replays_in_a_graph(topk_impl):
     # Hi = 64, Di = 128; contexts up to 3000 with a 4-token extend; top-k 2048; then graph capture + replay.
     _needs_gpu()
     prob = _indexer_problem([1, 1, 4, 1], [3000, 1, 2049, 700], 64, 128, torch.bfloat16, seed=7)
@@ -392,13 +393,13 @@ def test_gpu_indexer_real_heads_matches_reference_and_replays_in_a_graph():
     q, w, k_cache, r2t, rows, positions, indptr = dev_prob
     top_k, T = 2048, q.shape[0]
     ref_pos, ref_scores = indexer_topk_reference(*dev_prob, top_k)
-    pos, scores = indexer_topk(*dev_prob, top_k, max_len=3000)
+    pos, scores = indexer_topk(*dev_prob, top_k, max_len=3000, topk_impl=topk_impl)
     assert torch.equal(pos == -1, ref_pos == -1)
     assert torch.allclose(scores, ref_scores, rtol=1e-4, atol=1e-3)  # sorted: same multiset position by position
     out_pos = torch.empty(T, top_k, dtype=torch.int32, device="cuda")
     out_scores = torch.empty(T, top_k, device="cuda")
     scratch = torch.empty(indexer_scratch_bytes(T, 3000, top_k), dtype=torch.uint8, device="cuda")
-    kw = dict(max_len=3000, out_pos=out_pos, out_scores=out_scores, scratch=scratch)
+    kw = dict(max_len=3000, out_pos=out_pos, out_scores=out_scores, scratch=scratch, topk_impl=topk_impl)
     indexer_topk(*dev_prob, top_k, **kw)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
