@@ -67,7 +67,8 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
     if plain["check"] == "reference":
         ref_cfg = reference_config(plain)
         ref_res = build(ref_cfg).engine.run(forced=res.outputs)
-        parity = compare(res, ref_res, plain["model"]["dtype"], ref_cfg["backend"]["name"]).as_dict()
+        ref_name = f"{ref_cfg['backend']['name']}/{ref_cfg['model']['dtype']}"
+        parity = compare(res, ref_res, plain["model"]["dtype"], ref_name).as_dict()
     dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
     report = make_report(runtime, res, parity, dumps)
     print_report(report, console)

@@ -30,7 +30,8 @@ def run_cli(tmp_path: Path, *args: str) -> dict:
     return json.loads((tmp_path / "report.json").read_text())
 
 
-@pytest.mark.parametrize("extra", [[], SELECTING, ["hisparse=off", *SELECTING]], ids=["top2048", "top64", "no_hisparse"])
+@pytest.mark.parametrize("extra", [[], SELECTING, ["hisparse=off", *SELECTING], [*SELECTING, "model.dtype=float32"]],
+                         ids=["top2048", "top64", "no_hisparse", "top64_fp32"])
 def test_dsa_end_to_end_with_parity_and_graphs(extra, tmp_path):
     rep = run_cli(tmp_path, "+deploy=h100_dsa_hisparse", *SMALL, *extra)
     assert rep["requests"]["lost"] == 0 and rep["requests"]["finished"] == 12
