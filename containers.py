@@ -1,9 +1,9 @@
 """The whole object graph of a runtime, in build order: read it top to bottom.
 
-device -> pools -> HiSparse coordinator slot -> workspace ledger and named workspaces -> backend (chosen
-by ``config.backend.name``) -> model -> (speculative: draft KV pool, one draft backend per step, draft
-model) -> graphs -> engine. Every object receives its collaborators in ``__init__``. Only what the engine
-needs is built: the selected backend, and the workspaces that backend asks for.
+device -> pools -> HiSparse coordinator (when enabled) -> workspace ledger and named workspaces -> backend
+(chosen by ``config.backend.name``) -> model -> (speculative: draft KV pool, one draft backend per step,
+draft model) -> graphs -> engine. Every object receives its collaborators in ``__init__``. Only what the
+engine needs is built: the selected backend, and the workspaces that backend asks for.
 
 ``build(cfg)`` is the one public way to get a wired runtime. It validates first (every problem, one
 error, nothing allocated), then builds, recording the order in which providers ran.
@@ -17,7 +17,8 @@ from typing import Any
 from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
-from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill
+from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill, SparseDecode
+from backends.dsa import DSABackend, indexer_workspace_spec, sparse_decode_workspace_spec
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
 from backends.linear_attention import LinearAttentionBackend
@@ -30,6 +31,8 @@ from runtime.dump import AttentionDumper
 from runtime.engine import Engine
 from runtime.errors import ConfigError
 from runtime.graph_runner import GraphRunner, ModeGraphs, decide_graphs
+from runtime.hisparse import HiSparseCoordinator, host_page_count
+from runtime.indexer import IndexKeyPool
 from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.model import MLAModel
 from runtime.model_spec import ModelSpec
@@ -44,10 +47,11 @@ BACKENDS: dict[str, type] = {
     "torch_mla": TorchMLABackend,
     "triton_mla": TritonMLABackend,
     "flashinfer_mla": FlashInferMLABackend,
+    "dsa": DSABackend,
 }
 # Workspaces the report always lists (0 bytes when nobody consumed them); FlashInfer's per-wrapper int
 # workspaces (flashinfer_int:*) appear when a FlashInfer backend acquires them.
-WORKSPACES = ("flashinfer_float", "triton_split_kv")
+WORKSPACES = ("flashinfer_float", "triton_split_kv", "dsa_sparse_decode", "dsa_indexer")
 
 
 class BuildLog:
@@ -82,6 +86,26 @@ def _decode_graph_hook(backend: Any) -> GraphHooks | None:
     return backend if level >= CudaGraphLevel.SINGLE_TOKEN_DECODE else None
 
 
+def _sparse_hook(backend: Any) -> SparseDecode | None:
+    """The backend as the model's sparse-layer hook when its capabilities say sparse (validation has checked
+    the methods); else None."""
+    return backend if type(backend).capabilities.sparse else None
+
+
+def _on_off(enabled: bool) -> str:
+    return "on" if enabled else "off"
+
+
+def _has_sparse_layers(spec: ModelSpec) -> str:
+    return "yes" if spec.sparse_layers else "no"
+
+
+def _index_key_slots(num_pages: int, page_size: int, hisparse: bool, ratio: float) -> int:
+    """Rows of the indexer key cache: one per device KV slot, or per host slot with HiSparse (keys are
+    stored by host slot there, so they outlive the device pages a request prefilled in)."""
+    return (host_page_count(num_pages, ratio) if hisparse else num_pages) * page_size
+
+
 def _model_kind(spec: ModelSpec) -> str:
     """'hybrid' when the model has linear-attention layers (the wrapper routes them), else 'mla'."""
     return "hybrid" if spec.linear_layers else "mla"
@@ -93,10 +117,6 @@ def _wrapper_mha(hybrid: HybridLinearBackend) -> MHAChunkPrefill | None:
 
 def _wrapper_graph(hybrid: HybridLinearBackend) -> GraphHooks | None:
     return hybrid if hybrid.graph is not None else None
-
-
-def _on_off(enabled: bool) -> str:
-    return "on" if enabled else "off"
 
 
 def _instances(factory: providers.Provider, n: int, **per_instance: str) -> list:
@@ -158,9 +178,28 @@ class Container(containers.DeclarativeContainer):
         device=device,
     ))
 
-    # 3. HiSparse coordinator slot: the sparse-attention issue builds it here, before any backend.
-    #    Until a sparse backend ships, validation refuses hisparse.enabled=true.
-    hisparse_coordinator = providers.Object(None)
+    index_key_pool = providers.Selector(  # sparse models: the indexer's key cache
+        providers.Callable(_has_sparse_layers, model_spec),
+        no=providers.Object(None),
+        yes=_step(build_log, "index_key_pool", providers.Factory(
+            IndexKeyPool, model_spec.provided.sparse_layers,
+            providers.Callable(_index_key_slots, config.kv.num_pages, config.kv.page_size, config.hisparse.enabled,
+                               config.hisparse.host_to_device_ratio),
+            model_spec.provided.index_head_dim, model_spec.provided.dtype, device)),
+    )
+
+    # 3. HiSparse coordinator, before any backend: host KV pool, per-request device buffers, swap-in. The
+    #    sparse backend receives it in its constructor; the engine reserves token slots through it.
+    hisparse_on = providers.Callable(_on_off, config.hisparse.enabled)
+    hisparse_coordinator = providers.Selector(
+        hisparse_on,
+        off=providers.Object(None),
+        on=_step(build_log, "hisparse_coordinator", providers.Factory(
+            HiSparseCoordinator, req_to_token_pool, token_slots, config.hisparse.top_k,
+            config.hisparse.device_buffer_size, config.hisparse.host_to_device_ratio, device,
+            kv_pool=kv_pool, layer_ids=model_spec.provided.sparse_layers)),
+    )
+    engine_token_slots = providers.Selector(hisparse_on, off=token_slots, on=hisparse_coordinator)
 
     # 4. workspaces: the ledger, then one provider per named workspace (built only if consumed) -------
     workspace_ledger = _step(build_log, "workspace_ledger", providers.Factory(WorkspaceLedger, device, known=WORKSPACES))
@@ -173,6 +212,12 @@ class Container(containers.DeclarativeContainer):
     flashinfer_float_workspace = _step(build_log, "workspace:flashinfer_float", providers.Factory(
         workspace_ledger.provided.acquire.call(
             providers.Factory(float_workspace_spec, config.workspace), "flashinfer_mla")))
+    dsa_decode_workspace = _step(build_log, "workspace:dsa_sparse_decode", providers.Factory(
+        workspace_ledger.provided.acquire.call(providers.Factory(
+            sparse_decode_workspace_spec, model_spec, config.backend, config.kv, config.graph, device), "dsa")))
+    dsa_indexer_workspace = _step(build_log, "workspace:dsa_indexer", providers.Factory(
+        workspace_ledger.provided.acquire.call(providers.Factory(
+            indexer_workspace_spec, model_spec, config.backend, config.kv, config.graph, device), "dsa")))
 
     # 5. backends: the selected full-attention backend (only that one is built); for a model with
     #    linear-attention layers also the state pool, the linear backend and the wrapper that routes layers.
@@ -186,9 +231,13 @@ class Container(containers.DeclarativeContainer):
         flashinfer_mla=_step(build_log, "backend:flashinfer_mla", providers.Factory(
             FlashInferMLABackend, req_to_token_pool, kv_pool, model_spec, flashinfer_float_workspace,
             workspace_ledger, config.backend)),
+        dsa=_step(build_log, "backend:dsa", providers.Factory(
+            DSABackend, req_to_token_pool, kv_pool, index_key_pool, hisparse_coordinator, model_spec,
+            dsa_decode_workspace, dsa_indexer_workspace, config.backend, device)),
     )
     backend_mha_prefill = providers.Callable(_mha_prefill_hook, backend, config.attention.prefill, config.backend)
     backend_decode_graph = providers.Callable(_decode_graph_hook, backend)
+    sparse_decode = providers.Callable(_sparse_hook, backend)
     linear_state_pool = _step(build_log, "linear_state_pool", providers.Factory(
         LinearStatePool, model_spec.provided.linear_layers, config.kv.max_requests,
         model_spec.provided.linear_num_heads, model_spec.provided.linear_head_dim,
@@ -212,7 +261,7 @@ class Container(containers.DeclarativeContainer):
     # 6. model ----------------------------------------------------------------------------------------
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     model = _step(build_log, "model", providers.Factory(
-        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper))
+        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode))
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first
     #    draft_layers layers with its own KV pool (sharing the request table, so both use the same slots);
@@ -276,15 +325,15 @@ class Container(containers.DeclarativeContainer):
             SpeculativeDriver, model, draft_model, attention, draft_attention, draft_steps, graph_runner, token_slots,
             config.speculative.num_steps, config.kv.max_requests, device)))
     engine = _step(build_log, "engine", providers.Factory(
-        Engine, model, attention, mha_prefill, graph_runner, token_slots, request_states, config.workload, device,
-        speculative))
+        Engine, model, attention, mha_prefill, graph_runner, engine_token_slots, request_states, config.workload,
+        device, speculative))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
-    "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "hisparse_coordinator",
-    "workspace_ledger", "attention", "model", "graph_runner", "speculative", "engine",
+    "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
+    "hisparse_coordinator", "workspace_ledger", "attention", "model", "graph_runner", "speculative", "engine",
 )
 
 

@@ -179,3 +179,23 @@ class GraphHooks(Protocol):
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Refresh the static metadata in place for ``batch`` (host mirrors are valid), before replay."""
         ...
+
+
+@runtime_checkable
+class SparseDecode(Protocol):
+    """DeepSeek sparse attention, for the model's sparse layers; a backend whose ``capabilities.sparse`` is true
+    implements it (validation checks the methods at startup). Where the selected tokens' KV lives (the paged
+    pool, or a HiSparse coordinator's device buffer) is the backend's business: it received it in __init__."""
+
+    def store_sparse_tokens(self, kv_rows: torch.Tensor, index_k: torch.Tensor, layer_id: int,
+                            batch: ForwardBatch) -> None:
+        """Keep this step's new tokens of sparse layer ``layer_id`` (every forward mode): kv_rows [T, kv_lora +
+        rope] their latent rows (already in the paged KV pool at ``batch.out_cache_loc``), index_k [T, Di] their
+        indexer keys, both in the model dtype."""
+        ...
+
+    def forward_sparse_decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, index_q: torch.Tensor,
+                              index_weights: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """Indexer top-k, then attention over the selected tokens only: q_nope [B, H, kv_lora] (absorbed),
+        q_pe [B, H, rope], index_q [B, Hi, Di], index_weights [B, Hi] float32 -> [B, H, kv_lora] in q's dtype."""
+        ...

@@ -37,12 +37,17 @@ def explain(runtime, console: Console) -> None:
     plan = memory_plan(runtime.container)
     console.print("[bold]memory plan[/bold] (bytes):")
     rows = {"kv_pool": plan["kv_pool_bytes"], "draft_kv_pool": plan["draft_kv_pool_bytes"],
+            "index_keys": plan["index_key_bytes"], "hisparse_device": plan["hisparse_device_bytes"],
             "request_states": plan["request_state_bytes"],
             "req_to_token": plan["req_to_token_bytes"],
             "weights": plan["weights_bytes"], **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
     for name, n in rows.items():
         console.print(f"  {name:<32} {n:>16,d}")
     console.print(f"  {'total':<32} {plan['total_bytes']:>16,d}")
+    coordinator = runtime.container.hisparse_coordinator()
+    if coordinator is not None:
+        host = coordinator.host_pool.numel() * coordinator.host_pool.element_size()
+        console.print(f"  {'host (pinned): hisparse KV':<32} {host:>16,d}")
 
 
 def run(cfg: DictConfig, output_dir: Path) -> int:
@@ -71,9 +76,10 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
         speculative = speculative_section(res, runtime.container.speculative().stats, baseline)
     parity = None
     if plain["check"] == "reference":
-        ref = build(reference_config(plain))
-        ref_res = ref.engine.run(forced=res.outputs)
-        parity = compare(res, ref_res, plain["model"]["dtype"]).as_dict()
+        ref_cfg = reference_config(plain)
+        ref_res = build(ref_cfg).engine.run(forced=res.outputs)
+        ref_name = f"{ref_cfg['backend']['name']}/{ref_cfg['model']['dtype']}"
+        parity = compare(res, ref_res, plain["model"]["dtype"], ref_name).as_dict()
     dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
     report = make_report(runtime, res, parity, dumps, speculative)
     print_report(report, console)

@@ -91,6 +91,15 @@ class FlashInferMLAConfig(BackendConfig):
     disable_ragged: bool = False  # MHA prefill: skip the ragged kernel and use the absorbed path
 
 
+@dataclass
+class DSAConfig(BackendConfig):
+    """DeepSeek sparse attention: dense prefill, indexer top-k + sparse decode (optionally over HiSparse)."""
+
+    name: str = "dsa"
+    impl: str = "auto"  # auto (triton on CUDA, torch on the CPU) | torch | triton
+    max_splits: int = 16  # split-K pieces of the sparse decode the scratch workspace holds per token
+
+
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
@@ -114,6 +123,9 @@ class ModelConfig:
     layer_pattern: list[LayerKind] = field(default_factory=lambda: [LayerKind.full])
     linear_num_heads: int | None = None  # linear-attention heads (default: num_heads)
     linear_head_dim: int = 128  # key and value head dim of linear-attention layers
+    index_n_heads: int = 0  # DeepSeek sparse-attention indexer heads (0: the model has no indexer)
+    index_head_dim: int = 128  # indexer query/key head dim (RoPE on its first qk_rope_head_dim dims)
+    index_topk: int = 2048  # tokens each query of a sparse layer attends to
     weight_seed: int = 1234
 
 
@@ -222,6 +234,7 @@ BACKEND_SCHEMAS: dict[str, type[BackendConfig]] = {
     "torch_mla": TorchMLAConfig,
     "triton_mla": TritonMLAConfig,
     "flashinfer_mla": FlashInferMLAConfig,
+    "dsa": DSAConfig,
 }
 
 _GROUP_SCHEMAS: dict[str, Any] = {

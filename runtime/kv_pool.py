@@ -212,3 +212,9 @@ class TokenSlots:
     def release(self, row: int) -> None:
         self.pages.free(self._req_pages.pop(row))
         self.req_to_token_pool.free(row)
+
+    def release_pages(self, row: int) -> None:
+        """Return the pages of ``row`` but keep the row (HiSparse: its KV now lives in host memory; the row's
+        request-table entries are stale from here on)."""
+        self.pages.free(self._req_pages[row])
+        self._req_pages[row] = []

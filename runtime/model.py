@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import AttentionBackend, MHAChunkPrefill
+from backends.base import AttentionBackend, MHAChunkPrefill, SparseDecode
 from runtime.batch import ForwardBatch, ForwardMode
 from runtime.config import LayerKind
 from runtime.dump import AttentionDumper
+from runtime.indexer import IndexerWeights, indexer_projections, make_indexer_weights
 from runtime.kv_pool import MLAKVPool
 from runtime.model_spec import ModelSpec
 
@@ -50,6 +51,7 @@ class LayerWeights:
     w_uk: torch.Tensor  # [H, qk_nope, kv_lora]   (kv_b's key half)
     w_uv: torch.Tensor  # [H, kv_lora, v_head]    (kv_b's value half)
     wo: torch.Tensor  # [H * v_head, D]
+    indexer: IndexerWeights | None = None  # sparse layers (DeepSeek-V3.2): picks the tokens decode attends to
 
 
 @dataclass
@@ -76,6 +78,8 @@ class MLAModel:
     mha_prefill : MHAChunkPrefill or None
         The hook for the MHA chunked-prefix prefill; None selects the absorbed path for prefill.
     dumper : AttentionDumper or None
+    sparse : SparseDecode or None
+        The sparse backend's hooks, for sparse layers (stores their indexer keys, runs their decode).
     weights_from : MLAModel or None
         Share this model's embedding, final norm, LM head and first ``spec.num_layers`` layers (by
         reference) instead of seeding new weights: the speculative draft model.
@@ -89,10 +93,12 @@ class MLAModel:
         backend: AttentionBackend,
         mha_prefill: MHAChunkPrefill | None,
         dumper: AttentionDumper | None,
+        sparse: SparseDecode | None = None,
         weights_from: MLAModel | None = None,
     ):
         self.spec, self.device, self.kv_pool = spec, device, kv_pool
         self.backend, self.mha_prefill, self.dumper = backend, mha_prefill, dumper
+        self.sparse = sparse
         self.dump_layer = spec.full_layers[0] if spec.full_layers and dumper is not None else -1
         if weights_from is None:
             self._init_weights()
@@ -138,6 +144,7 @@ class MLAModel:
                     w_uk=wkv_b[:, :, : s.qk_nope_head_dim].permute(1, 2, 0).contiguous(),
                     w_uv=wkv_b[:, :, s.qk_nope_head_dim :].permute(1, 0, 2).contiguous(),
                     wo=w(h * s.v_head_dim, d, fan_in=h * s.v_head_dim, residual=True),
+                    indexer=make_indexer_weights(s, w, ones) if kind == LayerKind.sparse else None,
                 )
             )
         self.final_norm = ones(d)
@@ -163,7 +170,8 @@ class MLAModel:
             return 0
         tensors = [self.embed, self.final_norm, self.lm_head]
         for lw in self.layers:  # LayerWeights or LinearLayerWeights
-            tensors += [t for t in vars(lw).values() if t is not None]
+            tensors += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+            tensors += lw.indexer.tensors if getattr(lw, "indexer", None) is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -------------------------------------------------------------------------------------- forward
@@ -194,14 +202,22 @@ class MLAModel:
         ckv = rms_norm(kv[:, : s.kv_lora_rank], lw.kv_a_norm, s.rms_norm_eps)
         kpe = apply_rope(kv[:, s.kv_lora_rank :], cos, sin)
         self.kv_pool.write(layer_id, batch.out_cache_loc, ckv, kpe)
+        index = None
+        if lw.indexer is not None:  # sparse layer: the backend keeps its indexer keys (and, with HiSparse, its KV)
+            index = indexer_projections(lw.indexer, s, xn, q_in, cos, sin)
+            self.sparse.store_sparse_tokens(torch.cat([ckv, kpe], dim=-1), index[1], layer_id, batch)
+        sparse_decode = index is not None and batch.mode == ForwardMode.DECODE
 
         if use_mha:
             o = self._mha_prefill(layer_id, lw, q_nope, q_pe, ckv, kpe, batch)
         else:
             q_abs = torch.einsum("thd,hdc->thc", q_nope, lw.w_uk)
             fwd = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
-            o_lat = fwd(q_abs, q_pe, layer_id, batch)
-            if layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
+            if sparse_decode:
+                o_lat = self.sparse.forward_sparse_decode(q_abs, q_pe, index[0], index[2], layer_id, batch)
+            else:
+                o_lat = fwd(q_abs, q_pe, layer_id, batch)
+            if not sparse_decode and layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
                 self.dumper.save_absorbed(layer_id, batch, self.kv_pool, q_abs, q_pe, o_lat, s.kv_lora_rank, s.sm_scale)
             o = torch.einsum("thc,hcd->thd", o_lat, lw.w_uv)
         return o.reshape(t, h * s.v_head_dim) @ lw.wo

@@ -37,6 +37,9 @@ class ModelSpec:
     linear_num_heads: int
     linear_head_dim: int
     weight_seed: int
+    index_n_heads: int = 0
+    index_head_dim: int = 128
+    index_topk: int = 2048
 
     @classmethod
     def from_config(cls, model: dict) -> ModelSpec:
@@ -61,6 +64,9 @@ class ModelSpec:
             linear_num_heads=model.get("linear_num_heads") or model["num_heads"],
             linear_head_dim=model.get("linear_head_dim", 128),
             weight_seed=model["weight_seed"],
+            index_n_heads=model.get("index_n_heads", 0),
+            index_head_dim=model.get("index_head_dim", 128),
+            index_topk=model.get("index_topk", 2048),
         )
 
     def draft(self, num_layers: int) -> ModelSpec:
@@ -88,6 +94,15 @@ class ModelSpec:
     @property
     def full_layers(self) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k != LayerKind.linear]
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        """Layers with DeepSeek sparse attention (an indexer picks the tokens each query attends to)."""
+        return [i for i, k in enumerate(self.layer_kinds) if k == LayerKind.sparse]
+
+    @property
+    def has_indexer(self) -> bool:
+        return self.index_n_heads > 0
 
     @property
     def kv_cache_layers(self) -> list[int]:

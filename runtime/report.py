@@ -16,8 +16,11 @@ from runtime.engine import RunResult
 def memory_plan(container) -> dict:
     """Every device buffer the runtime built, in bytes."""
     ledger = container.workspace_ledger()
+    index_keys, hisparse = container.index_key_pool(), container.hisparse_coordinator()
     sizes = {
         "kv_pool_bytes": container.kv_pool().nbytes,
+        "index_key_bytes": index_keys.nbytes if index_keys is not None else 0,
+        "hisparse_device_bytes": hisparse.device_bytes if hisparse is not None else 0,
         "request_state_bytes": sum(pool.nbytes for pool in container.request_states()),
         "req_to_token_bytes": container.req_to_token_pool().nbytes,
         "weights_bytes": container.model().weight_bytes,
@@ -87,6 +90,22 @@ def speculative_section(res: RunResult, stats, baseline: RunResult | None) -> di
     return out
 
 
+def _hisparse(container) -> dict | None:
+    """Device vs host KV bytes and swap-in counters. ``dense_equivalent_bytes``: a dense device pool holding as
+    many tokens as the host pool (what HiSparse saves); ``device_kv_bytes``: the device page pool (prefill) plus
+    the per-request buffers."""
+    c = container.hisparse_coordinator()
+    if c is None:
+        return None
+    st = c.stats()
+    kv = container.kv_pool()
+    layers = len(kv.buffers)
+    device = kv.nbytes + st["device_buffer_bytes"]
+    dense = st["host_tokens"] * kv.row_dim * kv.dtype.itemsize * layers
+    return {"device_kv_bytes": device, "device_pool_bytes": kv.nbytes, **st, "dense_equivalent_bytes": dense,
+            "device_over_dense": device / dense if dense else 0.0}
+
+
 def _graphs(runner) -> dict:
     return {name: {"graphed": m.decision.graphed, "sizes": sorted(m.graphs), "replays": m.replays,
                    "reason": m.decision.reason} for name, m in runner.modes.items()}
@@ -112,6 +131,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
         },
         "graphs": _graphs(runtime.container.graph_runner()),
         "speculative": speculative,
+        "hisparse": _hisparse(runtime.container),
         "parity": parity if parity is not None else {"reference": None, "ok": None},
         "dumps": dumps,
     }
@@ -159,6 +179,12 @@ def print_report(report: dict, console: Console | None = None) -> None:
     for mode, g in report["graphs"].items():
         t.add_row(f"{mode} graphs", f"{len(g['sizes'])} sizes captured, {g['replays']} replays" if g["graphed"]
                   else f"eager ({g['reason']})")
+    hs = report.get("hisparse")
+    if hs:
+        t.add_row("hisparse", f"device KV {_mib(hs['device_kv_bytes'])} (pool {_mib(hs['device_pool_bytes'])} + "
+                  f"buffers {_mib(hs['device_buffer_bytes'])}) vs host KV {_mib(hs['host_kv_bytes'])}; "
+                  f"{hs['device_over_dense']:.2f}x of dense; {hs['swap_ins']} swap-ins, hit rate "
+                  f"{hs['hit_rate']:.1%}, {hs['bytes_copied_per_decode_step'] / 1024:.1f} KiB copied per decode step")
     par = report["parity"]
     if par.get("reference"):
         verdict = "[green]ok[/green]" if par["ok"] else "[red]FAILED[/red]"

@@ -10,7 +10,14 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from backends.base import BackendCapabilities, CudaGraphLevel, GraphHooks, MHAChunkPrefill, hook_signature_problems
+from backends.base import (
+    BackendCapabilities,
+    CudaGraphLevel,
+    GraphHooks,
+    MHAChunkPrefill,
+    SparseDecode,
+    hook_signature_problems,
+)
 from runtime.batch import ForwardMode
 from runtime.config import LayerKind
 from runtime.device import DeviceInfo
@@ -68,23 +75,8 @@ def validate(
         problems += _linear_problems(cfg, linear_backend, device, package_present)
 
     # --- hisparse
-    hs = cfg["hisparse"]
-    if hs["enabled"]:
-        if caps is not None and not caps.sparse:
-            sparse = [n for n, b in backends.items() if b.capabilities.sparse]
-            add(Problem("hisparse.enabled=true", f"backend '{name}', which is not sparse-capable",
-                        "a backend whose capabilities.sparse is true",
-                        f"use hisparse=off, or a sparse backend ({sparse or 'none ships in this version'})"))
-        if hs["top_k"] < 1:
-            add(Problem("hisparse.top_k", str(hs["top_k"]), ">= 1", "set hisparse.top_k=2048"))
-        if hs["device_buffer_size"] < hs["top_k"]:
-            add(Problem("hisparse.device_buffer_size", f"{hs['device_buffer_size']} (< top_k {hs['top_k']})",
-                        "device_buffer_size >= top_k (every selected token must fit on the device)",
-                        f"set hisparse.device_buffer_size={max(hs['top_k'], 1) * 2}"))
-        if hs["host_to_device_ratio"] < 1:
-            add(Problem("hisparse.host_to_device_ratio", str(hs["host_to_device_ratio"]),
-                        ">= 1 (the host pool holds at least what the device holds)",
-                        "set hisparse.host_to_device_ratio=4"))
+    if cfg["hisparse"]["enabled"]:
+        problems += _hisparse_problems(cfg, name, caps, backends)
 
     # --- speculative decoding
     if cfg["speculative"]["enabled"]:
@@ -100,6 +92,9 @@ def validate(
         if bad or not g["batch_sizes"]:
             add(Problem("graph.batch_sizes", str(g["batch_sizes"]), "a non-empty list of sizes >= 1",
                         "e.g. graph.batch_sizes=[1,2,4,8,16,32]"))
+        if caps is not None and caps.sparse and cfg["backend"].get("impl") == "torch":
+            add(Problem("graph.enabled=true", f"backend '{name}' with impl=torch (host loops, host syncs)",
+                        "impl=triton (auto on CUDA) for graphed decode", "use backend.impl=auto, or graph=off"))
 
     # --- KV cache and workload
     spec = cfg["speculative"]
@@ -171,7 +166,8 @@ def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_
         add(Problem(f"backend '{name}'", f"forward modes {sorted(m.value for m in caps.forward_modes)}",
                     "at least extend and decode", "pick a complete backend"))
     out += backend_cls.config_problems(cfg["backend"], cfg["model"], device)
-    hooks = [(MHAChunkPrefill, caps.mha_chunked_prefill, "capabilities.mha_chunked_prefill")]
+    hooks = [(MHAChunkPrefill, caps.mha_chunked_prefill, "capabilities.mha_chunked_prefill"),
+             (SparseDecode, caps.sparse, "capabilities.sparse")]
     if cfg["graph"]["enabled"]:
         graphable = any(level > CudaGraphLevel.NEVER for _, level in caps.cuda_graph)
         hooks.append((GraphHooks, graphable, "a CUDA-graph level above NEVER"))
@@ -205,7 +201,57 @@ def _model_problems(model, backend_name: str, caps: BackendCapabilities | None) 
                     "add full to model.layer_pattern, e.g. [linear, linear, linear, full]"))
     if LayerKind.sparse in kinds and caps is not None and not caps.sparse:
         add(Problem(f"model '{model['name']}'", f"sparse layers with backend '{backend_name}'",
-                    "a sparse-capable backend for sparse layers", "use a model whose layer_pattern is [full]"))
+                    "a sparse-capable backend for sparse layers",
+                    "use backend=dsa, or a model whose layer_pattern is [full]"))
+    if LayerKind.sparse in kinds:
+        if model.get("index_n_heads", 0) < 1:
+            add(Problem(f"model '{model['name']}'", f"sparse layers with index_n_heads={model.get('index_n_heads')}",
+                        "an indexer (index_n_heads >= 1) to pick the tokens sparse layers attend to",
+                        "set model.index_n_heads=64 (or use model=tiny_dsa / deepseek_v32)"))
+        di, rope = model.get("index_head_dim", 0), model["qk_rope_head_dim"]
+        if di < rope or di % 2:
+            add(Problem("model.index_head_dim", f"{di} (qk_rope_head_dim {rope})",
+                        "an even head dim >= qk_rope_head_dim (RoPE covers its first qk_rope_head_dim dims)",
+                        f"set model.index_head_dim={max(128, rope)}"))
+        if model.get("index_topk", 0) < 1:
+            add(Problem("model.index_topk", str(model.get("index_topk")), ">= 1", "set model.index_topk=2048"))
+        if LayerKind.linear in kinds:
+            add(Problem(f"model '{model['name']}'", "sparse and linear-attention layers in one model",
+                        "sparse layers with full or sparse layers only", "drop linear from model.layer_pattern"))
+    return out
+
+
+def _hisparse_problems(cfg, name: str, caps: BackendCapabilities | None, backends) -> list[Problem]:
+    hs, model = cfg["hisparse"], cfg["model"]
+    out: list[Problem] = []
+    add = out.append
+    if caps is not None and not caps.sparse:
+        sparse = [n for n, b in backends.items() if b.capabilities.sparse]
+        add(Problem("hisparse.enabled=true", f"backend '{name}', which is not sparse-capable",
+                    "a backend whose capabilities.sparse is true",
+                    "use hisparse=off" + (f", or backend={sparse[0]} (sparse-capable)" if sparse else "")))
+    if hs["top_k"] < 1:
+        add(Problem("hisparse.top_k", str(hs["top_k"]), ">= 1", "set hisparse.top_k=2048"))
+    if hs["device_buffer_size"] < hs["top_k"]:
+        add(Problem("hisparse.device_buffer_size", f"{hs['device_buffer_size']} (< top_k {hs['top_k']})",
+                    "device_buffer_size >= top_k (every selected token must fit on the device)",
+                    f"set hisparse.device_buffer_size={max(hs['top_k'], 1) * 2}"))
+    if hs["host_to_device_ratio"] < 1:
+        add(Problem("hisparse.host_to_device_ratio", str(hs["host_to_device_ratio"]),
+                    ">= 1 (the host pool holds at least what the device holds)", "set hisparse.host_to_device_ratio=4"))
+    kinds = {LayerKind(k) for k in model["layer_pattern"]}
+    if model.get("index_n_heads", 0) < 1 or LayerKind.sparse not in kinds:
+        add(Problem("hisparse.enabled=true", f"model '{model['name']}' without an indexer and sparse layers",
+                    "a model with an indexer (index_n_heads >= 1) and sparse layers (HiSparse serves their top-k)",
+                    "use model=tiny_dsa (CPU) or model=deepseek_v32, or hisparse=off"))
+    elif kinds != {LayerKind.sparse}:
+        add(Problem("hisparse.enabled=true", f"model.layer_pattern {sorted(k.value for k in kinds)}",
+                    "every attention layer sparse (under HiSparse decode tokens take no device KV page, which dense "
+                    "layers would read)", "set model.layer_pattern=[sparse], or hisparse=off"))
+    elif hs["top_k"] != model.get("index_topk"):
+        add(Problem("hisparse.top_k", f"{hs['top_k']} (model.index_topk is {model.get('index_topk')})",
+                    "equal to model.index_topk (the number of tokens the indexer selects)",
+                    f"set hisparse.top_k={model.get('index_topk')}"))
     return out
 
 

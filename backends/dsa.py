@@ -1,0 +1,272 @@
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2): dense prefill, indexer top-k and sparse absorbed-MLA decode.
+
+Prefill (EXTEND) is dense absorbed MLA over the paged KV pool. A DECODE step of a sparse layer picks each
+query's ``index_topk`` tokens with the indexer (keys stored per token by :meth:`DSABackend.store_sparse_tokens`)
+and attends only to those:
+
+* without HiSparse the selected positions map to paged-pool slots through the request table;
+* with HiSparse (a :class:`runtime.hisparse.HiSparseCoordinator`, built by the container before this backend
+  and passed to the constructor) the coordinator swaps the selected tokens into its device buffer and returns
+  their locations there; indexer keys are stored by host slot.
+
+``impl``: ``torch`` runs the references of ``backends/kernels`` (float32 math; the CPU path and the parity
+oracle); ``triton`` runs the Triton indexer, sparse decode and extend kernels (CUDA, or the CPU interpreter
+under ``TRITON_INTERPRET=1``); ``auto`` picks triton on CUDA. Kernels are imported when the backend is built.
+
+Decode runs in CUDA graphs (single-token decode) with ``impl=triton``: the indexer scores a fixed
+``max_context`` columns there, swap-in and the kernels take fixed shapes, nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+
+from backends import mla_math
+from backends.base import BackendCapabilities, CudaGraphLevel
+from runtime.batch import ForwardBatch, ForwardMode
+from runtime.errors import Problem
+from runtime.hisparse import HiSparseCoordinator
+from runtime.indexer import IndexKeyPool
+from runtime.kv_pool import MLAKVPool, ReqToTokenPool
+from runtime.model_spec import ModelSpec
+from runtime.workspace import WorkspaceSpec
+
+DECODE_WORKSPACE = "dsa_sparse_decode"
+INDEXER_WORKSPACE = "dsa_indexer"
+IMPLS = ("auto", "torch", "triton")
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere; other values as given."""
+    impl = str(impl)
+    return ("triton" if torch.device(device).type == "cuda" else "torch") if impl == "auto" else impl
+
+
+def max_decode_tokens(kv_cfg: dict, graph_cfg: dict) -> int:
+    """The largest decode batch: the request table's rows, or a larger captured graph size (padded)."""
+    sizes = graph_cfg["batch_sizes"] if graph_cfg["enabled"] else []
+    return max([int(kv_cfg["max_requests"]), *sizes])
+
+
+def sparse_decode_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, graph_cfg: dict,
+                                 device: torch.device) -> WorkspaceSpec:
+    """Split-K partials of the Triton sparse decode (none for the torch impl)."""
+    nbytes = 0
+    if resolve_impl(backend_cfg["impl"], device) == "triton":
+        from backends.kernels.sparse_mla_decode import sparse_decode_scratch_bytes
+
+        nbytes = sparse_decode_scratch_bytes(max_decode_tokens(kv_cfg, graph_cfg), model.num_heads,
+                                             model.kv_lora_rank, int(backend_cfg["max_splits"]))
+    return WorkspaceSpec(DECODE_WORKSPACE, nbytes=nbytes)
+
+
+def indexer_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, graph_cfg: dict,
+                           device: torch.device) -> WorkspaceSpec:
+    """Score buffer [tokens, max_context] float32 and top-k values/indices of the Triton indexer."""
+    nbytes = 0
+    if resolve_impl(backend_cfg["impl"], device) == "triton":
+        from backends.kernels.indexer import indexer_scratch_bytes
+
+        nbytes = indexer_scratch_bytes(max_decode_tokens(kv_cfg, graph_cfg), model.max_context, model.index_topk)
+    return WorkspaceSpec(INDEXER_WORKSPACE, nbytes=nbytes)
+
+
+class DSABackend:
+    """DeepSeek sparse attention over the paged KV pool, or over a HiSparse coordinator's device buffer.
+
+    Parameters
+    ----------
+    req_to_token_pool : ReqToTokenPool
+    kv_pool : MLAKVPool
+        The paged latent KV (dense prefill; sparse decode reads it too when there is no coordinator).
+    index_keys : IndexKeyPool
+        Indexer keys of the sparse layers, by device slot (by host slot with a coordinator).
+    coordinator : HiSparseCoordinator or None
+        HiSparse on: swaps selected tokens into its device buffer; None: everything is in ``kv_pool``.
+    model : ModelSpec
+    decode_workspace, indexer_workspace : torch.Tensor
+        uint8 ledger buffers (:func:`sparse_decode_workspace_spec`, :func:`indexer_workspace_spec`; 0 bytes
+        for the torch impl).
+    config : dict
+        The `backend` config: impl, max_splits.
+    device : torch.device
+    """
+
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
+        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),  # impl=triton (validation)
+        mha_chunked_prefill=False,
+        sparse=True,
+        builds_own_kv_indices=True,
+        page_sizes=None,
+        min_compute_capability=(8, 0),
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        devices=frozenset({"cpu", "cuda"}),
+        workspaces=frozenset({DECODE_WORKSPACE, INDEXER_WORKSPACE}),
+        packages=("triton",),  # backends.kernels imports it (the torch impl runs its reference functions)
+    )
+
+    @classmethod
+    def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
+        out = []
+        impl = str(backend_cfg["impl"])
+        if impl not in IMPLS:
+            out.append(Problem("backend.impl", repr(impl), f"one of {list(IMPLS)}", "set backend.impl=auto"))
+        if backend_cfg["max_splits"] < 1:
+            out.append(Problem("backend.max_splits", str(backend_cfg["max_splits"]), ">= 1", "set backend.max_splits=16"))
+        if not model_cfg.get("index_n_heads") or "sparse" not in [str(k) for k in model_cfg["layer_pattern"]]:
+            out.append(Problem(f"backend 'dsa' with model '{model_cfg['name']}'",
+                               f"index_n_heads={model_cfg.get('index_n_heads')}, layer_pattern="
+                               f"{[str(k) for k in model_cfg['layer_pattern']]}",
+                               "a model with an indexer (index_n_heads > 0) and sparse layers",
+                               "use model=tiny_dsa (CPU) or model=deepseek_v32, or a dense backend (backend=torch_mla)"))
+        if impl == "triton" and device.kind != "cuda" and not _INTERPRET:
+            out.append(Problem("backend.impl=triton", f"device {device.kind}",
+                               "a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)",
+                               "use backend.impl=auto (torch on the CPU)"))
+        if impl in IMPLS and resolve_impl(impl, device.torch_device) == "triton":
+            for key in ("kv_lora_rank", "qk_rope_head_dim", "index_head_dim"):
+                v = model_cfg.get(key, 0)
+                if v < 16 or v & (v - 1):
+                    out.append(Problem(f"model.{key} with backend dsa (triton)", str(v), "a power of two >= 16",
+                                       "use DeepSeek dims (512 / 64 / 128), or backend.impl=torch"))
+        return out
+
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: MLAKVPool,
+        index_keys: IndexKeyPool,
+        coordinator: HiSparseCoordinator | None,
+        model: ModelSpec,
+        decode_workspace: torch.Tensor,
+        indexer_workspace: torch.Tensor,
+        config: dict,
+        device: torch.device,
+    ):
+        self.req_to_token_pool, self.kv_pool, self.index_keys = req_to_token_pool, kv_pool, index_keys
+        self.coordinator, self.model = coordinator, model
+        self.decode_workspace, self.indexer_workspace = decode_workspace, indexer_workspace
+        self.impl = resolve_impl(config["impl"], device)
+        self.top_k = model.index_topk
+        self.page_size = kv_pool.page_size
+        # dense decode is only for full (non-sparse) MLA layers of a mixed model
+        self.dense_decode = bool(set(model.kv_cache_layers) - set(model.sparse_layers))
+        if self.impl == "triton":
+            from backends.kernels.indexer import indexer_topk
+            from backends.kernels.mla_extend import mla_extend
+            from backends.kernels.sparse_mla_decode import sparse_mla_decode
+
+            self._indexer, self._sparse, self._extend = indexer_topk, sparse_mla_decode, mla_extend
+        else:
+            from backends.kernels.indexer import indexer_topk_reference
+            from backends.kernels.sparse_mla_decode import sparse_mla_decode_reference
+
+            self._indexer, self._sparse, self._extend = indexer_topk_reference, sparse_mla_decode_reference, None
+        self.max_len = req_to_token_pool.max_context  # columns the Triton indexer scores (set per step)
+        self.page_table = torch.empty(0, 0, dtype=torch.int32)
+        self._graph_page_table = torch.empty(0, 0, dtype=torch.int32)
+        self._kv_slots: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------------------- planning
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """HiSparse bookkeeping, the indexer's column count, and the dense path's KV indices (prefill, and
+        decode of full layers)."""
+        if self.coordinator is not None:
+            self.coordinator.begin_step(batch)
+        self.max_len = max(1, batch.max_seq_len)
+        if batch.mode == ForwardMode.EXTEND or self.dense_decode:
+            if self.impl == "triton":
+                self.page_table = self._gather_page_table(batch, -(-batch.max_seq_len // self.page_size))
+            else:
+                table = self.req_to_token_pool.req_to_token
+                rows, lens = batch.req_pool_indices_cpu.tolist(), batch.seq_lens_cpu.tolist()
+                self._kv_slots = [table[r, :n].long() for r, n in zip(rows, lens)]
+
+    def _gather_page_table(self, batch: ForwardBatch, width: int) -> torch.Tensor:
+        """[B, width] int32 page ids, gathered on the device from the request table."""
+        table = self.req_to_token_pool.req_to_token
+        cols = torch.arange(0, width * self.page_size, self.page_size, device=table.device).clamp_max(table.shape[1] - 1)
+        return (table[batch.req_pool_indices[:, None], cols[None, :]] // self.page_size).to(torch.int32)
+
+    # ------------------------------------------------------------------------ decode graphs
+    def init_graph_state(self, batch: ForwardBatch) -> None:
+        """A static page table (only a mixed model's full layers decode densely)."""
+        if self.dense_decode:
+            width = -(-self.req_to_token_pool.max_context // self.page_size)
+            self._graph_page_table = torch.zeros(batch.batch_size, width, dtype=torch.int32,
+                                                 device=self.req_to_token_pool.req_to_token.device)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        """Graphs score every column of the request table: a fixed shape for any sequence length."""
+        self.max_len = self.req_to_token_pool.max_context
+        if self.dense_decode:
+            self.page_table = self._graph_page_table[: batch.batch_size]
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        if self.coordinator is not None:
+            self.coordinator.begin_step(batch)
+        if self.dense_decode:
+            width = -(-batch.max_seq_len // self.page_size)
+            self.page_table = self._graph_page_table[: batch.batch_size]
+            self.page_table[:, :width].copy_(self._gather_page_table(batch, width))
+
+    # --------------------------------------------------------------------------- dense MLA
+    def _dense(self, q_nope, q_pe, layer_id, batch) -> torch.Tensor:
+        t, h = q_nope.shape[:2]
+        out = torch.empty(t, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
+        if self.impl == "triton":
+            self._extend(q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.qo_indptr,
+                         batch.seq_lens, self.model.sm_scale, out, max_q_len=batch.max_extend_len)
+            return out
+        cd = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+        qo = batch.qo_indptr_cpu.tolist()
+        for b, slots in enumerate(self._kv_slots):
+            s, e = qo[b], qo[b + 1]
+            kv = self.kv_pool.gather(layer_id, slots).to(cd)
+            o = mla_math.absorbed_attention(q_nope[s:e].to(cd), q_pe[s:e].to(cd), kv, self.model.kv_lora_rank,
+                                            self.model.sm_scale, causal=True)
+            out[s:e] = o.to(out.dtype)
+        return out
+
+    def forward_extend(self, q_nope, q_pe, layer_id, batch):
+        return self._dense(q_nope, q_pe, layer_id, batch)
+
+    def forward_decode(self, q_nope, q_pe, layer_id, batch):
+        """Dense decode, for the full (non-sparse) layers of a mixed model."""
+        return self._dense(q_nope, q_pe, layer_id, batch)
+
+    # ------------------------------------------------------------------------ SparseDecode
+    def store_sparse_tokens(self, kv_rows, index_k, layer_id, batch):
+        """Indexer keys at the new tokens' slots; with HiSparse, the latent rows to the host (and in DECODE
+        into the device buffer) through the coordinator."""
+        if self.coordinator is None:
+            self.index_keys.write(layer_id, batch.out_cache_loc, index_k)
+            return
+        host_slots = self.coordinator.new_token_slots(batch)
+        self.index_keys.write(layer_id, host_slots, index_k)
+        self.coordinator.store_new_tokens(layer_id, batch, kv_rows, host_slots)
+
+    def forward_sparse_decode(self, q_nope, q_pe, index_q, index_weights, layer_id, batch):
+        """Top-k positions by the indexer -> device locations (request table, or the coordinator's swap-in)
+        -> attention over those rows only."""
+        c = self.coordinator
+        table = c.host_table if c is not None else self.req_to_token_pool.req_to_token
+        args = (index_q, index_weights, self.index_keys.buffer(layer_id), table, batch.req_pool_indices,
+                batch.positions, batch.qo_indptr, self.top_k)
+        if self.impl == "triton":
+            topk_pos, _ = self._indexer(*args, max_len=self.max_len, scratch=self.indexer_workspace)
+        else:
+            topk_pos, _ = self._indexer(*args)
+        if c is not None:
+            locs, rows = c.swap_in(batch, topk_pos, layer_id), c.device_rows(layer_id)
+        else:
+            slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices[:, None], topk_pos.clamp_min(0).long()]
+            locs, rows = torch.where(topk_pos >= 0, slots, -1).to(torch.int32), self.kv_pool.flat(layer_id)
+        if self.impl == "triton":
+            return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, scratch=self.decode_workspace)
+        return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale)
