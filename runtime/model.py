@@ -53,6 +53,11 @@ class LayerWeights:
     wo: torch.Tensor  # [H * v_head, D]
     indexer: IndexerWeights | None = None  # sparse layers (DeepSeek-V3.2): picks the tokens decode attends to
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        own = [t for t in vars(self).values() if isinstance(t, torch.Tensor)]
+        return own + (self.indexer.tensors if self.indexer is not None else [])
+
 
 @dataclass
 class LinearLayerWeights:
@@ -64,6 +69,10 @@ class LinearLayerWeights:
     wv: torch.Tensor  # [D, Hl * dv]
     out_norm: torch.Tensor  # [Hl * dv]
     wo: torch.Tensor  # [Hl * dv, D]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return list(vars(self).values())
 
 
 class MLAModel:
@@ -170,8 +179,7 @@ class MLAModel:
             return 0
         tensors = [self.embed, self.final_norm, self.lm_head]
         for lw in self.layers:  # LayerWeights or LinearLayerWeights
-            tensors += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
-            tensors += lw.indexer.tensors if getattr(lw, "indexer", None) is not None else []
+            tensors += lw.tensors
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # -------------------------------------------------------------------------------------- forward
