@@ -196,7 +196,13 @@ class Engine:
                            start, self.clock.mark())
 
     def _forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """Plan this step's metadata, then launch its kernels (graph replay when captured).
+        """A prefill or plain decode step of the target model (the MHA chunked-prefix plan for EXTEND)."""
+        return self._launch("decode", self.model.forward, self.backend, ids, batch, self.mha_prefill)[0]
+
+    def _launch(self, mode: str, fn, planner, ids: torch.Tensor, batch,
+                mha_prefill: MHAChunkPrefill | None = None) -> tuple[torch.Tensor, bool]:
+        """Plan one forward's metadata, then launch it: the graph of ``mode`` when one is captured for the
+        batch, else ``planner.init_forward_metadata(batch)`` and ``fn(ids, batch)``. Returns (output, graphed).
 
         The metadata fence: planning may stage data in host buffers that an earlier plan's asynchronous
         copy still reads (FlashInfer copies its plan through one pinned buffer). So before planning step
@@ -204,37 +210,27 @@ class Engine:
         GPU has *started* step N: planning N+1 still overlaps step N's kernels, and the host never runs more
         than one step ahead."""
         self.clock.wait(self._fence)
-        graphs = self.graphs.get("decode")
+        graphs = self.graphs.get(mode)
         graphed = graphs is not None and graphs.can_run(batch)
         if graphed:
             graphs.prepare(ids, batch)  # copies inputs, the backend's hook refreshes static metadata
         else:
-            self.backend.init_forward_metadata(batch)
-            if batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None:
+            planner.init_forward_metadata(batch)
+            if batch.mode == ForwardMode.EXTEND and mha_prefill is not None:
                 batch.prefix_chunks = plan_prefix_chunks(
                     batch, self.slots.req_to_token_pool, self.workload["mha_prefix_chunk_tokens"]
                 )
-                self.mha_prefill.init_mha_chunk_metadata(batch)
+                mha_prefill.init_mha_chunk_metadata(batch)
         self._fence = self.clock.mark()
-        return graphs.replay() if graphed else self.model.forward(ids, batch)
+        return (graphs.replay() if graphed else fn(ids, batch)), graphed
 
     # ------------------------------------------------------------------------------ speculative
     def _spec_forward(self, phase: str, fn, planner, ids: torch.Tensor, batch) -> torch.Tensor:
-        """One forward of a speculative phase: graph replay of mode ``phase`` when captured, else plan
-        ``planner`` and call ``fn(ids, batch)``; timed as its own StepRecord (with the metadata fence of
-        :meth:`_forward`)."""
+        """One forward of a speculative phase (graph mode ``phase``), timed as its own StepRecord."""
         record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0, phase=phase)
         self._res.steps.append(record)
-        self.clock.wait(self._fence)
         start = self.clock.mark()
-        graphs = self.graphs.get(phase)
-        record.graphed = graphs is not None and graphs.can_run(batch)
-        if record.graphed:
-            graphs.prepare(ids, batch)
-        else:
-            planner.init_forward_metadata(batch)
-        self._fence = self.clock.mark()
-        out = graphs.replay() if record.graphed else fn(ids, batch)
+        out, record.graphed = self._launch(phase, fn, planner, ids, batch)
         self._timed.append((record, start, self.clock.mark()))
         return out
 

@@ -180,7 +180,7 @@ class TokenSlots:
             if new - old == 1:  # decode
                 slots.append(pages[old // ps] * ps + old % ps)
             elif new - old <= 32:
-                slots.extend(pages[p // ps] * ps + p % ps for p in range(old, new))
+                slots.extend(self.slots_of(row, old, new))
             else:
                 pos = np.arange(old, new)
                 slots.extend((np.asarray(pages)[pos // ps] * ps + pos % ps).tolist())

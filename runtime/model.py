@@ -108,6 +108,7 @@ class MLAModel:
         self.spec, self.device, self.kv_pool = spec, device, kv_pool
         self.backend, self.mha_prefill, self.dumper = backend, mha_prefill, dumper
         self.sparse = sparse
+        self.shares_weights = weights_from is not None
         self.dump_layer = spec.full_layers[0] if spec.full_layers and dumper is not None else -1
         if weights_from is None:
             self._init_weights()
@@ -168,9 +169,6 @@ class MLAModel:
                 "Fix: derive the draft spec with ModelSpec.draft(n).")
         self.embed, self.final_norm, self.lm_head = other.embed, other.final_norm, other.lm_head
         self.layers = other.layers[:n]
-        self.shares_weights = True
-
-    shares_weights = False
 
     @property
     def weight_bytes(self) -> int:

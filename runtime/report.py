@@ -34,15 +34,32 @@ def memory_plan(container) -> dict:
 SPEC_PHASES = ("draft_decode", "target_verify", "draft_extend")
 
 
-def _step_stats(steps: list) -> dict:
-    ms = np.array([s.seconds * 1e3 for s in steps]) if steps else np.zeros(0)
+def _ms_stats(ms: np.ndarray, graphed: int) -> dict:
+    n = len(ms)
     return {
-        "steps": len(steps), "graphed_steps": sum(1 for s in steps if s.graphed),
-        "mean_step_ms": float(ms.mean()) if steps else 0.0,
-        "p50_step_ms": float(np.percentile(ms, 50)) if steps else 0.0,
-        "p99_step_ms": float(np.percentile(ms, 99)) if steps else 0.0,
+        "steps": n, "graphed_steps": graphed,
+        "mean_step_ms": float(ms.mean()) if n else 0.0,
+        "p50_step_ms": float(np.percentile(ms, 50)) if n else 0.0,
+        "p99_step_ms": float(np.percentile(ms, 99)) if n else 0.0,
         "seconds": float(ms.sum() / 1e3),
     }
+
+
+def _step_stats(steps: list) -> dict:
+    return _ms_stats(np.array([s.seconds * 1e3 for s in steps]), sum(1 for s in steps if s.graphed))
+
+
+def _round_ms(steps: list) -> np.ndarray:
+    """Milliseconds of each speculative round: its draft decode (if any), verify and draft extend phases
+    (a round ends with its draft extend)."""
+    rounds, acc = [], 0.0
+    for s in steps:
+        if s.phase in SPEC_PHASES:
+            acc += s.seconds * 1e3
+            if s.phase == "draft_extend":
+                rounds.append(acc)
+                acc = 0.0
+    return np.array(rounds)
 
 
 def _phases(res: RunResult) -> dict:
@@ -50,16 +67,12 @@ def _phases(res: RunResult) -> dict:
     emitted and its time the sum of their draft, verify and draft-extend phases (one "step" = one round)."""
     pre = [s for s in res.steps if s.phase == "prefill"]
     pre_tokens, pre_s = sum(s.tokens for s in pre), sum(s.seconds for s in pre)
-    dec = [s for s in res.steps if s.phase == "decode"]
     verify = [s for s in res.steps if s.phase == "target_verify"]
-    if verify:  # speculative: time per round = its phases
-        rounds = np.array([s.seconds for s in res.steps if s.phase in SPEC_PHASES])
+    if verify:  # speculative
         dec_tokens = sum(s.tokens for s in verify)
-        stats = _step_stats(verify)
-        total = float(rounds.sum())
-        per_round = total / len(verify)
-        stats.update(mean_step_ms=per_round * 1e3, seconds=total)
+        stats = _ms_stats(_round_ms(res.steps), sum(1 for s in verify if s.graphed))
     else:
+        dec = [s for s in res.steps if s.phase == "decode"]
         dec_tokens = sum(s.tokens for s in dec)
         stats = _step_stats(dec)
     return {
