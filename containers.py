@@ -25,21 +25,21 @@ from backends.linear_attention import LinearAttentionBackend
 from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
 from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
-from runtime.batch import ForwardMode
-from runtime.device import DeviceInfo, probe_device
-from runtime.dump import AttentionDumper
-from runtime.engine import Engine
-from runtime.errors import ConfigError
-from runtime.graph_runner import GraphRunner, ModeGraphs, decide_graphs
-from runtime.hisparse import HiSparseCoordinator, host_page_count
-from runtime.indexer import IndexKeyPool
-from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
-from runtime.model import MLAModel
-from runtime.model_spec import ModelSpec
-from runtime.speculative import DraftSteps, SpeculativeDriver
-from runtime.state_pool import LinearStatePool
-from runtime.validation import validate
-from runtime.workspace import WorkspaceLedger
+from runtime.app.validation import validate
+from runtime.core.batch import ForwardMode
+from runtime.core.device import DeviceInfo, probe_device
+from runtime.core.errors import ConfigError
+from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.model_spec import ModelSpec
+from runtime.core.state_pool import LinearStatePool
+from runtime.core.workspace import WorkspaceLedger
+from runtime.engine.engine import Engine
+from runtime.engine.graph_runner import GraphRunner, ModeGraphs, decide_graphs
+from runtime.engine.hisparse import HiSparseCoordinator, host_page_count
+from runtime.engine.speculative import DraftSteps, SpeculativeDriver
+from runtime.model.dump import AttentionDumper
+from runtime.model.indexer import IndexKeyPool
+from runtime.model.mla_model import MLAModel
 
 # name -> class, for validation (capabilities are class data, read before anything is built). The
 # Selector below has one provider per name; a test checks the two agree.

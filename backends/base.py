@@ -14,7 +14,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from runtime.batch import ForwardBatch, ForwardMode
+from runtime.core.batch import ForwardBatch, ForwardMode
 
 
 class CudaGraphLevel(enum.IntEnum):
@@ -87,9 +87,9 @@ class AttentionBackend(Protocol):
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
-        """Every reason this backend's own config cannot run here (a list of runtime.errors.Problem), checked
+        """Every reason this backend's own config cannot run here (a list of runtime.core.errors.Problem), checked
         by validation before anything is allocated; rules the capabilities cannot express (e.g. a kernel
-        variant that needs a newer GPU). ``device`` is a runtime.device.DeviceInfo."""
+        variant that needs a newer GPU). ``device`` is a runtime.core.device.DeviceInfo."""
         ...
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -162,7 +162,7 @@ def hook_signature_problems(cls: type, protocol: type) -> list[str]:
 @runtime_checkable
 class GraphHooks(Protocol):
     """CUDA-graph hooks, one set for every graphed forward mode (``batch.mode`` says which: DECODE,
-    TARGET_VERIFY, DRAFT_EXTEND). The graph runner (runtime/graph_runner.py) owns static input buffers and
+    TARGET_VERIFY, DRAFT_EXTEND). The graph runner (runtime/engine/graph_runner.py) owns static input buffers and
     hands the backend a batch whose tensors are those static buffers (padded to a captured size; padding
     entries use the request table's padding row, write their KV to the padding page, and their outputs are
     dropped). A backend keeps static metadata per mode. One argument each, the batch."""

@@ -5,7 +5,7 @@ query's ``index_topk`` tokens with the indexer (keys stored per token by :meth:`
 and attends only to those:
 
 * without HiSparse the selected positions map to paged-pool slots through the request table;
-* with HiSparse (a :class:`runtime.hisparse.HiSparseCoordinator`, built by the container before this backend
+* with HiSparse (a :class:`runtime.core.sparse.SparseKVCoordinator`, built by the container before this backend
   and passed to the constructor) the coordinator swaps the selected tokens into its device buffer and returns
   their locations there; indexer keys are stored by host slot.
 
@@ -26,13 +26,12 @@ import torch
 
 from backends import mla_math
 from backends.base import BackendCapabilities, CudaGraphLevel
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.errors import Problem
-from runtime.hisparse import HiSparseCoordinator
-from runtime.indexer import IndexKeyPool
-from runtime.kv_pool import MLAKVPool, ReqToTokenPool
-from runtime.model_spec import ModelSpec
-from runtime.workspace import WorkspaceSpec
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.errors import Problem
+from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
+from runtime.core.model_spec import ModelSpec
+from runtime.core.sparse import IndexKeyCache, SparseKVCoordinator
+from runtime.core.workspace import WorkspaceSpec
 
 DECODE_WORKSPACE = "dsa_sparse_decode"
 INDEXER_WORKSPACE = "dsa_indexer"
@@ -83,9 +82,9 @@ class DSABackend:
     req_to_token_pool : ReqToTokenPool
     kv_pool : MLAKVPool
         The paged latent KV (dense prefill; sparse decode reads it too when there is no coordinator).
-    index_keys : IndexKeyPool
+    index_keys : IndexKeyCache
         Indexer keys of the sparse layers, by device slot (by host slot with a coordinator).
-    coordinator : HiSparseCoordinator or None
+    coordinator : SparseKVCoordinator or None
         HiSparse on: swaps selected tokens into its device buffer; None: everything is in ``kv_pool``.
     model : ModelSpec
     decode_workspace, indexer_workspace : torch.Tensor
@@ -140,8 +139,8 @@ class DSABackend:
         self,
         req_to_token_pool: ReqToTokenPool,
         kv_pool: MLAKVPool,
-        index_keys: IndexKeyPool,
-        coordinator: HiSparseCoordinator | None,
+        index_keys: IndexKeyCache,
+        coordinator: SparseKVCoordinator | None,
         model: ModelSpec,
         decode_workspace: torch.Tensor,
         indexer_workspace: torch.Tensor,

@@ -37,11 +37,11 @@ from typing import Any, ClassVar
 import torch
 
 from backends.base import BackendCapabilities, CudaGraphLevel
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.errors import ConfigError, Problem
-from runtime.kv_pool import MLAKVPool, ReqToTokenPool
-from runtime.model_spec import ModelSpec
-from runtime.workspace import WorkspaceLedger, WorkspaceSpec
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.errors import ConfigError, Problem
+from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
+from runtime.core.model_spec import ModelSpec
+from runtime.core.workspace import WorkspaceLedger, WorkspaceSpec
 
 FLOAT_WORKSPACE = "flashinfer_float"
 # FlashInfer's wrappers size their pinned host mirror at 8 MiB and copy the plan through it, so the int

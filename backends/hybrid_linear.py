@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from backends.base import AttentionBackend, GraphHooks, MHAChunkPrefill, hook_signature_problems
-from runtime.batch import ForwardBatch
-from runtime.errors import HookMismatch
+from runtime.core.batch import ForwardBatch
+from runtime.core.errors import HookMismatch
 
 
 def _checked(hook, protocol: type, owner: str):

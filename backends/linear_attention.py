@@ -18,8 +18,8 @@ import torch
 
 from backends import linear_attn_ops as ops
 from backends.base import BackendCapabilities, CudaGraphLevel
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.state_pool import LinearStatePool
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.state_pool import LinearStatePool
 
 IMPLS = ("torch", "fla")
 

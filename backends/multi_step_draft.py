@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 
 from backends.base import AttentionBackend
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.kv_pool import ReqToTokenPool
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.kv_pool import ReqToTokenPool
 
 
 class SharedKVIndicesPass:

@@ -12,9 +12,9 @@ import torch
 
 from backends import mla_math
 from backends.base import BackendCapabilities
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.kv_pool import MLAKVPool, ReqToTokenPool
-from runtime.model_spec import TORCH_DTYPES, ModelSpec
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
+from runtime.core.model_spec import TORCH_DTYPES, ModelSpec
 
 
 class TorchMLABackend:

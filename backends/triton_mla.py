@@ -14,10 +14,10 @@ from typing import ClassVar
 import torch
 
 from backends.base import BackendCapabilities, CudaGraphLevel
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.kv_pool import MLAKVPool, ReqToTokenPool
-from runtime.model_spec import ModelSpec
-from runtime.workspace import WorkspaceSpec
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
+from runtime.core.model_spec import ModelSpec
+from runtime.core.workspace import WorkspaceSpec
 
 WORKSPACE = "triton_split_kv"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -67,7 +67,7 @@ class TritonMLABackend:
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
-        from runtime.errors import Problem
+        from runtime.core.errors import Problem
 
         out = []
         for key in ("max_splits", "split_slots", "min_tokens_per_split"):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-import runtime.config  # noqa: F401
+import runtime.core.config  # noqa: F401
 from containers import build
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

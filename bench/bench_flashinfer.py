@@ -39,11 +39,11 @@ if str(ROOT) not in sys.path:
 
 from backends.flashinfer_mla import FlashInferMLABackend, merge_head_groups, precompile  # noqa: E402
 from bench.ceilings import measure_ceilings  # noqa: E402
-from runtime.batch import ForwardBatch, ForwardMode, make_batch  # noqa: E402
-from runtime.kv_pool import MLAKVPool, ReqToTokenPool  # noqa: E402
-from runtime.model_spec import ModelSpec  # noqa: E402
-from runtime.prefix_chunks import plan_prefix_chunks  # noqa: E402
-from runtime.workspace import WorkspaceLedger  # noqa: E402
+from runtime.core.batch import ForwardBatch, ForwardMode, make_batch  # noqa: E402
+from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool  # noqa: E402
+from runtime.core.model_spec import ModelSpec  # noqa: E402
+from runtime.core.prefix_chunks import plan_prefix_chunks  # noqa: E402
+from runtime.core.workspace import WorkspaceLedger  # noqa: E402
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16

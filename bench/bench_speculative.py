@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-import runtime.config  # noqa: F401
+import runtime.core.config  # noqa: F401
 from containers import build
-from runtime.batch import ForwardMode, make_batch
-from runtime.report import SPEC_PHASES, _phases
+from runtime.app.report import SPEC_PHASES, _phases
+from runtime.core.batch import ForwardMode, make_batch
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from torch.profiler import ProfilerActivity, profile
 
-import runtime.config  # noqa: F401
+import runtime.core.config  # noqa: F401
 from containers import build
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")

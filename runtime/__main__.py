@@ -9,8 +9,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import runtime.config  # noqa: F401  (registers the schemas in the ConfigStore)
-from runtime import cli
+import runtime.core.config  # noqa: F401  (registers the schemas in the ConfigStore)
+from runtime.app import cli
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

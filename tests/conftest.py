@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-import runtime.config  # noqa: F401  (registers the schemas)
+import runtime.core.config  # noqa: F401  (registers the schemas)
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 

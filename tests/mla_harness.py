@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.batch import ForwardBatch, ForwardMode, make_batch
-from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.batch import ForwardBatch, ForwardMode, make_batch
+from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 
 KV_LORA, ROPE = 512, 64
 
@@ -95,7 +95,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def spec(heads: int = 4, dtype: str = "float32", max_context: int = 2048):
-    from runtime.model_spec import ModelSpec
+    from runtime.core.model_spec import ModelSpec
 
     return ModelSpec.from_config({
         "name": "test", "num_layers": 1, "hidden_size": 64, "num_heads": heads, "q_lora_rank": None,

@@ -51,7 +51,7 @@ def test_dumps_and_diff_against_itself(tmp_path):
     assert dec["q_pe"].shape == (t, h, 64) and dec["out"].shape == (t, h, 512)
     assert dec["ckv"].shape[0] == dec["kv_indptr"][-1] and dec["causal"] is True
     assert mha["q"].shape[-1] == 192 and mha["v"].shape[-1] == 128 and mha["k"].shape[0] == mha["kv_indptr"][-1]
-    d = cli(str(dumps), str(dumps), tmp_path=tmp_path, module="runtime.diff")
+    d = cli(str(dumps), str(dumps), tmp_path=tmp_path, module="runtime.app.diff")
     assert d.returncode == 0 and "dumps match" in d.stdout, d.stdout + d.stderr
     assert "0.000e+00" in d.stdout
 

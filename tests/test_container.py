@@ -11,10 +11,10 @@ from dependency_injector import providers
 
 import containers
 from backends.base import AttentionBackend, BackendCapabilities
-from runtime.batch import ForwardMode
-from runtime.device import DeviceInfo
-from runtime.errors import ConfigError
-from runtime.validation import validate
+from runtime.app.validation import validate
+from runtime.core.batch import ForwardMode
+from runtime.core.device import DeviceInfo
+from runtime.core.errors import ConfigError
 
 CPU = DeviceInfo("cpu", "cpu", 0, False, None, "cpu")
 

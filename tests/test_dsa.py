@@ -23,11 +23,11 @@ from mla_harness import KV_LORA, ROPE, make_harness, oracle_absorbed, random_bat
 
 import containers  # noqa: E402
 from backends.dsa import DSABackend  # noqa: E402
-from runtime.device import DeviceInfo  # noqa: E402
-from runtime.hisparse import HiSparseCoordinator  # noqa: E402
-from runtime.indexer import IndexKeyPool  # noqa: E402
-from runtime.model_spec import ModelSpec  # noqa: E402
-from runtime.validation import validate  # noqa: E402
+from runtime.app.validation import validate  # noqa: E402
+from runtime.core.device import DeviceInfo  # noqa: E402
+from runtime.core.model_spec import ModelSpec  # noqa: E402
+from runtime.engine.hisparse import HiSparseCoordinator  # noqa: E402
+from runtime.model.indexer import IndexKeyPool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = DeviceInfo("cpu", "cpu", 0, False, None, "cpu")

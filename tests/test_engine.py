@@ -6,7 +6,7 @@ import torch
 from conftest import compose_config
 
 import containers
-from runtime.parity import compare, reference_config
+from runtime.app.parity import compare, reference_config
 
 
 def _run(*overrides):
@@ -18,7 +18,7 @@ def test_smoke_every_request_finishes_with_its_length():
     rt, res = _run()
     wl = rt.config["workload"]
     assert res.finished == wl["num_requests"] and res.lost == 0
-    from runtime.workload import make_requests
+    from runtime.engine.workload import make_requests
 
     want = {r.rid: r.max_new_tokens for r in make_requests(wl, rt.config["model"]["vocab_size"])}
     assert {rid: len(toks) for rid, toks in res.outputs.items()} == want

@@ -26,12 +26,12 @@ pytest.importorskip("flashinfer")
 
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec, precompile  # noqa: E402
 from backends.torch_mla import TorchMLABackend  # noqa: E402
-from runtime.batch import ForwardBatch, ForwardMode, make_batch  # noqa: E402
-from runtime.errors import ConfigError  # noqa: E402
-from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots  # noqa: E402
-from runtime.model_spec import ModelSpec  # noqa: E402
-from runtime.prefix_chunks import plan_prefix_chunks  # noqa: E402
-from runtime.workspace import WorkspaceLedger  # noqa: E402
+from runtime.core.batch import ForwardBatch, ForwardMode, make_batch  # noqa: E402
+from runtime.core.errors import ConfigError  # noqa: E402
+from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots  # noqa: E402
+from runtime.core.model_spec import ModelSpec  # noqa: E402
+from runtime.core.prefix_chunks import plan_prefix_chunks  # noqa: E402
+from runtime.core.workspace import WorkspaceLedger  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = torch.device("cuda")
@@ -242,7 +242,7 @@ def decompression(env: Env):
 
 
 def run_mha(hook, env: Env, layer: int, batch: ForwardBatch, q, decompress, dtype):
-    """What runtime/model.py's _mha_prefill does: causal pass over the new tokens, then merge every chunk."""
+    """What runtime/model/mla_model.py's _mha_prefill does: causal pass over the new tokens, then merge every chunk."""
     k, v = decompress(env.kv.gather(layer, batch.out_cache_loc))
     out, lse = hook.forward_mha_extend(q.to(dtype), k.to(dtype), v.to(dtype), layer, batch)
     first_lse = lse.clone()

@@ -10,10 +10,10 @@ from dependency_injector import providers
 
 import containers
 from backends.base import BackendCapabilities, CudaGraphLevel
-from runtime.batch import ForwardMode
-from runtime.device import DeviceInfo
-from runtime.graph_runner import decide_graphs
-from runtime.validation import validate
+from runtime.app.validation import validate
+from runtime.core.batch import ForwardMode
+from runtime.core.device import DeviceInfo
+from runtime.engine.graph_runner import decide_graphs
 
 GPU = DeviceInfo("cuda", "cuda", 0, True, (9, 0), "H100")
 

@@ -9,10 +9,10 @@ from conftest import compose_config
 from mla_harness import KV_LORA, ROPE, rel_err
 
 import containers
-from runtime.batch import ForwardMode, make_batch
-from runtime.hisparse import HiSparseCoordinator
-from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
-from runtime.parity import compare
+from runtime.app.parity import compare
+from runtime.core.batch import ForwardMode, make_batch
+from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.engine.hisparse import HiSparseCoordinator
 
 W = KV_LORA + ROPE
 LAYERS = [0, 1]

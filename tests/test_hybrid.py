@@ -12,7 +12,7 @@ from dependency_injector import providers
 import containers
 from backends.hybrid_linear import HybridLinearBackend
 from backends.torch_mla import TorchMLABackend
-from runtime.errors import ConfigError, HookMismatch
+from runtime.core.errors import ConfigError, HookMismatch
 
 HYBRID = ("device=cpu", "model=ring_hybrid_tiny")
 
@@ -113,8 +113,8 @@ def test_a_missing_hook_fails_at_startup_not_at_first_prefill(monkeypatch):
 
 def test_requiring_mha_prefill_from_a_backend_without_the_hook_fails_at_startup():
     plain = containers.to_plain(compose_config(*HYBRID, "backend=triton_mla", "attention.prefill=mha_chunked"))
-    from runtime.device import DeviceInfo
-    from runtime.validation import validate
+    from runtime.app.validation import validate
+    from runtime.core.device import DeviceInfo
 
     gpu = DeviceInfo("cuda", "cuda", 0, True, (9, 0), "H100")
     text = "\n".join(map(str, validate(plain, containers.BACKENDS, gpu, package_present=lambda n: True)))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.errors import PoolExhausted
-from runtime.kv_pool import PADDING_PAGE, MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.errors import PoolExhausted
+from runtime.core.kv_pool import PADDING_PAGE, MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 
 
 def test_page_allocator_never_hands_out_the_padding_page():

@@ -15,8 +15,8 @@ import torch
 from backends import linear_attn_ops as ops
 from backends.base import CudaGraphLevel
 from backends.linear_attention import LinearAttentionBackend
-from runtime.batch import ForwardMode, make_batch
-from runtime.state_pool import LinearStatePool
+from runtime.core.batch import ForwardMode, make_batch
+from runtime.core.state_pool import LinearStatePool
 
 H, DK, DV = 4, 16, 8
 SCALE = DK**-0.5

@@ -8,10 +8,10 @@ from conftest import compose_config
 
 import containers
 from backends.multi_step_draft import SharedKVIndicesPass, step_batch
-from runtime.batch import ForwardMode, make_batch
-from runtime.device import DeviceInfo
-from runtime.errors import ConfigError
-from runtime.validation import validate
+from runtime.app.validation import validate
+from runtime.core.batch import ForwardMode, make_batch
+from runtime.core.device import DeviceInfo
+from runtime.core.errors import ConfigError
 
 CPU = DeviceInfo("cpu", "cpu", 0, False, None, "cpu")
 F64 = ("model.dtype=float64", "backend.compute_dtype=float64")  # no near-ties between verify and decode paths
@@ -102,7 +102,7 @@ def test_shared_kv_indices_pass_gives_every_step_the_request_pages():
 
 
 def test_report_has_acceptance_phase_times_and_baseline(tmp_path):
-    from runtime.cli import run
+    from runtime.app.cli import run
 
     cfg = compose_config("+deploy=cpu_speculative", "progress=false")
     assert run(cfg, tmp_path) == 0

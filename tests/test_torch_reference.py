@@ -8,8 +8,8 @@ import torch
 from mla_harness import make_harness, oracle_absorbed, random_batch, random_q, rel_err, spec
 
 from backends.torch_mla import TorchMLABackend
-from runtime.batch import ForwardMode
-from runtime.prefix_chunks import plan_prefix_chunks
+from runtime.core.batch import ForwardMode
+from runtime.core.prefix_chunks import plan_prefix_chunks
 
 CASES = [
     # (prefix lens, extend lens): decode, prefill, extend over a prefix, odd and page-boundary lengths
@@ -43,7 +43,7 @@ def test_absorbed_matches_float64_oracle(page_size, prefix_lens, extend_lens, co
 
 
 def _mha_via_hook(be, h, batch, q, kv_rows_new, decompress, chunk_tokens):
-    """Run the MHA chunked-prefix path the way runtime/model.py does."""
+    """Run the MHA chunked-prefix path the way runtime/model/mla_model.py does."""
     batch.prefix_chunks = plan_prefix_chunks(batch, h.req_to_token, chunk_tokens)
     be.init_mha_chunk_metadata(batch)
     k, v = decompress(kv_rows_new)

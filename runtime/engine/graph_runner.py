@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.base import CudaGraphLevel, GraphHooks
-from runtime.batch import ForwardBatch, ForwardMode
+from runtime.core.batch import ForwardBatch, ForwardMode
 
 # name -> (forward mode of its batches, graph level every backend in use must reach)
 GRAPH_MODES: dict[str, tuple[ForwardMode, CudaGraphLevel]] = {

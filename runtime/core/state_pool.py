@@ -1,6 +1,6 @@
 """Recurrent state of linear-attention layers: one [H, Dk, Dv] float32 state per request and layer.
 
-A request's state lives in the row of its request-table row (:class:`runtime.kv_pool.ReqToTokenPool`): the row
+A request's state lives in the row of its request-table row (:class:`runtime.core.kv_pool.ReqToTokenPool`): the row
 IS the slot, so there is no allocator here. The engine calls :meth:`LinearStatePool.reset` when it admits a
 request into a row.
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.batch import ForwardBatch
-from runtime.kv_pool import MLAKVPool, ReqToTokenPool
+from runtime.core.batch import ForwardBatch
+from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 
 
 class AttentionDumper:

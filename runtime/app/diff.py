@@ -1,4 +1,4 @@
-"""`python -m runtime.diff A B [--tol 2e-2]`: compare two attention-dump folders (see runtime/dump.py).
+"""`python -m runtime.app.diff A B [--tol 2e-2]`: compare two attention-dump folders (see runtime/model/dump.py).
 
 For every ``attn_<mode>.pt`` in both folders and every key, prints the relative error
 ``||a - b|| / ||b||`` and the max absolute difference; exits 1 if any tensor differs beyond ``--tol``, a
@@ -49,7 +49,7 @@ def compare_dumps(a: Path, b: Path, tol: float) -> tuple[list[tuple[str, str, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m runtime.diff", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m runtime.app.diff", description=__doc__.splitlines()[0])
     ap.add_argument("a", type=Path)
     ap.add_argument("b", type=Path)
     ap.add_argument("--tol", type=float, default=2e-2, help="max relative error per tensor (default 2e-2)")

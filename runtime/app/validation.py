@@ -18,11 +18,11 @@ from backends.base import (
     SparseDecode,
     hook_signature_problems,
 )
-from runtime.batch import ForwardMode
-from runtime.config import LayerKind
-from runtime.device import DeviceInfo
-from runtime.errors import Problem
-from runtime.model_spec import TORCH_DTYPES
+from runtime.core.batch import ForwardMode
+from runtime.core.config import LayerKind
+from runtime.core.device import DeviceInfo
+from runtime.core.errors import Problem
+from runtime.core.model_spec import TORCH_DTYPES
 
 FLASHINFER_WORKSPACE = "flashinfer_float"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.device import to_device
-from runtime.errors import PoolExhausted
+from runtime.core.device import to_device
+from runtime.core.errors import PoolExhausted
 
 PADDING_PAGE = 0
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from runtime.config import LayerKind
+from runtime.core.config import LayerKind
 
 TORCH_DTYPES = {
     "float32": torch.float32,

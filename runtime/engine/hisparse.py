@@ -19,7 +19,7 @@ Lifecycle of a request (every step is host-side bookkeeping plus device work que
 * **finish / retraction**: ``release`` returns host pages, device pages and the buffer.
 
 To the engine the coordinator *is* the token allocator (``open`` / ``pages_needed`` / ``reserve_many`` /
-``release`` / ``pages`` of :class:`runtime.kv_pool.TokenSlots`): a step is admitted only if both pools hold it,
+``release`` / ``pages`` of :class:`runtime.core.kv_pool.TokenSlots`): a step is admitted only if both pools hold it,
 and host exhaustion raises :class:`PoolExhausted` where the engine already retracts.
 """
 
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.device import to_device
-from runtime.errors import PoolExhausted
-from runtime.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.device import to_device
+from runtime.core.errors import PoolExhausted
+from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 
 PADDING_SLOT = 0  # slot 0 is on the padding page of both pools
 

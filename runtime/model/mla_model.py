@@ -18,26 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from backends.base import AttentionBackend, MHAChunkPrefill, SparseDecode
-from runtime.batch import ForwardBatch, ForwardMode
-from runtime.config import LayerKind
-from runtime.dump import AttentionDumper
-from runtime.indexer import IndexerWeights, indexer_projections, make_indexer_weights
-from runtime.kv_pool import MLAKVPool
-from runtime.model_spec import ModelSpec
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x [T, ..., R]; cos/sin [T, R/2] (broadcast over the middle dims)."""
-    half = x.shape[-1] // 2
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.view(shape).to(x.dtype), sin.view(shape).to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.config import LayerKind
+from runtime.core.kv_pool import MLAKVPool
+from runtime.core.model_spec import ModelSpec
+from runtime.model.dump import AttentionDumper
+from runtime.model.indexer import IndexerWeights, indexer_projections, make_indexer_weights
+from runtime.model.layers import apply_rope, rms_norm
 
 
 @dataclass

@@ -15,17 +15,17 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.base import AttentionBackend, MHAChunkPrefill
-from runtime.batch import ForwardMode, make_batch
-from runtime.device import to_device
-from runtime.errors import PoolExhausted
-from runtime.graph_runner import GraphRunner
-from runtime.kv_pool import TokenSlots
-from runtime.model import MLAModel
-from runtime.prefix_chunks import plan_prefix_chunks
-from runtime.progress import Progress
-from runtime.speculative import SpeculativeDriver
-from runtime.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
-from runtime.workload import Request, make_requests
+from runtime.core.batch import ForwardMode, make_batch
+from runtime.core.device import to_device
+from runtime.core.errors import PoolExhausted
+from runtime.core.kv_pool import TokenSlots
+from runtime.core.prefix_chunks import plan_prefix_chunks
+from runtime.engine.graph_runner import GraphRunner
+from runtime.engine.progress import Progress
+from runtime.engine.speculative import SpeculativeDriver
+from runtime.engine.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
+from runtime.engine.workload import Request, make_requests
+from runtime.model.mla_model import MLAModel
 
 
 @dataclass
@@ -125,7 +125,7 @@ class Engine:
         a benchmark turns it off so no step copies [B, hidden] to the host).
 
         No step waits for the previous one: decode inputs come from the device-side last-token table and
-        results are copied back lazily (runtime/step_outputs.py)."""
+        results are copied back lazily (runtime/engine/step_outputs.py)."""
         requests = make_requests(self.workload, self.model.spec.vocab_size)
         res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
         for r in requests:

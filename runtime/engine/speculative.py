@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.multi_step_draft import MultiStepDraftBackend
-from runtime.batch import ForwardBatch, ForwardMode, make_batch
-from runtime.graph_runner import GraphRunner
-from runtime.kv_pool import TokenSlots
-from runtime.model import MLAModel
-from runtime.step_outputs import StepClock
+from runtime.core.batch import ForwardBatch, ForwardMode, make_batch
+from runtime.core.kv_pool import TokenSlots
+from runtime.engine.graph_runner import GraphRunner
+from runtime.engine.step_outputs import StepClock
+from runtime.model.mla_model import MLAModel
 
 
 class DraftSteps:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.batch import ForwardBatch, PrefixChunk
-from runtime.device import to_device
-from runtime.kv_pool import ReqToTokenPool
+from runtime.core.batch import ForwardBatch, PrefixChunk
+from runtime.core.device import to_device
+from runtime.core.kv_pool import ReqToTokenPool
 
 
 def plan_prefix_chunks(batch: ForwardBatch, req_to_token_pool: ReqToTokenPool, chunk_tokens: int) -> list[PrefixChunk]:

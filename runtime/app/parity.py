@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from runtime.engine import RunResult
-from runtime.hisparse import host_page_count
+from runtime.engine.engine import RunResult
+from runtime.engine.hisparse import host_page_count
 
 # Max relative error of final hidden states, and the logit margin under which a flipped choice is a tie,
 # by the candidate model's dtype.

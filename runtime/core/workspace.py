@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.errors import ConfigError, Problem
+from runtime.core.errors import ConfigError, Problem
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from runtime.engine import RunResult
+from runtime.engine.engine import RunResult
 
 
 def memory_plan(container) -> dict:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.config import LengthDist
+from runtime.core.config import LengthDist
 
 
 def sample_lengths(dist: dict, n: int, rng: np.random.Generator) -> list[int]:

@@ -3,7 +3,7 @@
 Each YAML option under ``conf/<group>/`` starts from one of these schemas (its defaults list names
 ``/schema/<group>/<name>``), so a typo or a wrong type fails when Hydra composes the config, before the
 runtime sees it. Cross-field rules (a buffer smaller than top-k, a GPU-only backend on the CPU) live in
-:mod:`runtime.validation`, which reports every problem at once.
+:mod:`runtime.app.validation`, which reports every problem at once.
 """
 
 from __future__ import annotations

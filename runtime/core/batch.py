@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.device import to_device
+from runtime.core.device import to_device
 
 
 class ForwardMode(str, enum.Enum):

@@ -11,10 +11,10 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from containers import build, to_plain
-from runtime.config import Config
-from runtime.errors import ConfigError, Problem
-from runtime.parity import compare, reference_config
-from runtime.report import make_report, memory_plan, print_report, speculative_section, write_report
+from runtime.app.parity import compare, reference_config
+from runtime.app.report import make_report, memory_plan, print_report, speculative_section, write_report
+from runtime.core.config import Config
+from runtime.core.errors import ConfigError, Problem
 
 EXTRA_KEYS = {"dump_dir": "a directory path (+dump_dir=DIR)", "explain": "true or false (+explain=true)"}
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.model.layers import apply_rope, rms_norm
+
 
 @dataclass
 class IndexerWeights:
@@ -55,8 +57,6 @@ def indexer_projections(
     q : [T, Hi, Di] model dtype; k : [T, Di] model dtype
     weights : [T, Hi] float32, scaled by Hi^-1/2 * Di^-1/2 (the score's softmax-style scale folded in)
     """
-    from runtime.model import apply_rope, rms_norm  # (runtime.model imports this module)
-
     t, hi, di, r = xn.shape[0], spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
     q = (q_in @ iw.wq).view(t, hi, di)
     q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
