@@ -25,7 +25,7 @@ def tiny_hf_config(**over) -> DeepseekV4Config:
               n_shared_experts=1, layer_types=LAYERS,
               compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
               hc_mult=3, hc_sinkhorn_iters=6, mlp_layer_types=["hash_moe", "moe", "moe", "hash_moe"],
-              sliding_window=5, o_groups=2, o_lora_rank=8, index_n_heads=4, index_head_dim=8, index_topk=3,
+              sliding_window=5, o_groups=2, o_lora_rank=8, index_n_heads=8, index_head_dim=8, index_topk=3,
               swiglu_limit=0.5, rope_theta=50.0, compress_rope_theta=400.0,
               rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                                "beta_fast": 8, "beta_slow": 1},
@@ -99,3 +99,25 @@ class Driver:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(h, self.model.w.lm_head)
+
+
+def guard_indexer_ties(monkeypatch) -> list:
+    """Record every query whose indexer scores tie exactly at the top-k boundary (which pick wins a tie is not
+    defined, in the reference either: relu makes exact zeros). A test that compares selections asserts the list
+    stays empty: its premise, not a tolerance."""
+    import backends.dsv4 as dsv4
+    from backends.kernels.dsv4_reference import indexer_topk
+
+    ties = []
+
+    def checked(index_q, index_weights, keys, positions, rate, top_k):
+        scores = (torch.relu(torch.einsum("nhd,ed->nhe", index_q, keys.to(index_q.dtype)))
+                  * index_weights[:, :, None]).sum(1)
+        for i, p in enumerate(positions.tolist()):
+            v = scores[i, : (p + 1) // rate].sort(descending=True).values
+            if v.numel() > top_k and v[top_k - 1] - v[top_k] < 1e-9:
+                ties.append(p)
+        return indexer_topk(index_q, index_weights, keys, positions, rate, top_k)
+
+    monkeypatch.setattr(dsv4, "indexer_topk", checked)
+    return ties
