@@ -175,9 +175,9 @@ def test_run_all_runs_every_bench():
     assert all("--quick" in args for args in BENCHES.values())
 
 
-def test_a_bench_runs_as_a_file_and_as_a_module():
-    for cmd in ([sys.executable, "bench/bench_engine_decode.py", "--help"],
-                [sys.executable, "-m", "bench.ceilings", "--help"]):
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert res.returncode == 0, res.stderr
-        assert "usage:" in res.stdout
+def test_a_bench_runs_as_a_file():
+    """``python bench/<name>.py`` puts the repository root on the path itself (``-m`` runs as imported above)."""
+    res = subprocess.run([sys.executable, "bench/bench_engine_decode.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout
