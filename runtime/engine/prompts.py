@@ -128,13 +128,17 @@ def model_eos_ids(folder: str | None) -> tuple[list[int], list[Problem]]:
 
 
 def stop_ids(work: dict, model: dict) -> tuple[list[int], list[Problem]]:
-    """The EOS ids that end a request: ``workload.eos_token_ids`` when set, else the model folder's."""
+    """The EOS ids that end a request: ``workload.eos_token_ids`` when set; else the model folder's
+    generation_config.json; else ``model.eos_token_id`` when the model config has one (a checkpoint's
+    config.json fills it); else the folder's config.json."""
     if work.get("eos_token_ids") is not None:
         ids, problems = list(work["eos_token_ids"]), []
         where = "workload.eos_token_ids"
     else:
         ids, problems = model_eos_ids(model.get("path"))
-        where = f"eos_token_id of model folder {model.get('path')}"
+        if not (model.get("path") and (Path(model["path"]) / EOS_FILES[0]).is_file()) and model.get("eos_token_id"):
+            ids = _id_list(model["eos_token_id"]) or []
+        where = f"eos_token_id of model '{model.get('name')}'" + (f" ({model['path']})" if model.get("path") else "")
     vocab = model["vocab_size"]
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
@@ -268,7 +272,7 @@ def check_workload(work: dict, model: dict, lookahead: int = 0) -> tuple[list[Pr
     requests (None for a synthetic workload). ``lookahead``: positions speculative decoding reserves past a
     request."""
     tokenizer, hint, _, problems = _sources(work, model)
-    kind = WorkloadKind(str(work.get("kind", "synthetic")))
+    kind = WorkloadKind(work.get("kind", WorkloadKind.synthetic))
     if kind == WorkloadKind.synthetic:
         if work.get("path"):
             problems.append(Problem("workload.path", f"'{work['path']}' with workload '{work['name']}' (synthetic)",
@@ -287,7 +291,7 @@ def load_workload(work: dict, model: dict) -> Workload:
     ConfigError
         with every problem (startup validation has normally reported them already)."""
     tokenizer, hint, eos, problems = _sources(work, model)
-    if WorkloadKind(str(work.get("kind", "synthetic"))) == WorkloadKind.prompts:
+    if WorkloadKind(work.get("kind", WorkloadKind.synthetic)) == WorkloadKind.prompts:
         limits = Limits(model["vocab_size"], model["max_context"])
         specs, p = read_prompt_file(work.get("path"), tokenizer, hint, limits, work["max_new_tokens"])
         problems += p
