@@ -147,8 +147,9 @@ def no_eos(tmp_path_factory):
     return path, _run(path, *F64)[1].outputs
 
 
-@pytest.mark.parametrize("lag", [False, True])
-def test_eos_cuts_the_output_right_after_it_and_frees_the_request(lag, no_eos, monkeypatch):
+@pytest.mark.parametrize("lag,pool", [(False, ()), (True, ()), (True, ("kv.page_size=4", "kv.num_pages=16"))])
+def test_eos_cuts_the_output_right_after_it_and_frees_the_request(lag, pool, no_eos, monkeypatch):
+    """With ``pool`` the KV pool is small: a request is retracted (its pending outputs resolved first)."""
     path, full = no_eos
     eos = _eos_ids(full)
     if lag:
@@ -157,9 +158,10 @@ def test_eos_cuts_the_output_right_after_it_and_frees_the_request(lag, no_eos, m
     container.token_slots.override(providers.Singleton(
         CountingSlots, container.req_to_token_pool, container.page_allocator))
     rt = containers.build(compose_config("device=cpu", "workload=prompts", f"workload.path={path}", *F64,
-                                         f"workload.eos_token_ids=[{','.join(map(str, sorted(eos)))}]"),
+                                         f"workload.eos_token_ids=[{','.join(map(str, sorted(eos)))}]", *pool),
                           container=container)
     res = rt.engine.run()
+    assert (res.retracted > 0) == bool(pool)
     want = {rid: _cut(toks, eos) for rid, toks in full.items()}
     assert res.outputs == want
     assert len(want[0]) < REQUESTS[0]["max_new_tokens"] and want[3] == full[3][:1]  # stopped at its prefill token

@@ -57,9 +57,10 @@ def capped(problems: list[Problem], limit: int = MAX_LISTED) -> list[Problem]:
     if len(problems) <= limit:
         return problems
     rest = problems[limit:]
-    return problems[:limit] + [Problem(f"{len(rest)} more problems", "not listed (" + ", ".join(
-        sorted({p.what for p in rest})[:5]) + (", ..." if len({p.what for p in rest}) > 5 else "") + ")",
-        "a clean file", "fix the problems above and run again to see the rest")]
+    where = list(dict.fromkeys(p.what for p in rest))  # in file order, each once
+    named = ", ".join(where[:5]) + (", ..." if len(where) > 5 else "")
+    return problems[:limit] + [Problem(f"{len(rest)} more problems", f"not listed ({named})", "a clean file",
+                                       "fix the problems above and run again to see the rest")]
 
 
 # ------------------------------------------------------------------------------------ tokenizer, EOS
