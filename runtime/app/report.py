@@ -124,6 +124,21 @@ def _graphs(runner) -> dict:
                    "reason": m.decision.reason} for name, m in runner.modes.items()}
 
 
+def _outputs(res: RunResult, workload) -> list[dict]:
+    """One entry per request, in input order: prompt length, generated ids, why it ended, and the decoded
+    text when the workload has a tokenizer."""
+    out = []
+    for rid in sorted(res.outputs):
+        ids = res.outputs[rid]
+        entry = {"rid": rid, "prompt_tokens": len(workload.specs[rid].prompt), "output_ids": ids,
+                 "finish_reason": res.finish_reasons.get(rid, "length")}
+        text = workload.decode(ids)
+        if text is not None:
+            entry["text"] = text
+        out.append(entry)
+    return out
+
+
 def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, str],
                 speculative: dict | None = None) -> dict:
     cfg = runtime.config
@@ -133,6 +148,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
         "device": {"kind": runtime.device.kind, "name": runtime.device.name},
         "model": {"name": cfg["model"]["name"], "dtype": cfg["model"]["dtype"], "layers": cfg["model"]["num_layers"]},
         "workload": cfg["workload"]["name"],
+        "outputs": _outputs(res, runtime.container.workload()),
         "build_order": runtime.build_order,
         "memory": memory_plan(runtime.container),
         "phases": _phases(res),
@@ -161,6 +177,21 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
 
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _output_lines(outputs: list[dict], shown: int = 3, width: int = 60) -> str:
+    """The first ``shown`` outputs, one line each (text when decoded, else ids), clipped to ``width``."""
+    lines = []
+    for o in outputs[:shown]:
+        body = repr(o["text"]) if "text" in o else " ".join(map(str, o["output_ids"]))
+        lines.append(_clip(f"#{o['rid']} ({len(o['output_ids'])} tok, {o['finish_reason']}): {body}", width))
+    if len(outputs) > shown:
+        lines.append(f"… {len(outputs) - shown} more in report.json")
+    return "\n".join(lines)
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"mla-runtime: {report['backend']} on {report['device']['name']}", show_header=False)
@@ -174,6 +205,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
               f"p50 {d['p50_step_ms']:.3f} p99 {d['p99_step_ms']:.3f}")
     t.add_row("requests", f"{r['finished']}/{r['total']} finished, {r['retracted']} retracted, "
               f"{r['queued_for_memory']} times queued for memory, {r['lost']} lost")
+    if report.get("outputs"):
+        t.add_row("outputs", _output_lines(report["outputs"]))
     mem = report["memory"]
     draft = f"draft kv pool {_mib(mem['draft_kv_pool_bytes'])}, " if mem["draft_kv_pool_bytes"] else ""
     t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, {draft}request states {_mib(mem['request_state_bytes'])}, "

@@ -23,6 +23,8 @@ from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.model_spec import TORCH_DTYPES
+from runtime.engine.prompts import capped, check_workload
+from runtime.engine.workload import RequestSpec
 
 FLASHINFER_WORKSPACE = "flashinfer_float"
 
@@ -99,7 +101,9 @@ def validate(
     # --- KV cache and workload
     spec = cfg["speculative"]
     lookahead = spec["num_steps"] + 2 if spec["enabled"] and spec["num_steps"] >= 1 else 0
-    problems += _workload_problems(work, kv, model, lookahead)
+    source_problems, specs = check_workload(work, model, lookahead)  # reads the prompt file, if any
+    problems += capped(source_problems)
+    problems += _workload_problems(work, kv, model, lookahead, specs)
     return problems
 
 
@@ -292,25 +296,32 @@ def _linear_problems(cfg, linear_backend: type | None, device: DeviceInfo, packa
     return out
 
 
-def _workload_problems(work, kv, model, lookahead: int = 0) -> list[Problem]:
-    """``lookahead``: positions a speculative round reserves past a request's length (num_steps + 2)."""
+def _workload_problems(work, kv, model, lookahead: int = 0, specs: list[RequestSpec] | None = None) -> list[Problem]:
+    """``lookahead``: positions a speculative round reserves past a request's length (num_steps + 2).
+    ``specs``: the prompt file's requests (their lengths replace the synthetic length distributions), or None
+    for a synthetic workload."""
     out: list[Problem] = []
     add = out.append
-    for key in ("num_requests", "max_running_requests", "max_tokens_per_batch", "chunked_prefill_size",
-                "mha_prefix_chunk_tokens"):
+    synthetic = specs is None
+    keys = ("max_running_requests", "max_tokens_per_batch", "chunked_prefill_size", "mha_prefix_chunk_tokens")
+    for key in (("num_requests",) if synthetic else ()) + keys:
         if work[key] < 1:
             add(Problem(f"workload.{key}", str(work[key]), ">= 1", f"set workload.{key} to a positive value"))
-    for which in ("prompt_len", "output_len"):
-        d = work[which]
-        if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
-            add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
-                        "1 <= min <= max, mean >= 1, std >= 0", f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
-    longest = work["prompt_len"]["max"] + work["output_len"]["max"] + lookahead
-    spec = f" + speculative look-ahead {lookahead}" if lookahead else ""
-    if longest > model["max_context"]:
-        add(Problem("workload length", f"prompt_len.max + output_len.max{spec} = {longest} tokens",
-                    f"<= model.max_context ({model['max_context']})",
-                    f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
+    if synthetic:
+        for which in ("prompt_len", "output_len"):
+            d = work[which]
+            if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
+                add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
+                            "1 <= min <= max, mean >= 1, std >= 0",
+                            f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
+        longest = work["prompt_len"]["max"] + work["output_len"]["max"] + lookahead
+        spec = f" + speculative look-ahead {lookahead}" if lookahead else ""
+        if longest > model["max_context"]:
+            add(Problem("workload length", f"prompt_len.max + output_len.max{spec} = {longest} tokens",
+                        f"<= model.max_context ({model['max_context']})",
+                        f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
+    else:  # each line's length against max_context is checked with the file
+        longest = max((len(s.prompt) + s.max_new_tokens for s in specs), default=0) + lookahead
     for key in ("page_size", "num_pages", "max_requests"):
         if kv[key] < 1:
             add(Problem(f"kv.{key}", str(kv[key]), ">= 1", f"set kv.{key} to a positive value"))

@@ -53,6 +53,11 @@ class CheckMode(str, enum.Enum):
     reference = "reference"
 
 
+class WorkloadKind(str, enum.Enum):
+    synthetic = "synthetic"  # seeded random prompts from the length distributions
+    prompts = "prompts"  # one request per line of the JSON-lines file `workload.path`
+
+
 class LengthDist(str, enum.Enum):
     fixed = "fixed"  # always `mean`
     uniform = "uniform"  # uniform integers in [min, max]
@@ -127,6 +132,7 @@ class ModelConfig:
     index_head_dim: int = 128  # indexer query/key head dim (RoPE on its first qk_rope_head_dim dims)
     index_topk: int = 2048  # tokens each query of a sparse layer attends to
     weight_seed: int = 1234
+    path: str | None = None  # a Hugging Face model folder (config.json, tokenizer.json, generation_config.json)
 
 
 # ------------------------------------------------------------------------------------- memory and pools
@@ -187,7 +193,15 @@ class LengthConfig:
 
 @dataclass
 class WorkloadConfig:
+    """Requests and scheduler limits. ``kind=synthetic`` draws ``num_requests`` random prompts from the length
+    distributions; ``kind=prompts`` reads them from ``path`` (JSON lines, see runtime/engine/prompts.py)."""
+
     name: str = MISSING
+    kind: WorkloadKind = WorkloadKind.synthetic
+    path: str | None = None  # kind=prompts: the JSON-lines file, one request per line
+    max_new_tokens: int = 32  # kind=prompts: for lines without their own max_new_tokens
+    tokenizer: str | None = None  # a tokenizer.json (or a folder with one); default: model.path's tokenizer.json
+    eos_token_ids: list[int] | None = None  # stop ids; null: the model folder's (none for presets); []: never stop
     num_requests: int = 8
     prompt_len: LengthConfig = field(default_factory=LengthConfig)
     output_len: LengthConfig = field(default_factory=lambda: LengthConfig(mean=8, std=2, min=1, max=16))
