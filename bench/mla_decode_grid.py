@@ -7,7 +7,7 @@ variant is first checked against a float32 torch reference on the first requests
 (dequantized) cache. Prints a table and one JSON line (``GRID_JSON {...}``).
 
     python -m bench.mla_decode_grid                         # the whole grid
-    python -m bench.mla_decode_grid --heads 128 --shapes 64x4096 --variants tma,wg  # a sweep
+    python -m bench.mla_decode_grid --heads 128 --shapes 64x4096 --variants tma,ptr  # a sweep
 """
 
 from __future__ import annotations
@@ -127,8 +127,7 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 VARIANTS = {  # name -> our kernel keywords (None: the defaults for the head count)
     "default": {},
     "ptr": dict(use_tma=False),
-    "tma": dict(use_tma=True, wg_split=False),
-    "wg": dict(use_tma=True, wg_split=True),
+    "tma": dict(use_tma=True),
 }
 
 

@@ -165,7 +165,6 @@ def mla_decode(
     max_regs: int | None = None,
     snap: bool = True,
     kv_scale: float = 1.0,
-    wg_split: bool | None = None,
     _skip_merge: bool = False,
 ) -> None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
@@ -198,8 +197,6 @@ def mla_decode(
     snap : a chunk of at least half the mean request length is rounded up to a multiple of it, so equal
         lengths are cut at request boundaries (no split pieces); see ``_chunk_len``.
     kv_scale : dequantization scale of an fp8 cache (real = stored * kv_scale); ignored otherwise.
-    wg_split : TMA path: score dots un-chained so 8 warps split N instead of duplicating M (see
-        ``_mla_attn_loop_tma``); None -> the config default for the head count.
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
     """
     B, H, D_CKV = q_nope.shape
@@ -355,7 +352,6 @@ def mla_decode(
         UPCAST=upcast,
         USE_TMA=use_tma,
         KV_FP8=kv_fp8,
-        WG_SPLIT=bool(cfg.get("wg_split", False) if wg_split is None else wg_split) and use_tma,
         **extra,
     )
     if _skip_merge:

@@ -224,7 +224,6 @@ def _mla_attn_loop_tma(
     BLOCK_N: tl.constexpr,
     D_CKV: tl.constexpr,
     MASK_N: tl.constexpr,
-    WG_SPLIT: tl.constexpr = False,
 ):
     """_mla_attn_loop with TMA tile loads (no per-thread address tensors, so fewer registers). A tile lies in
     one page (PAGE_SIZE % BLOCK_N == 0) and is BLOCK_N consecutive rows of the cache; the latent row is
@@ -242,27 +241,10 @@ def _mla_attn_loop_tma(
             k_lo = tl.where(keep[:, None], k_lo, 0.0).to(k_lo.dtype)
             k_hi = tl.where(keep[:, None], k_hi, 0.0).to(k_hi.dtype)
             kpe = tl.where(keep[:, None], kpe, 0.0).to(kpe.dtype)
-        if WG_SPLIT:
-            # Heads are the M dimension (BLOCK_H = 64, one wgmma M tile). Triton gives a dot whose forward
-            # slice holds another dot (flash attention's chain) warpsPerCTA [num_warps, 1]: with 8 warps both
-            # warpgroups then compute the whole 64-row score tile. A runtime branch ends the forward slice at
-            # its yield, so each of these un-chained dots (and the P @ V dots) splits N over the warpgroups
-            # ([4, 2]): no duplicated tensor work, and each warpgroup owns half of the 512 output columns.
-            s_lo = tl.zeros([q_lo.shape[0], BLOCK_N], dtype=tl.float32)
-            s_hi = tl.zeros([q_lo.shape[0], BLOCK_N], dtype=tl.float32)
-            s_pe = tl.zeros([q_lo.shape[0], BLOCK_N], dtype=tl.float32)
-            if qk_scale > 0.0:  # always true (a runtime value): the branch is the slice boundary
-                s_lo = tl.dot(q_lo, tl.trans(k_lo))
-            if qk_scale > 0.0:
-                s_hi = tl.dot(q_hi, tl.trans(k_hi))
-            if qk_scale > 0.0:
-                s_pe = tl.dot(qpe, tl.trans(kpe))
-            qk = (s_lo + s_hi + s_pe) * qk_scale
-        else:
-            qk = tl.dot(q_lo, tl.trans(k_lo))
-            qk = tl.dot(q_hi, tl.trans(k_hi), qk)
-            qk = tl.dot(qpe, tl.trans(kpe), qk)
-            qk = qk * qk_scale
+        qk = tl.dot(q_lo, tl.trans(k_lo))
+        qk = tl.dot(q_hi, tl.trans(k_hi), qk)
+        qk = tl.dot(qpe, tl.trans(kpe), qk)
+        qk = qk * qk_scale
         if MASK_N:
             qk = tl.where(keep[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -303,7 +285,7 @@ def _decode_piece(
     stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
     PAGE_SIZE: tl.constexpr, D_CKV: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    KV_FP8: tl.constexpr, WG_SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """Tokens [start, end) of request b64 for BLOCK_H heads -> OUT (split False) or workspace slot. With an
     fp8 cache (KV_FP8) the products run in q's dtype and ``out_scale`` (the cache scale) rescales the output."""
@@ -333,11 +315,11 @@ def _decode_piece(
         acc_hi = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
         m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
             q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, start, full_end,
-            qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=False, WG_SPLIT=WG_SPLIT,
+            qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=False,
         )  # fmt: skip
         m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
             q_lo, q_hi, qpe, m_i, l_i, acc_lo, acc_hi, DESC_C, DESC_PE, PT_row, full_end, end,
-            qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=True, WG_SPLIT=WG_SPLIT,
+            qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=True,
         )  # fmt: skip
         _store_piece(
             acc_lo * (out_scale / l_i)[:, None], m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL,
@@ -419,7 +401,6 @@ def _mla_decode_stage1_kernel(
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
     KV_FP8: tl.constexpr,
-    WG_SPLIT: tl.constexpr,
 ):
     """grid (cdiv(H, BLOCK_H), num_programs). Program (h, p): BLOCK_H heads, global tokens
     [p * chunk, (p + 1) * chunk) (see the module doc). The head block varies fastest, so the programs that
@@ -451,7 +432,7 @@ def _mla_decode_stage1_kernel(
                     split, slot, slot_div, pid_h, H, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_p,
                     stride_kv_t, stride_pt_b, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                     stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H, BLOCK_N, PREC, UPCAST,
-                    USE_TMA, KV_FP8, WG_SPLIT,
+                    USE_TMA, KV_FP8,
                 )  # fmt: skip
             slot0 += tl.where((seq_len > 0) & split, p1 - p0 + 1, 0)
             s_b = e_b
