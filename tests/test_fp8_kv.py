@@ -171,3 +171,60 @@ def test_sparse_decode_reads_fp8_cache():
     out = sparse_mla_decode(qn.to(DEV), qp.to(DEV), rows.to(DEV), locs.to(DEV), sm, block_h=16, block_n=16,
                             target_programs=2, min_entries_per_split=16, kv_scale=scale)
     assert _rel(out, ref) < 1e-4
+
+
+# ------------------------------------------------------------------------------------ config and parity
+import containers  # noqa: E402
+from runtime.app.parity import compare, quantization_effect, reference_config, unquantized_config  # noqa: E402
+from runtime.app.validation import validate  # noqa: E402
+from runtime.core.device import DeviceInfo  # noqa: E402
+from tests.conftest import compose_config  # noqa: E402
+
+_CPU = DeviceInfo("cpu", "cpu", 0, False, None, "cpu")
+_H100 = DeviceInfo("cuda", "cuda", 0, True, (9, 0), "H100")
+_A100 = DeviceInfo("cuda", "cuda", 0, True, (8, 0), "A100")
+
+
+def _problems(device, *overrides):
+    plain = containers.to_plain(compose_config(*overrides))
+    return [str(p) for p in validate(plain, containers.BACKENDS, device, package_present=lambda n: True)]
+
+
+def test_fp8_config_refusals_name_what_works():
+    fi = "backend=flashinfer_mla"
+    assert not [p for p in _problems(_H100, fi, "model.dtype=bfloat16", "kv.dtype=fp8_e4m3") if "kv." in p]
+    (a100,) = [p for p in _problems(_A100, fi, "model.dtype=bfloat16", "kv.dtype=fp8_e4m3") if "kv.dtype" in p]
+    assert "compute capability 9.x" in a100 and "triton_mla" in a100 and "torch_mla" in a100
+    (fp16,) = [p for p in _problems(_H100, fi, "model.dtype=float16", "kv.dtype=fp8_e4m3") if "kv.dtype" in p]
+    assert "bfloat16" in fp16 and "flashinfer_mla" not in fp16.split("Fix")[0].split("expected")[1]
+    (scale,) = [p for p in _problems(_CPU, "kv.scale=0") if "kv.scale" in p]
+    assert "positive" in scale
+    hs = _problems(_CPU, "backend=dsa", "model=tiny_dsa", "hisparse=dsa_tiny", "kv.dtype=fp8_e4m3")
+    assert any("hisparse" in p and "kv.dtype=fp8_e4m3" in p for p in hs)
+    assert not [p for p in _problems(_CPU, "kv.dtype=fp8_e4m3") if "kv." in p]
+
+
+def test_unknown_kv_dtype_fails_at_compose():
+    with pytest.raises(Exception, match="fp4"):
+        compose_config("kv.dtype=fp4")
+
+
+def test_torch_reference_with_fp8_cache_parity_and_quantization_effect():
+    plain = containers.to_plain(compose_config(
+        "model.dtype=bfloat16", "kv.dtype=fp8_e4m3", "kv.scale=0.125", "workload.num_requests=2",
+        "workload.prompt_len.max=24", "workload.output_len.max=4", "progress=false"))
+    rt = containers.build(plain)
+    res = rt.engine.run(record_hidden=True)
+    stats = rt.container.kv_pool().quant_stats()
+    assert stats["cache_dtype"] == "float8_e4m3fn" and stats["values_written"] > 0
+    assert rt.container.kv_pool().nbytes * 2 == containers.build(unquantized_config(plain)).container.kv_pool().nbytes
+    ref_cfg = reference_config(plain)
+    assert ref_cfg["kv"]["dtype"] == "fp8_e4m3"  # the reference reads the same fp8 cache
+    ref = containers.build(ref_cfg).engine.run(forced=res.outputs)
+    par = compare(res, ref, "bfloat16")
+    assert par.ok, par
+    unq = containers.build(unquantized_config(plain)).engine.run(forced=res.outputs)
+    m = rt.container.model()
+    q = quantization_effect(res, unq, lambda h: m.logits(h.to(m.device, m.spec.dtype)))
+    assert q["positions"] > 0 and 0.0 <= q["token_agreement"] <= 1.0
+    assert 0.0 < q["logit_max_rel_err"] < 0.2  # fp8 changes the logits, but only a little

@@ -82,7 +82,9 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
         parity = compare(res, ref_res, plain["model"]["dtype"], ref_name).as_dict()
     if plain["check"] == "unquantized":  # what the fp8 cache alone changes: same run, cache in the model dtype
         unq = build(unquantized_config(plain)).engine.run(forced=res.outputs)
-        parity["quantization"] = quantization_effect(res, unq, runtime.container.model().logits)
+        model = runtime.container.model()
+        parity["quantization"] = quantization_effect(
+            res, unq, lambda h: model.logits(h.to(model.device, model.spec.dtype)))
     dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
     report = make_report(runtime, res, parity, dumps, speculative)
     print_report(report, console)

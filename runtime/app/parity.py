@@ -75,7 +75,8 @@ def unquantized_config(plain: dict) -> dict:
 
 def quantization_effect(candidate: RunResult, unquantized: RunResult, logits) -> dict:
     """Token agreement and logit error of an fp8-cache run against the same run with an unquantized cache
-    (both fed the candidate's tokens). ``logits``: [N, hidden] -> [N, vocab] float32 (the model's LM head).
+    (both fed the candidate's tokens). ``logits``: float32 host [N, hidden] -> [N, vocab] float32 (the model's
+LM head, in the model dtype on its device).
 
     Returns greedy-choice agreement (fraction of generated positions where both runs pick the same token),
     the max relative error of the logits (norm over a request's positions) and the max absolute logit error."""
