@@ -177,6 +177,8 @@ class Container(containers.DeclarativeContainer):
         qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
         dtype=model_spec.provided.dtype,
         device=device,
+        kv_dtype=config.kv.dtype,
+        scale=config.kv.scale,
     ))
 
     index_key_pool = providers.Selector(  # sparse models: the indexer's key cache
@@ -278,6 +280,8 @@ class Container(containers.DeclarativeContainer):
         qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
         dtype=model_spec.provided.dtype,
         device=device,
+        kv_dtype=config.kv.dtype,
+        scale=config.kv.scale,
     ))
     draft_split_kv_workspace = providers.Factory(
         workspace_ledger.provided.acquire.call(

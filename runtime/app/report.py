@@ -119,6 +119,15 @@ def _hisparse(container) -> dict | None:
             "device_over_dense": device / dense if dense else 0.0}
 
 
+def _kv_cache(container) -> dict:
+    """Storage dtype and scale of the latent cache, bytes per token (all cached layers) and the tokens the
+    pool holds, and (fp8) how many written values clipped at +-448 x scale: the device counters, read once."""
+    kv = container.kv_pool()
+    tokens = (len(kv.buffers[0]) - 1) * kv.page_size if kv.buffers else 0  # page 0 is the padding page
+    return {**kv.quant_stats(), "pool_bytes": kv.nbytes, "bytes_per_token": kv.bytes_per_token,
+            "pool_tokens": tokens}
+
+
 def _graphs(runner) -> dict:
     return {name: {"graphed": m.decision.graphed, "sizes": sorted(m.graphs), "replays": m.replays,
                    "reason": m.decision.reason} for name, m in runner.modes.items()}
@@ -161,6 +170,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
         "graphs": _graphs(runtime.container.graph_runner()),
         "speculative": speculative,
         "hisparse": _hisparse(runtime.container),
+        "kv_cache": _kv_cache(runtime.container),
         "parity": parity if parity is not None else {"reference": None, "ok": None},
         "dumps": dumps,
     }
@@ -212,6 +222,12 @@ def print_report(report: dict, console: Console | None = None) -> None:
     t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, {draft}request states {_mib(mem['request_state_bytes'])}, "
               f"weights {_mib(mem['weights_bytes'])}, "
               + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
+    kvc = report.get("kv_cache")
+    if kvc:
+        clip = (f"; {kvc['values_clipped']} of {kvc['values_written']} values clipped (scale {kvc['scale']:g})"
+                if kvc["kv_dtype"] != "auto" else "")
+        t.add_row("kv cache", f"{kvc['cache_dtype']}, {kvc['bytes_per_token']} B/token, "
+                  f"{kvc['pool_tokens']} tokens in {_mib(kvc['pool_bytes'])}" + clip)
     sp = report.get("speculative")
     if sp:
         ph = sp["phases"]
@@ -237,6 +253,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
         t.add_row("parity", f"{verdict} vs {par['reference']}: tokens equal {par['tokens_equal']} "
                   f"({par['mismatches']} mismatches, {par['near_tie_mismatches']} at near-ties), "
                   f"max rel err {par['max_rel_err']:.2e} (tol {par['tolerance']:.0e})")
+        q = par.get("quantization")
+        if q:
+            t.add_row("fp8 vs unquantized", f"token agreement {q['token_agreement']:.1%} of {q['positions']}, "
+                      f"logit max rel err {q['logit_max_rel_err']:.2e}, max abs {q['logit_max_abs_err']:.3f}")
     else:
         t.add_row("parity", "off")
     console.print(t)

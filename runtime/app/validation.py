@@ -99,6 +99,7 @@ def validate(
                         "impl=triton (auto on CUDA) for graphed decode", "use backend.impl=auto, or graph=off"))
 
     # --- KV cache and workload
+    problems += _kv_dtype_problems(cfg, name, caps, backends, device)
     spec = cfg["speculative"]
     lookahead = spec["num_steps"] + 2 if spec["enabled"] and spec["num_steps"] >= 1 else 0
     source_problems, specs = check_workload(work, model, lookahead)  # reads the prompt file, if any
@@ -293,6 +294,46 @@ def _linear_problems(cfg, linear_backend: type | None, device: DeviceInfo, packa
         out.append(Problem("model.linear_num_heads / linear_head_dim",
                            f"{model.get('linear_num_heads')} / {model.get('linear_head_dim')}", ">= 1",
                            "set positive values (null heads means num_heads)"))
+    return out
+
+
+def _fp8_ok(caps: BackendCapabilities, model_dtype, device: DeviceInfo) -> bool:
+    if "fp8_e4m3" not in caps.kv_dtypes:
+        return False
+    if caps.fp8_kv_model_dtypes is not None and model_dtype not in caps.fp8_kv_model_dtypes:
+        return False
+    cc = device.compute_capability
+    return caps.fp8_kv_gpu_major is None or device.kind != "cuda" or cc is None or cc[0] == caps.fp8_kv_gpu_major
+
+
+def _kv_dtype_problems(cfg, name: str, caps: BackendCapabilities | None, backends: Mapping[str, type],
+                       device: DeviceInfo) -> list[Problem]:
+    """kv.dtype / kv.scale: the scale is a positive finite number; an fp8 cache needs a backend whose
+    capabilities read it (for this model dtype and GPU), and no HiSparse (its host pool copies raw rows)."""
+    out: list[Problem] = []
+    kv, model_dtype = cfg["kv"], TORCH_DTYPES.get(str(cfg["model"]["dtype"]))
+    kv_dtype, scale = str(kv.get("dtype", "auto")), kv.get("scale", 1.0)
+    if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        out.append(Problem("kv.scale", repr(scale), "a positive finite number (fp8 stores value / scale)",
+                           "set kv.scale=1.0, or the cache's absolute maximum / 448"))
+    if kv_dtype == "auto":
+        return out
+    if caps is not None and not _fp8_ok(caps, model_dtype, device):
+        working = sorted(n for n, cls in backends.items() if _fp8_ok(cls.capabilities, model_dtype, device))
+        extra = []
+        if caps.fp8_kv_model_dtypes is not None:
+            extra.append(f"model.dtype in {sorted(str(d).removeprefix('torch.') for d in caps.fp8_kv_model_dtypes)}")
+        if caps.fp8_kv_gpu_major is not None:
+            extra.append(f"a GPU of compute capability {caps.fp8_kv_gpu_major}.x")
+        need = f" ({', '.join(extra)})" if extra and kv_dtype in caps.kv_dtypes else ""
+        got = f"model.dtype={cfg['model']['dtype']}" + (f", GPU {device.name}" if device.kind == "cuda" else "")
+        out.append(Problem(f"kv.dtype={kv_dtype} with backend '{name}'", got,
+                           f"a backend that reads an {kv_dtype} cache{need}: {working}",
+                           f"use backend={working[0] if working else 'torch_mla'}, or kv.dtype=auto"))
+    if cfg["hisparse"]["enabled"]:
+        out.append(Problem(f"kv.dtype={kv_dtype} with hisparse.enabled=true",
+                           "HiSparse host pool (copies rows in the model dtype)", "kv.dtype=auto with HiSparse",
+                           "set kv.dtype=auto, or hisparse=off"))
     return out
 
 

@@ -50,7 +50,13 @@ class LinearImpl(str, enum.Enum):
 
 class CheckMode(str, enum.Enum):
     off = "off"
-    reference = "reference"
+    reference = "reference"  # the float32 torch reference, reading the same (possibly fp8) KV cache
+    unquantized = "unquantized"  # also the same run with kv.dtype=auto: what the fp8 cache costs
+
+
+class KVDType(str, enum.Enum):
+    auto = "auto"  # the model dtype
+    fp8_e4m3 = "fp8_e4m3"  # float8 e4m3 (max 448) with the per-tensor scale kv.scale
 
 
 class WorkloadKind(str, enum.Enum):
@@ -147,6 +153,8 @@ class KVCacheConfig:
     page_size: int = 16
     num_pages: int = 1024
     max_requests: int = 64  # rows of the request -> token table
+    dtype: KVDType = KVDType.auto  # storage of the latent cache: writes quantize, kernels dequantize on read
+    scale: float = 1.0  # fp8: stored = clamp(value / scale, -448, 448); read = stored * scale
 
 
 @dataclass
