@@ -2,9 +2,9 @@
 
 For every (heads, batch, lengths) case: our time, FlashInfer's time, the ratio FlashInfer / ours (> 1: ours is
 faster), % of the copy bandwidth (KV bytes read + q + out) and % of the bf16 matmul peak (2 H L (576 + 512)
-FLOPs), both ceilings measured in this run (bench/ceilings.py; switch to bench/harness.py once it lands). Each
-variant is first checked against a float32 torch reference on the first requests of the batch reading the same
-(dequantized) cache. Prints a table and one JSON line (``GRID_JSON {...}``).
+FLOPs), both ceilings measured in this run (bench/harness.py). Each variant is first checked against a float32 torch
+reference on the first requests of the batch reading the same (dequantized) cache. Prints a table and one JSON
+line (``BENCH_JSON {...}``).
 
     python -m bench.mla_decode_grid                         # the whole grid
     python -m bench.mla_decode_grid --heads 128 --shapes 64x4096 --variants tma,ptr  # a sweep
@@ -13,20 +13,20 @@ variant is first checked against a float32 torch reference on the first requests
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
+from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import Table, eager_ms, measure_ceilings, report  # noqa: E402
 
 D_CKV, D_PE, PAGE = 512, 64, 64
 FP8 = torch.float8_e4m3fn
 SHAPES = ("64x4096", "128x8192", "64x32768", "128xv8192")  # BxL; "v": lengths ~ N(mean, mean / 2)
-
-
-def _median_ms(fn, rep_ms: int = 150) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
 def _lengths(shape: str, g: torch.Generator) -> list[int]:
@@ -140,11 +140,8 @@ def main() -> None:
     ap.add_argument("--no-fi", action="store_true")
     ap.add_argument("--rep-ms", type=int, default=150)
     a = ap.parse_args()
-    from bench.ceilings import measure_ceilings
-
     ceil = measure_ceilings()
-    print(f"{ceil['device']}: copy {ceil['copy_gbs']:.0f} GB/s, bf16 matmul {ceil['matmul_tflops']:.0f} TFLOP/s",
-          flush=True)
+    print(ceil.summary(), flush=True)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -161,7 +158,7 @@ def main() -> None:
                         fn, out = flashinfer(case, fp8, ws)
                         fn()
                         fi_err = _rel(out, ref)
-                        fi_ms = _median_ms(fn, a.rep_ms)
+                        fi_ms = eager_ms(fn, rep_ms=a.rep_ms)
                     except Exception as e:  # noqa: BLE001 - a bench row says what failed
                         print(f"  flashinfer H{h} {shape} {dt}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 for var in a.variants.split(","):
@@ -170,28 +167,24 @@ def main() -> None:
                         out.fill_(float("nan"))
                         fn()
                         err = _rel(out, ref)
-                        ms = _median_ms(fn, a.rep_ms)
+                        ms = eager_ms(fn, rep_ms=a.rep_ms)
                     except Exception as e:  # noqa: BLE001
                         print(f"  ours {var} H{h} {shape} {dt}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
                     row = dict(heads=h, shape=shape, dtype=dt, variant=var, us=ms * 1e3, err=err,
                                fi_us=fi_ms * 1e3 if fi_ms else None, fi_err=fi_err,
                                ratio=(fi_ms / ms) if fi_ms else None,
-                               bw_pct=100 * case.bytes_moved(fp8) / (ms * 1e-3) / 1e9 / ceil["copy_gbs"],
-                               mm_pct=100 * case.flops() / (ms * 1e-3) / 1e12 / ceil["matmul_tflops"])
+                               bw_pct=ceil.pct_copy(case.bytes_moved(fp8), ms),
+                               mm_pct=ceil.pct_matmul(case.flops(), ms))
                     rows.append(row)
                     print(f"  H{h:<3} {shape:<10} {dt:<4} {var:<8} {row['us']:9.1f} us  err {err:.1e}  "
                           f"fi {row['fi_us'] or 0:9.1f} us  ratio {row['ratio'] or 0:5.2f}  "
                           f"bw {row['bw_pct']:5.1f}%  mm {row['mm_pct']:5.1f}%", flush=True)
             del case
             torch.cuda.empty_cache()
-    print()
-    print(f"{'H':>4} {'shape':<10} {'kv':<4} {'variant':<8} {'ours us':>9} {'FI us':>9} {'FI/ours':>8} "
-          f"{'%copy':>6} {'%mm':>6} {'err':>8}")
-    for r in rows:
-        print(f"{r['heads']:>4} {r['shape']:<10} {r['dtype']:<4} {r['variant']:<8} {r['us']:9.1f} "
-              f"{r['fi_us'] or 0:9.1f} {r['ratio'] or 0:8.2f} {r['bw_pct']:6.1f} {r['mm_pct']:6.1f} {r['err']:8.1e}")
-    print("GRID_JSON " + json.dumps({"ceilings": ceil, "rows": rows}))
+    cols = ["heads", "shape", "dtype", "variant", "us", "fi_us", "ratio", "bw_pct", "mm_pct", "err"]
+    fmts = {"us": ".1f", "fi_us": ".1f", "ratio": ".2f", "bw_pct": ".1f", "mm_pct": ".1f", "err": ".1e"}
+    report("mla_decode_grid", ceil, Table(rows, "decode grid: ours vs FlashInfer (ratio = FI us / ours us)", cols, fmts))
 
 
 if __name__ == "__main__":
