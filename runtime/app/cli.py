@@ -12,7 +12,14 @@ from rich.console import Console
 
 from containers import build, to_plain
 from runtime.app.parity import compare, quantization_effect, reference_config, unquantized_config
-from runtime.app.report import make_report, memory_plan, print_report, speculative_section, write_report
+from runtime.app.report import (
+    make_report,
+    memory_plan,
+    print_report,
+    shared_kv_indices_section,
+    speculative_section,
+    write_report,
+)
 from runtime.core.config import Config
 from runtime.core.errors import ConfigError, Problem
 
@@ -74,6 +81,7 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
             base_cfg["speculative"]["enabled"] = False
             baseline = build(base_cfg).engine.run(record_hidden=False)
         speculative = speculative_section(res, runtime.container.speculative().stats, baseline)
+        speculative["shared_kv_indices"] = shared_kv_indices_section(runtime.container, spec["shared_kv_indices"])
     parity = None
     if plain["check"] != "off":
         ref_cfg = reference_config(plain)

@@ -103,6 +103,31 @@ def speculative_section(res: RunResult, stats, baseline: RunResult | None) -> di
     return out
 
 
+def shared_kv_indices_section(container, mode: str) -> dict:
+    """The multi-step draft's shared kv-indices pass: how often it ran and how often it was skipped because
+    every draft step backend builds its own kv indices (``capabilities.builds_own_kv_indices``)."""
+    kv_pass, draft = container.draft_kv_indices(), container.draft_attention()
+    steps = draft.step_backends
+    own = all(type(b).capabilities.builds_own_kv_indices for b in steps)
+    why = ("every draft step backend builds its own kv indices" if own
+           else "a draft step backend reads batch.kv_page_table") if steps else "no draft decode steps"
+    return {"mode": mode, "runs": kv_pass.runs if kv_pass is not None else 0,
+            "skipped": draft.kv_indices_skipped, "injected": kv_pass is not None, "why": why}
+
+
+def kernel_section(backend_cfg: dict) -> dict | None:
+    """Which kernel implementation ran, for backends with a ``kernel`` switch; an emulation says so plainly."""
+    impl = backend_cfg.get("kernel")
+    if impl is None:
+        return None
+    if impl == "emulate":
+        return {"impl": "emulate", "emulated": True,
+                "note": "EMULATION: a torch implementation of the kernel's calling contract ran instead of the "
+                        "vendor kernel; the hardware gate (GPU family, packages, dtypes) was lifted; timings "
+                        "say nothing about the kernel"}
+    return {"impl": impl, "emulated": False}
+
+
 def _hisparse(container) -> dict | None:
     """Device vs host KV bytes and swap-in counters. ``dense_equivalent_bytes``: a dense device pool holding as
     many tokens as the host pool (what HiSparse saves); ``device_kv_bytes``: the device page pool (prefill) plus
@@ -154,6 +179,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
     generated = sum(len(v) for v in res.outputs.values())
     return {
         "backend": cfg["backend"]["name"],
+        "kernel": kernel_section(cfg["backend"]),
         "device": {"kind": runtime.device.kind, "name": runtime.device.name},
         "model": {"name": cfg["model"]["name"], "dtype": cfg["model"]["dtype"], "layers": cfg["model"]["num_layers"]},
         "workload": cfg["workload"]["name"],
@@ -207,6 +233,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
     t = Table(title=f"mla-runtime: {report['backend']} on {report['device']['name']}", show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value")
+    k = report.get("kernel")
+    if k:
+        t.add_row("kernel", f"[yellow]{k['impl']}: {k['note']}[/yellow]" if k["emulated"] else k["impl"])
     p, d, r = report["phases"]["prefill"], report["phases"]["decode"], report["requests"]
     t.add_row("model", f"{report['model']['name']} ({report['model']['dtype']}, {report['model']['layers']} layers)")
     t.add_row("build order", " -> ".join(report["build_order"]))
@@ -238,6 +267,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"verify {ph['target_verify']['mean_step_ms']:.3f} "
                   f"extend {ph['draft_extend']['mean_step_ms']:.3f}; decode {sp['decode_tokens_per_s']:.1f} tok/s"
                   + base)
+        kv = sp.get("shared_kv_indices")
+        if kv:
+            t.add_row("shared kv-indices pass", f"{kv['runs']} runs, {kv['skipped']} skipped (mode {kv['mode']}: "
+                      f"{kv['why']})")
     for mode, g in report["graphs"].items():
         t.add_row(f"{mode} graphs", f"{len(g['sizes'])} sizes captured, {g['replays']} replays" if g["graphed"]
                   else f"eager ({g['reason']})")

@@ -68,7 +68,7 @@ def validate(
         add(Problem("backend", f"'{name}'", f"one of {sorted(backends)}", f"pick one: backend={sorted(backends)[0]}"))
     else:
         caps = backends[name].capabilities
-        problems += _backend_problems(name, backends[name], cfg, device, package_present)
+        problems += _backend_problems(name, backends[name], cfg, device, package_present, backends)
 
     # --- model
     problems += _model_problems(model, name, caps)
@@ -141,25 +141,49 @@ def _speculative_problems(cfg, name: str, caps: BackendCapabilities | None) -> l
     return out
 
 
-def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_present) -> list[Problem]:
+def _cc(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+def hardware_problems(name: str, caps: BackendCapabilities, device: DeviceInfo,
+                      backends: Mapping[str, type]) -> list[Problem]:
+    """Whether backend ``name``'s real kernels run on ``device``; if not, one problem naming the device found,
+    the requirement, and the backends whose capabilities say they do run there (never a hard-coded list)."""
+    cc = device.compute_capability
+    if device.kind == "cuda" and cc is None:
+        return []  # no GPU visible: the device check reports it
+    if caps.runs_on(device.kind, cc):
+        return []
+    found = f"GPU {device.name} (compute capability {_cc(cc)})" if device.kind == "cuda" else "device cpu (no GPU)"
+    need = []
+    if "cuda" in caps.devices and caps.min_compute_capability is not None:
+        need.append(f"compute capability >= {_cc(caps.min_compute_capability)}")
+    if "cuda" in caps.devices and caps.compute_capabilities is not None:
+        need.append("exactly one of " + ", ".join(_cc(c) for c in sorted(caps.compute_capabilities)))
+    if device.kind not in caps.devices:
+        need.insert(0, f"a device in {sorted(caps.devices)}")
+    here = sorted(n for n, b in backends.items() if n != name and b.capabilities.runs_on(device.kind, cc))
+    fix = f"use a backend that runs on this {'GPU' if device.kind == 'cuda' else 'machine'}: {', '.join(here)}" \
+        if here else "run on a GPU the backend supports"
+    if caps.emulation:
+        fix += "; or backend.kernel=emulate (a torch emulation of the kernels, for tests: not their speed)"
+    return [Problem(f"backend '{name}'", found, " and ".join(need), fix)]
+
+
+def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_present,
+                      backends: Mapping[str, type]) -> list[Problem]:
     caps: BackendCapabilities = backend_cls.capabilities
     out: list[Problem] = []
     add = out.append
-    if device.kind not in caps.devices:
-        add(Problem(f"backend '{name}'", f"device {device.kind}", f"a device in {sorted(caps.devices)}",
-                    "use backend=torch_mla on the CPU, or run on a GPU (device=cuda)"))
-    if device.kind == "cuda" and caps.min_compute_capability and device.compute_capability:
-        if device.compute_capability < caps.min_compute_capability:
-            need = ".".join(map(str, caps.min_compute_capability))
-            got = ".".join(map(str, device.compute_capability))
-            add(Problem(f"backend '{name}'", f"GPU {device.name} (compute capability {got})",
-                        f"compute capability >= {need}", "pick a backend that supports this GPU"))
-    for pkg in caps.packages:
-        if not package_present(pkg):
-            add(Problem(f"backend '{name}'", f"python package '{pkg}' not importable", f"'{pkg}' installed",
-                        "pip install 'mla-runtime[gpu]' (on a CUDA machine)"))
+    emulated = caps.emulation and cfg["backend"].get("kernel") == "emulate"
+    if not emulated:  # backend.kernel=emulate runs a torch emulation of the kernels anywhere
+        out += hardware_problems(name, caps, device, backends)
+        for pkg in caps.packages:
+            if not package_present(pkg):
+                add(Problem(f"backend '{name}'", f"python package '{pkg}' not importable", f"'{pkg}' installed",
+                            caps.install))
     dtype = TORCH_DTYPES.get(str(cfg["model"]["dtype"]))
-    if dtype is not None and dtype not in caps.dtypes:
+    if dtype is not None and dtype not in caps.dtypes and not emulated:
         add(Problem(f"backend '{name}'", f"model.dtype={cfg['model']['dtype']}",
                     f"one of {sorted(str(d).removeprefix('torch.') for d in caps.dtypes)}",
                     "set model.dtype=bfloat16"))

@@ -102,6 +102,29 @@ class FlashInferMLAConfig(BackendConfig):
     disable_ragged: bool = False  # MHA prefill: skip the ragged kernel and use the absorbed path
 
 
+class KernelImpl(str, enum.Enum):
+    real = "real"  # the vendor kernel (Blackwell only)
+    emulate = "emulate"  # a torch emulation of the kernel's calling contract: any device, for tests, not speed
+
+
+@dataclass
+class TrtllmMLAConfig(BackendConfig):
+    """TensorRT-LLM-gen MLA decode through FlashInfer (SM100 / SM103)."""
+
+    name: str = "trtllm_mla"
+    kernel: KernelImpl = KernelImpl.real
+    workspace_bytes: int = 128 * MiB  # the kernel's own zero-initialised workspace (multi-CTA partials)
+
+
+@dataclass
+class TokenSpeedMLAConfig(BackendConfig):
+    """TokenSpeed's CuTe DSL MLA decode (SM100 / SM103 / SM107)."""
+
+    name: str = "tokenspeed_mla"
+    kernel: KernelImpl = KernelImpl.real
+    emulated_sm_count: int = 148  # SMs the emulation sizes the workspace for on a device without them (B200)
+
+
 @dataclass
 class DSAConfig(BackendConfig):
     """DeepSeek sparse attention: dense prefill, indexer top-k + sparse decode (optionally over HiSparse)."""
@@ -257,6 +280,8 @@ BACKEND_SCHEMAS: dict[str, type[BackendConfig]] = {
     "triton_mla": TritonMLAConfig,
     "flashinfer_mla": FlashInferMLAConfig,
     "dsa": DSAConfig,
+    "trtllm_mla": TrtllmMLAConfig,
+    "tokenspeed_mla": TokenSpeedMLAConfig,
 }
 
 _GROUP_SCHEMAS: dict[str, Any] = {
