@@ -131,15 +131,22 @@ VARIANTS = {  # name -> our kernel keywords (None: the defaults for the head cou
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", default="16,32,64,128")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default="default")
     ap.add_argument("--dtypes", default="bf16,fp8")
     ap.add_argument("--no-fi", action="store_true")
     ap.add_argument("--rep-ms", type=int, default=150)
-    a = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="one shape (64x4096) at 16 and 128 heads")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    if a.quick:
+        a.shapes, a.heads = "64x4096", "16,128"
     ceil = measure_ceilings()
     print(ceil.summary(), flush=True)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # name -> extra arguments in --quick mode (fa3 only: the fa2 path is the same code, and its JIT build costs a minute)
 BENCHES: dict[str, list[str]] = {
     "bench_flashinfer": ["--quick", "--kernels", "fa3"],
-    "mla_decode_grid": ["--shapes", "64x4096", "--heads", "16,128"],
+    "mla_decode_grid": ["--quick"],
     "triton_mla_kernels_gpu": ["--quick"],
     "bench_dsa": ["--quick"],
     "bench_engine_decode": ["--quick"],
