@@ -105,8 +105,10 @@ def test_validation_reports_every_problem_at_once():
     problems = _problems("backend=triton_mla", "hisparse=dsa_2048", "hisparse.device_buffer_size=16",
                          "workload.prompt_len.min=-3", "workload.num_requests=0", "speculative.enabled=true")
     text = "\n".join(map(str, problems))
-    assert len(problems) >= 6, text
-    for fragment in ("not sparse-capable", "device cpu", "triton", "device_buffer_size",
+    # Without CUDA the suite runs Triton in its CPU interpreter (conftest), where triton_mla declares the CPU.
+    on_cpu = "cpu" in containers.BACKENDS["triton_mla"].capabilities.devices
+    assert len(problems) >= (5 if on_cpu else 6), text
+    for fragment in ("not sparse-capable", *(() if on_cpu else ("device cpu",)), "triton", "device_buffer_size",
                      "workload.prompt_len", "workload.num_requests", "speculative"):
         assert fragment in text, fragment
 
