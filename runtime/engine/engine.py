@@ -118,15 +118,17 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False,
-            record_hidden: bool = True) -> RunResult:
+            record_hidden: bool = True, requests: list[Request] | None = None) -> RunResult:
         """Run every request to completion. ``forced`` (rid -> tokens) feeds those tokens instead of the
         greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too.
         ``record_hidden``: keep each generated token's final hidden state (the parity check compares them;
-        a benchmark turns it off so no step copies [B, hidden] to the host).
+        a benchmark turns it off so no step copies [B, hidden] to the host). ``requests``: run these (e.g.
+        :func:`runtime.engine.workload.prompt_requests`) instead of the `workload` config's synthetic ones.
 
         No step waits for the previous one: decode inputs come from the device-side last-token table and
         results are copied back lazily (runtime/engine/step_outputs.py)."""
-        requests = make_requests(self.workload, self.model.spec.vocab_size)
+        if requests is None:
+            requests = make_requests(self.workload, self.model.spec.vocab_size)
         res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
         for r in requests:
             res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []

@@ -56,3 +56,11 @@ def make_requests(workload: dict, vocab_size: int) -> list[Request]:
         Request(rid=i, prompt=[int(t) for t in rng.integers(0, vocab_size, size=p)], max_new_tokens=o)
         for i, (p, o) in enumerate(zip(prompt_lens, output_lens))
     ]
+
+
+def prompt_requests(prompts: list[list[int]], max_new_tokens: int | list[int]) -> list[Request]:
+    """Requests with given prompt token ids (request ``i`` has rid ``i``): for tests and callers that bring
+    their own tokens. ``max_new_tokens``: one count for all, or one per prompt."""
+    counts = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+    return [Request(rid=i, prompt=[int(t) for t in p], max_new_tokens=int(n))
+            for i, (p, n) in enumerate(zip(prompts, counts))]
