@@ -374,11 +374,13 @@ class Runtime:
 
 
 def to_plain(cfg: DictConfig | dict) -> dict:
-    """The resolved plain dict the container reads (enums as their names)."""
+    """The resolved plain dict the container reads (enums as their names, the model's optional fields filled)."""
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
     plain = dict(cfg)
     plain.setdefault("dump_dir", None)
+    if isinstance(plain.get("model"), dict):  # optional model fields filled (preset defaults or config.json);
+        plain["model"] = resolve_model_config(plain["model"])[0]  # build() resolves again for the problems
     return plain
 
 

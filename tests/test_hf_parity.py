@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import compose_config  # noqa: E402
-from containers import build  # noqa: E402
 from hf_models import CASES, V32_CASE, Case, Reference, make_case  # noqa: E402
+
+from containers import build  # noqa: E402
 from runtime.engine.workload import prompt_requests  # noqa: E402
 
 pytest.importorskip("transformers")

@@ -319,3 +319,16 @@ def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, tor
 def _dense(g: dict[str, torch.Tensor], prefix: str) -> DenseMLPWeights:
     gate_up = torch.cat([g.pop(f"{prefix}.gate_proj.weight"), g.pop(f"{prefix}.up_proj.weight")], dim=0)
     return DenseMLPWeights(gate_up=gate_up, down=g[f"{prefix}.down_proj.weight"])
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (fp8 e4m3 [out, in], float32 block scales [ceil(out/128), ceil(in/128)]) such that
+    :func:`dequantize_fp8` gives back ``w`` up to fp8 rounding (each 128 x 128 block scaled to e4m3's max 448)."""
+    out_dim, in_dim = w.shape
+    rb, cb = -(-out_dim // BLOCK), -(-in_dim // BLOCK)
+    padded = torch.zeros(rb * BLOCK, cb * BLOCK, dtype=torch.float32, device=w.device)
+    padded[:out_dim, :in_dim] = w.float()
+    blocks = padded.view(rb, BLOCK, cb, BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)  # [rb, cb]
+    q = (blocks / scale[:, None, :, None]).view(rb * BLOCK, cb * BLOCK)[:out_dim, :in_dim]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale
