@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import compose_config
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import containers
-from conftest import compose_config
 from containers import build
 from runtime.app.make_checkpoint import main as make_checkpoint
 from runtime.app.make_checkpoint import write_checkpoint

@@ -16,7 +16,7 @@ Both multiply the weights by ``routed_scaling_factor``.
 Expert compute: the T*k (token, expert) pairs are sorted by expert, each active expert runs one GEMM over its
 contiguous rows (``torch._grouped_mm`` does all of them in one launch with device-side offsets on CUDA bf16,
 no host sync, so decode can be graphed; elsewhere a loop over the active experts only), the outputs are
-weighted and summed back per token in float32.
+weighted and summed back per token in float32 in a fixed order (graph replays equal eager runs bit for bit).
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
     order = torch.argsort(flat, stable=True)
     tokens = order // k
     xs = x[tokens]  # [T * k, D], grouped by expert
-    counts = torch.bincount(flat, minlength=w.gate_up.shape[0])
+    # counts per expert without a host sync (bincount would read the max id back): graph-capturable
+    counts = torch.zeros(w.gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     if grouped_mm:
         offsets = counts.cumsum(0).to(torch.int32)
         h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
@@ -94,8 +96,9 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
             if n:
                 y[start : start + n] = F.linear(swiglu(F.linear(xs[start : start + n], w.gate_up[e])), w.down[e])
                 start += n
-    y = y.float() * weights.reshape(-1)[order, None]
-    return torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tokens, y)
+    unsorted = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    unsorted[order] = y.float()  # back to (token, slot) order: a fixed-order sum, deterministic (no atomics)
+    return (unsorted.view(t, k, -1) * weights[:, :, None]).sum(dim=1)
 
 
 def moe(spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
