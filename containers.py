@@ -36,6 +36,7 @@ from runtime.core.workspace import WorkspaceLedger
 from runtime.engine.engine import Engine
 from runtime.engine.graph_runner import GraphRunner, ModeGraphs, decide_graphs
 from runtime.engine.hisparse import HiSparseCoordinator, host_page_count
+from runtime.engine.prompts import load_workload
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
 from runtime.model.deepseek.checkpoint import load_checkpoint, scan_checkpoint
 from runtime.model.deepseek.hf_config import resolve_model_config
@@ -188,6 +189,8 @@ class Container(containers.DeclarativeContainer):
         qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
         dtype=model_spec.provided.dtype,
         device=device,
+        kv_dtype=config.kv.dtype,
+        scale=config.kv.scale,
     ))
 
     index_key_pool = providers.Selector(  # sparse models: the indexer's key cache
@@ -294,6 +297,8 @@ class Container(containers.DeclarativeContainer):
         qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
         dtype=model_spec.provided.dtype,
         device=device,
+        kv_dtype=config.kv.dtype,
+        scale=config.kv.scale,
     ))
     draft_split_kv_workspace = providers.Factory(
         workspace_ledger.provided.acquire.call(
@@ -338,6 +343,8 @@ class Container(containers.DeclarativeContainer):
                               draft_steps, config.speculative.num_steps, padding_row, device),
     )
     graph_runner = _step(build_log, "graph_runner", providers.Factory(GraphRunner, graph_modes, device))
+    # the requests (synthetic, or a prompt file's), their stop ids and the tokenizer that decodes outputs
+    workload = _step(build_log, "workload", providers.Factory(load_workload, config.workload, config.model))
     speculative = providers.Selector(
         spec_mode, off=providers.Object(None),
         on=_step(build_log, "speculative", providers.Factory(
@@ -345,14 +352,15 @@ class Container(containers.DeclarativeContainer):
             config.speculative.num_steps, config.kv.max_requests, device)))
     engine = _step(build_log, "engine", providers.Factory(
         Engine, model, attention, mha_prefill, graph_runner, engine_token_slots, request_states, config.workload,
-        device, speculative))
+        workload, device, speculative))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
     "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
-    "hisparse_coordinator", "workspace_ledger", "attention", "model_weights", "model", "graph_runner", "speculative", "engine",
+    "hisparse_coordinator", "workspace_ledger", "attention", "model_weights", "model", "graph_runner", "workload",
+    "speculative", "engine",
 )
 
 

@@ -48,7 +48,14 @@ class BackendCapabilities:
     min_compute_capability : tuple of int or None
         Lowest CUDA compute capability (major, minor); None when the backend also runs on the CPU.
     dtypes : frozenset of torch.dtype
-        KV/query dtypes the kernels accept.
+        Model (query) dtypes the kernels accept.
+    kv_dtypes : frozenset of str
+        ``kv.dtype`` values the kernels read: "auto" (the model dtype) and/or "fp8_e4m3" (dequantized in the
+        kernels with the per-tensor ``kv.scale``).
+    fp8_kv_model_dtypes : frozenset of torch.dtype or None
+        Model dtypes allowed with an fp8 cache (None: every dtype in ``dtypes``).
+    fp8_kv_gpu_major : int or None
+        The GPU compute-capability major an fp8 cache needs (None: any the backend runs on).
     devices : frozenset of str
         "cpu" and/or "cuda".
     workspaces : frozenset of str
@@ -67,6 +74,9 @@ class BackendCapabilities:
     dtypes: frozenset[torch.dtype] = field(
         default_factory=lambda: frozenset({torch.bfloat16, torch.float16, torch.float32})
     )
+    kv_dtypes: frozenset[str] = frozenset({"auto"})
+    fp8_kv_model_dtypes: frozenset[torch.dtype] | None = None
+    fp8_kv_gpu_major: int | None = None
     devices: frozenset[str] = frozenset({"cuda"})
     workspaces: frozenset[str] = frozenset()
     packages: tuple[str, ...] = ()

@@ -144,3 +144,12 @@ def make_case(case: Case, folder: Path) -> Reference:
             top2 = [torch.topk(s[0].float(), 2).values for s in out.scores]
             gaps.append([float(t[0] - t[1]) for t in top2])
     return Reference(folder, prompts, tokens, torch.stack(logits), min(min(g) for g in gaps), gaps)
+
+
+def prompt_overrides(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> tuple[str, ...]:
+    """Config overrides that serve ``prompts`` (token ids) through the prompts workload (a JSON-lines file written
+    to ``folder``), each for exactly ``max_new_tokens`` tokens (no EOS stop, as the references generate)."""
+    path = Path(folder) / f"prompts_{abs(hash(str(prompts))) % 10**8}_{max_new_tokens}.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": max_new_tokens}) + "\n" for p in prompts))
+    return ("workload=prompts", f"workload.path={path}", "workload.eos_token_ids=[]",
+            f"workload.max_new_tokens={max_new_tokens}")

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import compose_config
+from hf_models import prompt_overrides
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -18,7 +19,6 @@ from runtime.app.make_checkpoint import main as make_checkpoint
 from runtime.app.make_checkpoint import write_checkpoint
 from runtime.core.errors import ConfigError
 from runtime.core.model_spec import ModelSpec
-from runtime.engine.workload import prompt_requests
 from runtime.model.deepseek.checkpoint import dequantize_fp8, load_checkpoint, quantize_fp8
 from runtime.model.deepseek.hf_config import resolve_model_config
 from runtime.model.deepseek.weights import random_weights
@@ -67,14 +67,14 @@ def _rewrite(folder, fn) -> None:
     save_file(tensors, str(path))
 
 
-def test_make_checkpoint_serves_the_presets_weights(small):
+def test_make_checkpoint_serves_the_presets_weights(small, tmp_path):
     """Served from the folder, the model's tokens equal the preset's (same seeded weights)."""
-    prompts = [[5, 6, 7], list(range(2, 19))]
-    rt = build(compose_config(*SMALL, "check=off"))
-    preset = rt.engine.run(requests=prompt_requests(prompts, 4)).outputs
+    feed = prompt_overrides(tmp_path, [[5, 6, 7], list(range(2, 19))], 4)
+    rt = build(compose_config(*SMALL, "check=off", *feed))
+    preset = rt.engine.run().outputs
     rt2 = build(compose_config("model=hf", f"model.path={small}", "model.dtype=float32", "device=cpu",
-                               "model.max_context=256", "check=off"))
-    loaded = rt2.engine.run(requests=prompt_requests(prompts, 4)).outputs
+                               "model.max_context=256", "check=off", *feed))
+    loaded = rt2.engine.run().outputs
     assert loaded == preset
     spec = rt2.container.model_spec()
     assert spec.model_type == "deepseek_v3" and spec.has_moe and spec.rope_type == "yarn"
@@ -82,7 +82,7 @@ def test_make_checkpoint_serves_the_presets_weights(small):
     assert w.source == str(small) and w.load_seconds > 0 and w.peak_host_bytes > 0
 
 
-def test_make_checkpoint_is_read_by_transformers(small):
+def test_make_checkpoint_is_read_by_transformers(small, tmp_path):
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).eval()
     prompt = list(range(3, 14))
@@ -90,8 +90,8 @@ def test_make_checkpoint_is_read_by_transformers(small):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=4, min_new_tokens=4, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     rt = build(compose_config("model=hf", f"model.path={small}", "model.dtype=float32", "device=cpu",
-                              "model.max_context=256", "check=off"))
-    assert rt.engine.run(requests=prompt_requests([prompt], 4)).outputs[0] == ref
+                              "model.max_context=256", "check=off", *prompt_overrides(tmp_path, [prompt], 4)))
+    assert rt.engine.run().outputs[0] == ref
 
 
 def test_sharded_checkpoint_loads_shard_by_shard(small, tmp_path):

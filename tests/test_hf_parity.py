@@ -13,10 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import compose_config
-from hf_models import CASES, V32_CASE, Case, Reference, make_case
+from hf_models import CASES, V32_CASE, Case, Reference, make_case, prompt_overrides
 
 from containers import build
-from runtime.engine.workload import prompt_requests
 
 pytest.importorskip("transformers")
 MIN_GAP = 1e-3  # top-1 minus top-2 logit of the reference at every generated position
@@ -47,9 +46,9 @@ def reference(tmp_path_factory):
 def serve(ref: Reference, new_tokens: int, *overrides: str):
     """Our greedy tokens and last-prompt-token logits [P, vocab] float32 for the reference's prompts."""
     cfg = compose_config("model=hf", f"model.path={ref.folder}", "model.dtype=float32", "device=cpu", "check=off",
-                         "progress=false", *overrides)
+                         "progress=false", *prompt_overrides(ref.folder, ref.prompts, new_tokens), *overrides)
     rt = build(cfg)
-    res = rt.engine.run(requests=prompt_requests(ref.prompts, new_tokens))
+    res = rt.engine.run()
     first = torch.stack([res.hidden[i][0] for i in range(len(ref.prompts))])
     return [res.outputs[i] for i in range(len(ref.prompts))], rt.container.model().logits(first), rt
 

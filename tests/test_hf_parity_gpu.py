@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_config
-from hf_models import CASES, V32_CASE, Case, make_case
+from hf_models import CASES, V32_CASE, Case, make_case, prompt_overrides
 
 from containers import build
-from runtime.engine.workload import prompt_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CASES = [replace(c, config={**c.config, "qk_nope_head_dim": 128, "v_head_dim": 128}) for c in CASES]
@@ -57,9 +56,9 @@ def reference(tmp_path_factory):
 
 def serve(ref, case: Case, backend: str, dtype: str, *extra: str):
     cfg = compose_config("model=hf", f"model.path={ref.folder}", f"model.dtype={dtype}", "device=cuda",
-                         f"backend={backend}", "check=off", "progress=false", "model.max_context=1024", *extra)
+                         f"backend={backend}", "check=off", "progress=false", "model.max_context=1024", *prompt_overrides(ref.folder, ref.prompts, case.new_tokens), *extra)
     rt = build(cfg)
-    res = rt.engine.run(requests=prompt_requests(ref.prompts, case.new_tokens))
+    res = rt.engine.run()
     first = torch.stack([res.hidden[i][0] for i in range(len(ref.prompts))]).to(rt.device.torch_device)
     return [res.outputs[i] for i in range(len(ref.prompts))], rt.container.model().logits(first).cpu()
 
@@ -130,8 +129,9 @@ def test_real_width_v3_checkpoint_from_make_checkpoint(backend, tmp_path):
     prompts = [[(7 * i + j) % 4000 + 2 for j in range(n)] for i, n in enumerate((1, 5, 17, 64, 130, 200, 257, 300))]
     common = ("device=cuda", f"backend={backend}", "check=off", "progress=false", "kv.page_size=64",
               "kv.num_pages=256")
+    common += prompt_overrides(tmp_path, prompts, 8)
     loaded = build(compose_config("model=hf", f"model.path={out}", "model.max_context=4096", *common))
-    res = loaded.engine.run(requests=prompt_requests(prompts, 8))
+    res = loaded.engine.run()
     w = loaded.container.model().weights
     spec = loaded.container.model_spec()
     assert spec.model_type == "deepseek_v3" and spec.has_moe and spec.hidden_size == 7168
@@ -139,5 +139,5 @@ def test_real_width_v3_checkpoint_from_make_checkpoint(backend, tmp_path):
     print(f"loaded {w.nbytes / 2**30:.2f} GiB in {w.load_seconds:.1f} s, peak host RSS {w.peak_host_bytes / 2**30:.2f} GiB")
     del loaded
     torch.cuda.empty_cache()
-    preset = build(compose_config(*V3_REAL, *common)).engine.run(requests=prompt_requests(prompts, 8))
+    preset = build(compose_config(*V3_REAL, *common)).engine.run()
     assert res.outputs == preset.outputs

@@ -23,6 +23,8 @@ from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.model_spec import TORCH_DTYPES
+from runtime.engine.prompts import capped, check_workload
+from runtime.engine.workload import RequestSpec
 
 FLASHINFER_WORKSPACE = "flashinfer_float"
 
@@ -103,9 +105,12 @@ def validate(
                         "impl=triton (auto on CUDA) for graphed decode", "use backend.impl=auto, or graph=off"))
 
     # --- KV cache and workload
+    problems += _kv_dtype_problems(cfg, name, caps, backends, device)
     spec = cfg["speculative"]
     lookahead = spec["num_steps"] + 2 if spec["enabled"] and spec["num_steps"] >= 1 else 0
-    problems += _workload_problems(work, kv, model, lookahead)
+    source_problems, specs = check_workload(work, model, lookahead)  # reads the prompt file, if any
+    problems += capped(source_problems)
+    problems += _workload_problems(work, kv, model, lookahead, specs)
     return problems
 
 
@@ -325,25 +330,72 @@ def _linear_problems(cfg, linear_backend: type | None, device: DeviceInfo, packa
     return out
 
 
-def _workload_problems(work, kv, model, lookahead: int = 0) -> list[Problem]:
-    """``lookahead``: positions a speculative round reserves past a request's length (num_steps + 2)."""
+def _fp8_ok(caps: BackendCapabilities, model_dtype, device: DeviceInfo) -> bool:
+    if "fp8_e4m3" not in caps.kv_dtypes:
+        return False
+    if caps.fp8_kv_model_dtypes is not None and model_dtype not in caps.fp8_kv_model_dtypes:
+        return False
+    cc = device.compute_capability
+    return caps.fp8_kv_gpu_major is None or device.kind != "cuda" or cc is None or cc[0] == caps.fp8_kv_gpu_major
+
+
+def _kv_dtype_problems(cfg, name: str, caps: BackendCapabilities | None, backends: Mapping[str, type],
+                       device: DeviceInfo) -> list[Problem]:
+    """kv.dtype / kv.scale: the scale is a positive finite number; an fp8 cache needs a backend whose
+    capabilities read it (for this model dtype and GPU), and no HiSparse (its host pool copies raw rows)."""
+    out: list[Problem] = []
+    kv, model_dtype = cfg["kv"], TORCH_DTYPES.get(str(cfg["model"]["dtype"]))
+    kv_dtype, scale = str(kv.get("dtype", "auto")), kv.get("scale", 1.0)
+    if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        out.append(Problem("kv.scale", repr(scale), "a positive finite number (fp8 stores value / scale)",
+                           "set kv.scale=1.0, or the cache's absolute maximum / 448"))
+    if kv_dtype == "auto":
+        return out
+    if caps is not None and not _fp8_ok(caps, model_dtype, device):
+        working = sorted(n for n, cls in backends.items() if _fp8_ok(cls.capabilities, model_dtype, device))
+        extra = []
+        if caps.fp8_kv_model_dtypes is not None:
+            extra.append(f"model.dtype in {sorted(str(d).removeprefix('torch.') for d in caps.fp8_kv_model_dtypes)}")
+        if caps.fp8_kv_gpu_major is not None:
+            extra.append(f"a GPU of compute capability {caps.fp8_kv_gpu_major}.x")
+        need = f" ({', '.join(extra)})" if extra and kv_dtype in caps.kv_dtypes else ""
+        got = f"model.dtype={cfg['model']['dtype']}" + (f", GPU {device.name}" if device.kind == "cuda" else "")
+        out.append(Problem(f"kv.dtype={kv_dtype} with backend '{name}'", got,
+                           f"a backend that reads an {kv_dtype} cache{need}: {working}",
+                           f"use backend={working[0] if working else 'torch_mla'}, or kv.dtype=auto"))
+    if cfg["hisparse"]["enabled"]:
+        out.append(Problem(f"kv.dtype={kv_dtype} with hisparse.enabled=true",
+                           "HiSparse host pool (copies rows in the model dtype)", "kv.dtype=auto with HiSparse",
+                           "set kv.dtype=auto, or hisparse=off"))
+    return out
+
+
+def _workload_problems(work, kv, model, lookahead: int = 0, specs: list[RequestSpec] | None = None) -> list[Problem]:
+    """``lookahead``: positions a speculative round reserves past a request's length (num_steps + 2).
+    ``specs``: the prompt file's requests (their lengths replace the synthetic length distributions), or None
+    for a synthetic workload."""
     out: list[Problem] = []
     add = out.append
-    for key in ("num_requests", "max_running_requests", "max_tokens_per_batch", "chunked_prefill_size",
-                "mha_prefix_chunk_tokens"):
+    synthetic = specs is None
+    keys = ("max_running_requests", "max_tokens_per_batch", "chunked_prefill_size", "mha_prefix_chunk_tokens")
+    for key in (("num_requests",) if synthetic else ()) + keys:
         if work[key] < 1:
             add(Problem(f"workload.{key}", str(work[key]), ">= 1", f"set workload.{key} to a positive value"))
-    for which in ("prompt_len", "output_len"):
-        d = work[which]
-        if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
-            add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
-                        "1 <= min <= max, mean >= 1, std >= 0", f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
-    longest = work["prompt_len"]["max"] + work["output_len"]["max"] + lookahead
-    spec = f" + speculative look-ahead {lookahead}" if lookahead else ""
-    if longest > model["max_context"]:
-        add(Problem("workload length", f"prompt_len.max + output_len.max{spec} = {longest} tokens",
-                    f"<= model.max_context ({model['max_context']})",
-                    f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
+    if synthetic:
+        for which in ("prompt_len", "output_len"):
+            d = work[which]
+            if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
+                add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
+                            "1 <= min <= max, mean >= 1, std >= 0",
+                            f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
+        longest = work["prompt_len"]["max"] + work["output_len"]["max"] + lookahead
+        spec = f" + speculative look-ahead {lookahead}" if lookahead else ""
+        if longest > model["max_context"]:
+            add(Problem("workload length", f"prompt_len.max + output_len.max{spec} = {longest} tokens",
+                        f"<= model.max_context ({model['max_context']})",
+                        f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
+    else:  # each line's length against max_context is checked with the file
+        longest = max((len(s.prompt) + s.max_new_tokens for s in specs), default=0) + lookahead
     for key in ("page_size", "num_pages", "max_requests"):
         if kv[key] < 1:
             add(Problem(f"kv.{key}", str(kv[key]), ">= 1", f"set kv.{key} to a positive value"))

@@ -71,7 +71,18 @@ class LinearImpl(str, enum.Enum):
 
 class CheckMode(str, enum.Enum):
     off = "off"
-    reference = "reference"
+    reference = "reference"  # the float32 torch reference, reading the same (possibly fp8) KV cache
+    unquantized = "unquantized"  # also the same run with kv.dtype=auto: what the fp8 cache costs
+
+
+class KVDType(str, enum.Enum):
+    auto = "auto"  # the model dtype
+    fp8_e4m3 = "fp8_e4m3"  # float8 e4m3 (max 448) with the per-tensor scale kv.scale
+
+
+class WorkloadKind(str, enum.Enum):
+    synthetic = "synthetic"  # seeded random prompts from the length distributions
+    prompts = "prompts"  # one request per line of the JSON-lines file `workload.path`
 
 
 class LengthDist(str, enum.Enum):
@@ -133,7 +144,7 @@ class ModelConfig:
     seeded random (``weight_seed``)."""
 
     name: str = MISSING
-    path: str | None = None
+    path: str | None = None  # a Hugging Face model folder (config.json, safetensors, tokenizer.json, generation_config.json)
     model_type: str | None = None  # deepseek_v2 | deepseek_v3 | deepseek_v32 (from config.json; informative)
     num_layers: int | None = None
     hidden_size: int | None = None
@@ -212,6 +223,8 @@ class KVCacheConfig:
     page_size: int = 16
     num_pages: int = 1024
     max_requests: int = 64  # rows of the request -> token table
+    dtype: KVDType = KVDType.auto  # storage of the latent cache: writes quantize, kernels dequantize on read
+    scale: float = 1.0  # fp8: stored = clamp(value / scale, -448, 448); read = stored * scale
 
 
 @dataclass
@@ -258,7 +271,15 @@ class LengthConfig:
 
 @dataclass
 class WorkloadConfig:
+    """Requests and scheduler limits. ``kind=synthetic`` draws ``num_requests`` random prompts from the length
+    distributions; ``kind=prompts`` reads them from ``path`` (JSON lines, see runtime/engine/prompts.py)."""
+
     name: str = MISSING
+    kind: WorkloadKind = WorkloadKind.synthetic
+    path: str | None = None  # kind=prompts: the JSON-lines file, one request per line
+    max_new_tokens: int = 32  # kind=prompts: for lines without their own max_new_tokens
+    tokenizer: str | None = None  # a tokenizer.json (or a folder with one); default: model.path's tokenizer.json
+    eos_token_ids: list[int] | None = None  # stop ids; null: the model folder's (none for presets); []: never stop
     num_requests: int = 8
     prompt_len: LengthConfig = field(default_factory=LengthConfig)
     output_len: LengthConfig = field(default_factory=lambda: LengthConfig(mean=8, std=2, min=1, max=16))

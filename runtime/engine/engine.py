@@ -24,7 +24,7 @@ from runtime.engine.graph_runner import GraphRunner
 from runtime.engine.progress import Progress
 from runtime.engine.speculative import SpeculativeDriver
 from runtime.engine.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
-from runtime.engine.workload import Request, make_requests
+from runtime.engine.workload import Request, Workload
 from runtime.model.mla_model import MLAModel
 
 
@@ -51,13 +51,16 @@ class RunResult:
 
     Attributes
     ----------
-    outputs : rid -> generated token ids (the forced ones when the run was forced)
+    outputs : rid -> generated token ids (the forced ones when the run was forced); a request stopped by an
+        EOS id ends with it
+    finish_reasons : rid -> "stop" (emitted an EOS id) or "length" (reached its max_new_tokens)
     argmax : rid -> the model's own greedy choice at every generated position
     margins : rid -> top-1 minus top-2 logit at every generated position
     hidden : rid -> [num_generated, hidden] float32 final-normed hidden states that produced each token
     """
 
     outputs: dict[int, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
     argmax: dict[int, list[int]] = field(default_factory=dict)
     margins: dict[int, list[float]] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -90,7 +93,9 @@ class Engine:
         Per-request state pools indexed by request row (``reset(rows)``), e.g. linear-attention states;
         each admitted request's row is reset.
     workload : dict
-        The resolved `workload` config.
+        The resolved `workload` config (scheduler limits).
+    requests : Workload
+        The requests to serve and the EOS ids that stop them early.
     device : torch.device
     spec : SpeculativeDriver or None
         Speculative decoding: decode steps become rounds of draft, verify and draft extend.
@@ -105,11 +110,12 @@ class Engine:
         token_slots: TokenSlots,
         request_states: list,
         workload: dict,
+        requests: Workload,
         device: torch.device,
         spec: SpeculativeDriver | None = None,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
-        self.slots, self.workload, self.device = token_slots, workload, device
+        self.slots, self.workload, self.requests, self.device = token_slots, workload, requests, device
         self.request_states = request_states
         self.spec = spec
         self._lookahead = spec.lookahead if spec is not None else 0
@@ -118,17 +124,21 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False,
-            record_hidden: bool = True, requests: list[Request] | None = None) -> RunResult:
+            record_hidden: bool = True) -> RunResult:
         """Run every request to completion. ``forced`` (rid -> tokens) feeds those tokens instead of the
-        greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too.
+        greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too; a
+        request then generates exactly its forced tokens.
         ``record_hidden``: keep each generated token's final hidden state (the parity check compares them;
-        a benchmark turns it off so no step copies [B, hidden] to the host). ``requests``: run these (e.g.
-        :func:`runtime.engine.workload.prompt_requests`) instead of the `workload` config's synthetic ones.
+        a benchmark turns it off so no step copies [B, hidden] to the host).
 
         No step waits for the previous one: decode inputs come from the device-side last-token table and
-        results are copied back lazily (runtime/engine/step_outputs.py)."""
-        if requests is None:
-            requests = make_requests(self.workload, self.model.spec.vocab_size)
+        results are copied back lazily (runtime/engine/step_outputs.py). A request whose resolved token is an
+        EOS id is released as soon as the host sees that token; what steps already enqueued generated for it
+        past the EOS is dropped."""
+        requests = self.requests.requests()
+        if forced is not None:
+            for r in requests:
+                r.max_new_tokens = len(forced[r.rid])
         res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
         for r in requests:
             res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
@@ -137,7 +147,7 @@ class Engine:
         if forced is not None and self.spec is not None:
             raise ValueError("Engine.run(forced=...) replays given tokens through plain greedy decoding; this engine "
                              "speculates. Fix: build the replay engine with speculative.enabled=false.")
-        self._outputs = StepOutputs(self.clock, record_hidden)
+        self._outputs = StepOutputs(self.clock, record_hidden, self.requests.eos_ids)
         self._res = res
         self._timed: list[tuple[StepRecord, object, object]] = []  # speculative phases awaiting their times
         self.graphs.capture()
@@ -168,14 +178,17 @@ class Engine:
                                             self.slots.req_to_token_pool.last_token, self._spec_forward)
                 self._finish_step(reqs, running, res)
                 self._outputs.push(pending, res)
+                self._release_stopped(running, res)
                 bar.advance(len(reqs))
         self._outputs.resolve_all(res)
+        self._release_stopped(running, res)
         self._resolve_times(wait=True)
         hidden_dim = self.model.spec.hidden_size
         res.hidden = {rid: (torch.stack([t[i] for t, i in v]) if v else torch.empty(0, hidden_dim))
                       for rid, v in res.hidden_rows.items()}
         res.hidden_rows = {}
         res.outputs = {r.rid: list(r.output) for r in requests}
+        res.finish_reasons = {r.rid: "stop" if r.stopped else "length" for r in requests}
         res.lost = sum(1 for r in requests if not r.done)
         return res
 
@@ -239,16 +252,23 @@ class Engine:
     def _spec_round(self, decoding: list[Request], locs: list[int], running: list[Request], res: RunResult,
                     bar) -> None:
         """One speculative round; the host waits for the verify results (the next round's lengths depend on
-        them) while the draft extend runs."""
+        them) while the draft extend runs. A request whose prefill token turns out to be an EOS id (resolved
+        here, after the round was launched) is released and gets nothing of the round; one whose round
+        emits an EOS id keeps the tokens up to it."""
         rows, lens = [r.row for r in decoding], [r.cached for r in decoding]
         host, verified = self.spec.round(rows, lens, locs, self.slots.req_to_token_pool.last_token,
                                          self._spec_forward, self._outputs.record_hidden, self.clock)
         self._outputs.resolve_all(res)  # earlier (prefill) tokens first: outputs stay in order
+        self._release_stopped(running, res)
         self.clock.wait(verified)
-        rr = self.spec.resolve(host, [r.max_new_tokens - len(r.output) for r in decoding])
+        rr = self.spec.resolve(host, [0 if r.stopped else r.max_new_tokens - len(r.output) for r in decoding],
+                               self.requests.eos_ids)
         verify = next(s for s in reversed(res.steps) if s.phase == "target_verify")
         verify.tokens = sum(len(t) for t in rr.tokens)  # a round's decode tokens are the ones it emitted
         for r, toks, margins, i in zip(decoding, rr.tokens, rr.margins, range(len(decoding))):
+            if r.stopped:  # released above
+                continue
+            r.stopped = rr.stopped[i]
             r.output.extend(toks)
             res.argmax[r.rid].extend(toks)
             res.margins[r.rid].extend(margins)
@@ -313,7 +333,8 @@ class Engine:
             spans = [n + t for (_, n), t in zip(chosen, tails)]
             starts = [0, *itertools.accumulate(spans)]
             locs = [x for (_, n), s0 in zip(chosen, starts) for x in locs[s0 : s0 + n]]
-        ids = torch.tensor([t for r, n in chosen for t in self._host_tokens(r, r.cached, r.cached + n)],
+        # a request that prefills has no pending output (a retraction resolves them first)
+        ids = torch.tensor([t for r, n in chosen for t in r.tokens[r.cached : r.cached + n]],
                            dtype=torch.int64)
         batch = make_batch(
             ForwardMode.EXTEND, [r.row for r in reqs], [r.cached for r in reqs], [n for _, n in chosen], locs,
@@ -371,7 +392,13 @@ class Engine:
         return decoding, batch, ids, None, batch.req_pool_indices  # every request samples: all rows of h
 
     def _retract(self, r: Request, waiting: deque[Request], running: list[Request], res: RunResult) -> None:
-        """Return every page of ``r`` and queue it first; its generated tokens are kept."""
+        """Return every page of ``r`` and queue it first; its generated tokens are kept. Pending outputs are
+        resolved first (the re-prefill needs ``r``'s tokens, and a request that already stopped is released
+        instead), so a waiting request never has a pending token."""
+        self._outputs.resolve_all(res)
+        self._release_stopped(running, res)
+        if r.stopped:
+            return
         self.slots.release(r.row)
         running.remove(r)
         r.row, r.cached, r.decoding = None, 0, False
@@ -391,11 +418,16 @@ class Engine:
                 r.row = None
                 res.finished += 1
 
-    def _host_tokens(self, r: Request, start: int, end: int) -> list[int]:
-        """Tokens ``start:end`` of ``r`` on the host (a retracted request's outputs may still be pending)."""
-        if PENDING in r.output:
-            self._outputs.resolve_all(self._res)
-        return r.tokens[start:end]
+    def _release_stopped(self, running: list[Request], res: RunResult) -> None:
+        """Release every running request that resolved outputs showed has emitted an EOS id: its pages and
+        request row return now, and no later step includes it. (One that already finished by length was
+        released then.)"""
+        for r in self._outputs.take_stopped():
+            if r.row is not None:
+                self.slots.release(r.row)
+                running.remove(r)
+                r.row = None
+                res.finished += 1
 
     def _stall_message(self, waiting, running) -> str:
         return (
