@@ -43,6 +43,9 @@ from runtime.engine.graph_runner import GraphRunner, ModeGraphs, decide_graphs
 from runtime.engine.hisparse import HiSparseCoordinator, host_page_count
 from runtime.engine.prompts import load_workload
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
+from runtime.model.deepseek.checkpoint import load_checkpoint, scan_checkpoint
+from runtime.model.deepseek.hf_config import resolve_model_config
+from runtime.model.deepseek.weights import ModelWeights, random_weights
 from runtime.model.dump import AttentionDumper
 from runtime.model.indexer import IndexKeyPool
 from runtime.model.mla_model import MLAModel
@@ -98,6 +101,15 @@ def _sparse_hook(backend: Any) -> SparseDecode | None:
     """The backend as the model's sparse-layer hook when its capabilities say sparse (validation has checked
     the methods); else None."""
     return backend if type(backend).capabilities.sparse else None
+
+
+def _weight_source(spec: ModelSpec) -> str:
+    """'checkpoint' when the model is a Hugging Face folder (model.path), else 'random' (a preset)."""
+    return "checkpoint" if spec.path else "random"
+
+
+def _draft_weights(model: MLAModel, n: int) -> ModelWeights:
+    return model.weights.first(n)
 
 
 def _on_off(enabled: bool) -> str:
@@ -303,10 +315,15 @@ class Container(containers.DeclarativeContainer):
                                          hybrid=providers.List(backend, linear_backend))
     request_states = providers.Selector(model_kind, mla=providers.List(), hybrid=providers.List(linear_state_pool))
 
-    # 6. model ----------------------------------------------------------------------------------------
+    # 6. weights (seeded random, or a Hugging Face folder read shard by shard) and model ---------------
+    model_weights = providers.Selector(
+        providers.Callable(_weight_source, model_spec),
+        random=_step(build_log, "weights:random", providers.Factory(random_weights, model_spec, device)),
+        checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(load_checkpoint, model_spec, device)),
+    )
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     model = _step(build_log, "model", providers.Factory(
-        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode))
+        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights))
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first
     #    draft_layers layers with its own KV pool (sharing the request table, so both use the same slots);
@@ -352,8 +369,10 @@ class Container(containers.DeclarativeContainer):
         _shared_kv_indices, draft_backends, config.speculative.shared_kv_indices, req_to_token_pool,
         config.kv.page_size)
     draft_attention = providers.Singleton(MultiStepDraftBackend, draft_backends, draft_kv_indices, req_to_token_pool)
+    draft_weights = providers.Callable(_draft_weights, model, config.speculative.draft_layers)
     draft_model = _step(build_log, "draft_model", providers.Factory(
-        MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, weights_from=model))
+        MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, None, draft_weights,
+        shares_weights=True))
     draft_steps = providers.Singleton(DraftSteps, draft_model, draft_attention)
 
     # every attention backend the engine runs: the graph decision takes the minimum level over them
@@ -390,8 +409,8 @@ class Container(containers.DeclarativeContainer):
 # selected backend consumes it.
 BUILD_STAGES = (
     "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
-    "hisparse_coordinator", "workspace_ledger", "attention", "model", "graph_runner", "workload", "speculative",
-    "engine",
+    "hisparse_coordinator", "workspace_ledger", "attention", "model_weights", "model", "graph_runner", "workload",
+    "speculative", "engine",
 )
 
 
@@ -413,11 +432,13 @@ class Runtime:
 
 
 def to_plain(cfg: DictConfig | dict) -> dict:
-    """The resolved plain dict the container reads (enums as their names)."""
+    """The resolved plain dict the container reads (enums as their names, the model's optional fields filled)."""
     if isinstance(cfg, DictConfig):
         cfg = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
     plain = dict(cfg)
     plain.setdefault("dump_dir", None)
+    if isinstance(plain.get("model"), dict):  # optional model fields filled (preset defaults or config.json);
+        plain["model"] = resolve_model_config(plain["model"])[0]  # build() resolves again for the problems
     return plain
 
 
@@ -432,7 +453,11 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
     plain = to_plain(cfg)
     container = container or Container()
     info = probe_device(plain["device"]["kind"], plain["device"]["index"])
-    problems = validate(plain, BACKENDS, info, linear_backend=LinearAttentionBackend)
+    plain["model"], problems = resolve_model_config(plain["model"])
+    if not problems:  # a model config that resolved: everything else, and the checkpoint's headers
+        problems = validate(plain, BACKENDS, info, linear_backend=LinearAttentionBackend)
+        if not problems and plain["model"]["path"]:
+            problems = scan_checkpoint(ModelSpec.from_config(plain["model"]))[2]
     if problems:
         raise ConfigError(problems)
     container.config.from_dict(plain)

@@ -158,6 +158,16 @@ def _graphs(runner) -> dict:
                    "reason": m.decision.reason} for name, m in runner.modes.items()}
 
 
+def _model(runtime) -> dict:
+    """Name, dtype, layers, and where the weights came from: ``source`` (random, or the checkpoint folder),
+    ``load_seconds`` and ``peak_host_bytes`` (the process's peak resident memory after loading)."""
+    m = runtime.config["model"]
+    w = runtime.container.model().weights
+    return {"name": m["name"], "model_type": m.get("model_type"), "dtype": m["dtype"], "layers": m["num_layers"],
+            "mlp": m.get("mlp"), "source": w.source, "load_seconds": w.load_seconds,
+            "peak_host_bytes": w.peak_host_bytes}
+
+
 def _outputs(res: RunResult, workload) -> list[dict]:
     """One entry per request, in input order: prompt length, generated ids, why it ended, and the decoded
     text when the workload has a tokenizer."""
@@ -181,7 +191,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
         "backend": cfg["backend"]["name"],
         "kernel": kernel_section(cfg["backend"]),
         "device": {"kind": runtime.device.kind, "name": runtime.device.name},
-        "model": {"name": cfg["model"]["name"], "dtype": cfg["model"]["dtype"], "layers": cfg["model"]["num_layers"]},
+        "model": _model(runtime),
         "workload": cfg["workload"]["name"],
         "outputs": _outputs(res, runtime.container.workload()),
         "build_order": runtime.build_order,
@@ -237,7 +247,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
     if k:
         t.add_row("kernel", f"[yellow]{k['impl']}: {k['note']}[/yellow]" if k["emulated"] else k["impl"])
     p, d, r = report["phases"]["prefill"], report["phases"]["decode"], report["requests"]
-    t.add_row("model", f"{report['model']['name']} ({report['model']['dtype']}, {report['model']['layers']} layers)")
+    m = report["model"]
+    loaded = (f"; loaded from {m['source']} in {m['load_seconds']:.2f} s, peak host memory "
+              f"{_mib(m['peak_host_bytes'])}" if m["source"] != "random" else "; seeded random weights")
+    t.add_row("model", f"{m['name']} ({m['dtype']}, {m['layers']} layers, mlp {m['mlp']})" + loaded)
     t.add_row("build order", " -> ".join(report["build_order"]))
     t.add_row("prefill", f"{p['tokens']} tokens in {p['steps']} steps, {p['tokens_per_s']:.1f} tok/s")
     t.add_row("decode", f"{d['tokens']} tokens in {d['steps']} steps; step ms mean {d['mean_step_ms']:.3f} "

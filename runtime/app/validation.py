@@ -94,6 +94,12 @@ def validate(
         if bad or not g["batch_sizes"]:
             add(Problem("graph.batch_sizes", str(g["batch_sizes"]), "a non-empty list of sizes >= 1",
                         "e.g. graph.batch_sizes=[1,2,4,8,16,32]"))
+        moe = str(cfg["model"].get("mlp")) == "deepseek" and cfg["model"].get("n_routed_experts") and \
+            cfg["model"]["first_k_dense_replace"] < cfg["model"]["num_layers"]
+        if moe and str(cfg["model"]["dtype"]) != "bfloat16":
+            add(Problem("graph.enabled=true", f"MoE layers with model.dtype={cfg['model']['dtype']}",
+                        "bfloat16 (graphed MoE runs torch._grouped_mm; other dtypes loop over experts with a host sync)",
+                        "set model.dtype=bfloat16, or graph=off"))
         if caps is not None and caps.sparse and cfg["backend"].get("impl") == "torch":
             add(Problem("graph.enabled=true", f"backend '{name}' with impl=torch (host loops, host syncs)",
                         "impl=triton (auto on CUDA) for graphed decode", "use backend.impl=auto, or graph=off"))
@@ -232,6 +238,7 @@ def _model_problems(model, backend_name: str, caps: BackendCapabilities | None) 
         add(Problem(f"model '{model['name']}'", f"sparse layers with backend '{backend_name}'",
                     "a sparse-capable backend for sparse layers",
                     "use backend=dsa, or a model whose layer_pattern is [full]"))
+    out += _mlp_problems(model)
     if LayerKind.sparse in kinds:
         if model.get("index_n_heads", 0) < 1:
             add(Problem(f"model '{model['name']}'", f"sparse layers with index_n_heads={model.get('index_n_heads')}",
@@ -247,6 +254,32 @@ def _model_problems(model, backend_name: str, caps: BackendCapabilities | None) 
         if LayerKind.linear in kinds:
             add(Problem(f"model '{model['name']}'", "sparse and linear-attention layers in one model",
                         "sparse layers with full or sparse layers only", "drop linear from model.layer_pattern"))
+    return out
+
+
+def _mlp_problems(model) -> list[Problem]:
+    """DeepSeek MLP / MoE fields (model.mlp=deepseek)."""
+    if str(model.get("mlp", "none")) == "none":
+        return []
+    out: list[Problem] = []
+    add = out.append
+    n, first, e = model["num_layers"], model["first_k_dense_replace"], model["n_routed_experts"]
+    if (first > 0 or not e) and model["intermediate_size"] < 1:
+        add(Problem("model.intermediate_size", str(model["intermediate_size"]), ">= 1 (dense MLP layers)",
+                    "set model.intermediate_size, or model.mlp=none for attention-only layers"))
+    if e and first < n:
+        k, g, tg = model["num_experts_per_tok"], model["n_group"], model["topk_group"]
+        if model["moe_intermediate_size"] < 1:
+            add(Problem("model.moe_intermediate_size", str(model["moe_intermediate_size"]), ">= 1",
+                        "set model.moe_intermediate_size"))
+        if g < 1 or e % g:
+            add(Problem("model.n_group", f"{g} groups of {e} experts", "a divisor of n_routed_experts",
+                        "set model.n_group=1"))
+        elif not 1 <= tg <= g:
+            add(Problem("model.topk_group", str(tg), f"1..n_group ({g})", f"set model.topk_group={g}"))
+        elif not 1 <= k <= tg * (e // g):
+            add(Problem("model.num_experts_per_tok", str(k), f"1..{tg * (e // g)} (experts in the topk_group groups)",
+                        "set model.num_experts_per_tok=8"))
     return out
 
 

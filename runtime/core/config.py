@@ -37,6 +37,27 @@ class LayerKind(str, enum.Enum):
     sparse = "sparse"  # DeepSeek sparse attention (top-k selected KV)
 
 
+class MLPKind(str, enum.Enum):
+    none = "none"  # attention-only layers (x + attn(x)): the synthetic benchmark models
+    deepseek = "deepseek"  # DeepSeek decoder layers: dense SwiGLU for the first layers, MoE after
+
+
+class ScoringFunc(str, enum.Enum):
+    softmax = "softmax"  # DeepSeek-V2 router
+    sigmoid = "sigmoid"  # DeepSeek-V3 router (with e_score_correction_bias for the choice)
+
+
+class TopkMethod(str, enum.Enum):
+    greedy = "greedy"  # V2: top-k of the softmax scores
+    group_limited_greedy = "group_limited_greedy"  # V2: top-k within the topk_group groups of highest max score
+    noaux_tc = "noaux_tc"  # V3: top-k within the topk_group groups of highest top-2 sum (bias-corrected scores)
+
+
+class RopeType(str, enum.Enum):
+    default = "default"
+    yarn = "yarn"
+
+
 class PrefillPath(str, enum.Enum):
     auto = "auto"  # MHA chunked-prefix when the full-attention backend provides the hook, else absorbed
     mha_chunked = "mha_chunked"  # require the MHAChunkPrefill hook (refused at startup if missing)
@@ -137,31 +158,80 @@ class DSAConfig(BackendConfig):
 # ----------------------------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
-    """MLA dimensions. ``layer_pattern`` is repeated over ``num_layers``: ``[full]`` for DeepSeek-V3,
-    ``[linear, linear, linear, full]`` for a hybrid whose every fourth layer is full attention."""
+    """DeepSeek MLA model dimensions. ``layer_pattern`` is repeated over ``num_layers``: ``[full]`` for DeepSeek-V3,
+    ``[linear, linear, linear, full]`` for a hybrid whose every fourth layer is full attention.
+
+    ``path`` (``model=hf model.path=DIR``): a Hugging Face folder. Every dimension below that is null comes from
+    its config.json (:mod:`runtime.model.deepseek.hf_config`); ``num_layers`` may cut the model to its first
+    layers, ``max_context`` and ``dtype`` (the compute dtype) are the runtime's. Without a path the weights are
+    seeded random (``weight_seed``)."""
 
     name: str = MISSING
-    num_layers: int = MISSING
-    hidden_size: int = MISSING
-    num_heads: int = MISSING
+    path: str | None = None  # a Hugging Face model folder (config.json, safetensors, tokenizer.json, generation_config.json)
+    model_type: str | None = None  # deepseek_v2 | deepseek_v3 | deepseek_v32 (from config.json; informative)
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    num_heads: int | None = None
     q_lora_rank: int | None = None
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    vocab_size: int = 512
-    max_context: int = 4096
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    vocab_size: int | None = None
+    max_context: int | None = None  # null with a path: the checkpoint's max_position_embeddings
     dtype: DType = DType.bfloat16
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    layer_pattern: list[LayerKind] = field(default_factory=lambda: [LayerKind.full])
+    rope_theta: float | None = None
+    rms_norm_eps: float | None = None
+    layer_pattern: list[LayerKind] | None = None
     linear_num_heads: int | None = None  # linear-attention heads (default: num_heads)
     linear_head_dim: int = 128  # key and value head dim of linear-attention layers
-    index_n_heads: int = 0  # DeepSeek sparse-attention indexer heads (0: the model has no indexer)
-    index_head_dim: int = 128  # indexer query/key head dim (RoPE on its first qk_rope_head_dim dims)
-    index_topk: int = 2048  # tokens each query of a sparse layer attends to
+    index_n_heads: int | None = None  # DeepSeek sparse-attention indexer heads (0: the model has no indexer)
+    index_head_dim: int | None = None  # indexer query/key head dim (RoPE on its first qk_rope_head_dim dims)
+    index_topk: int | None = None  # tokens each query of a sparse layer attends to
+    # --- RoPE: interleaved pairs on the MLA rope dims (DeepSeek checkpoints) or half-split; YaRN scaling
+    rope_interleave: bool | None = None
+    rope_type: RopeType | None = None
+    rope_factor: float | None = None
+    rope_original_max_position: int | None = None
+    rope_beta_fast: float | None = None
+    rope_beta_slow: float | None = None
+    rope_mscale: float | None = None
+    rope_mscale_all_dim: float | None = None
+    rope_attention_factor: float | None = None  # cos/sin multiplier (null: derived from factor and mscales)
+    rope_truncate: bool | None = None
+    # --- MLP / MoE (mlp=none: attention-only layers)
+    mlp: MLPKind | None = None
+    intermediate_size: int | None = None  # dense SwiGLU layers
+    moe_intermediate_size: int | None = None  # per routed expert (shared experts: x n_shared_experts)
+    n_routed_experts: int | None = None
+    n_shared_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    norm_topk_prob: bool | None = None
+    scoring_func: ScoringFunc | None = None
+    topk_method: TopkMethod | None = None
+    first_k_dense_replace: int | None = None
+    moe_layer_freq: int | None = None
+    tie_word_embeddings: bool | None = None
+    eos_token_id: list[int] | None = None
     weight_seed: int = 1234
-    path: str | None = None  # a Hugging Face model folder (config.json, tokenizer.json, generation_config.json)
+
+
+# Values of the optional model fields when neither the preset nor a checkpoint sets them.
+MODEL_DEFAULTS: dict[str, Any] = {
+    "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 512, "max_context": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "layer_pattern": ["full"],
+    "index_n_heads": 0, "index_head_dim": 128, "index_topk": 2048,
+    "rope_interleave": False, "rope_type": "default", "rope_factor": 1.0, "rope_original_max_position": 4096,
+    "rope_beta_fast": 32.0, "rope_beta_slow": 1.0, "rope_mscale": None, "rope_mscale_all_dim": None,
+    "rope_attention_factor": None, "rope_truncate": True,
+    "mlp": "none", "intermediate_size": 0, "moe_intermediate_size": 0, "n_routed_experts": 0, "n_shared_experts": 0,
+    "num_experts_per_tok": 0, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+    "scoring_func": "softmax", "topk_method": "greedy", "first_k_dense_replace": 0, "moe_layer_freq": 1,
+    "tie_word_embeddings": False, "eos_token_id": [],
+}
 
 
 # ------------------------------------------------------------------------------------- memory and pools

@@ -21,12 +21,21 @@ class Problem:
 class ConfigError(ValueError):
     """Raised once, before anything is allocated, with every problem found in the configuration."""
 
+    header = "configuration refused"
+
     def __init__(self, problems: list[Problem]):
         self.problems = list(problems)
         n = len(self.problems)
-        lines = [f"configuration refused ({n} problem{'s' if n != 1 else ''}):"]
+        lines = [f"{self.header} ({n} problem{'s' if n != 1 else ''}):"]
         lines += [f"  {i}. {p}" for i, p in enumerate(self.problems, 1)]
         super().__init__("\n".join(lines))
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint folder cannot be served (missing or truncated shard, missing tensor, wrong shape or dtype);
+    each problem names the file and the tensor. Raised before any weight is loaded."""
+
+    header = "checkpoint refused"
 
 
 class PoolExhausted(RuntimeError):

@@ -1,45 +1,42 @@
-"""The DeepSeek-V3.2 indexer of a sparse layer: its weights, its projections, and its key cache.
+"""The DeepSeek-V3.2 lightning indexer of a sparse layer: its weights, its projections, and its key cache.
 
-Per query token the indexer scores every previous token ``j`` as ``sum_h w_h * relu(q_h . k_j)`` (the top-k
-itself is a kernel: ``backends/kernels/indexer.py``). Here:
+Per query token the indexer scores every previous token ``j`` as ``sum_h w_h * relu(q_h . k_j) / sqrt(Di)``
+with ``w = weights_proj(x) / sqrt(Hi)`` (the top-k itself is a kernel: ``backends/kernels/indexer.py``), as the
+reference (transformers' DeepseekV32Indexer) does:
 
-* :class:`IndexerWeights` / :func:`make_indexer_weights`: a q projection from the query latent (``wq_b``-like,
-  Hi x Di), a key projection from the normed hidden state with an RMSNorm, and per-head weights w_h from the
-  hidden state; RoPE on the first ``qk_rope_head_dim`` dims of q and k.
-* :func:`indexer_projections`: hidden states -> (q [T, Hi, Di], k [T, Di], w [T, Hi] float32).
-* :class:`IndexKeyPool`: the per-layer key cache [S, Di], one key per token slot (the device KV slot, or with
-  HiSparse the host slot, so keys outlive the device pages a request prefilled in).
+* q: ``wq_b`` of the query latent (the normed q LoRA output) -> [Hi, Di];
+* k: ``wk`` of the normed hidden state, then ``k_norm``, a LayerNorm with bias (eps 1e-6) -> [Di];
+* RoPE, half-split (not interleaved, unlike the MLA rope dims), on the *first* ``qk_rope_head_dim`` dims of q
+  and k; the rest passes through;
+* ``weights_proj`` runs in float32.
+
+(The reference's Hadamard rotation and fp8 scoring are precision devices: the rotation is orthogonal, so dot
+products are unchanged.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from runtime.model.layers import apply_rope, rms_norm
+from runtime.model.deepseek.rope import apply_rope_half
+
+K_NORM_EPS = 1e-6
 
 
 @dataclass
 class IndexerWeights:
-    wq: torch.Tensor  # [q_in, Hi * Di]   (q_in = q_lora_rank or hidden)
-    wk: torch.Tensor  # [hidden, Di]
-    k_norm: torch.Tensor  # [Di]
-    w_heads: torch.Tensor  # [hidden, Hi]
+    wq_b: torch.Tensor  # [Hi * Di, q_lora]
+    wk: torch.Tensor  # [Di, hidden]
+    k_norm_weight: torch.Tensor  # [Di]
+    k_norm_bias: torch.Tensor  # [Di]
+    weights_proj: torch.Tensor  # [Hi, hidden] float32
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [self.wq, self.wk, self.k_norm, self.w_heads]
-
-
-def make_indexer_weights(spec, w: Callable[..., torch.Tensor], ones: Callable[[int], torch.Tensor]) -> IndexerWeights:
-    """Seeded weights of one sparse layer's indexer. ``w(*shape, fan_in=)`` and ``ones(n)`` are the model's
-    initializers (same generator, so the weights are a function of ``model.weight_seed``)."""
-    q_in, d = spec.q_lora_rank or spec.hidden_size, spec.hidden_size
-    hi, di = spec.index_n_heads, spec.index_head_dim
-    return IndexerWeights(wq=w(q_in, hi * di, fan_in=q_in), wk=w(d, di, fan_in=d), k_norm=ones(di),
-                          w_heads=w(d, hi, fan_in=d))
+        return [self.wq_b, self.wk, self.k_norm_weight, self.k_norm_bias, self.weights_proj]
 
 
 def indexer_projections(
@@ -49,20 +46,21 @@ def indexer_projections(
 
     Parameters
     ----------
-    xn : [T, hidden] normed hidden states (model dtype); q_in : [T, q_lora or hidden] the query latent
+    xn : [T, hidden] normed hidden states (model dtype); q_in : [T, q_lora] the normed query latent
     cos, sin : [T, qk_rope_head_dim / 2] float32 RoPE tables at the tokens' positions
 
     Returns
     -------
     q : [T, Hi, Di] model dtype; k : [T, Di] model dtype
-    weights : [T, Hi] float32, scaled by Hi^-1/2 * Di^-1/2 (the score's softmax-style scale folded in)
+    weights : [T, Hi] float32, ``weights_proj(x) * Hi^-1/2 * Di^-1/2`` (the score's scale folded in:
+        relu(s * x) = s * relu(x) for s > 0)
     """
     t, hi, di, r = xn.shape[0], spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
-    q = (q_in @ iw.wq).view(t, hi, di)
-    q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-    k = rms_norm(xn @ iw.wk, iw.k_norm, spec.rms_norm_eps)
-    k = torch.cat([apply_rope(k[:, :r], cos, sin), k[:, r:]], dim=-1)
-    weights = (xn @ iw.w_heads).float() * (hi**-0.5 * di**-0.5)
+    q = F.linear(q_in, iw.wq_b).view(t, hi, di)
+    q = torch.cat([apply_rope_half(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+    k = F.layer_norm(F.linear(xn, iw.wk), (di,), iw.k_norm_weight, iw.k_norm_bias, K_NORM_EPS)
+    k = torch.cat([apply_rope_half(k[:, :r], cos, sin), k[:, r:]], dim=-1)
+    weights = F.linear(xn.to(iw.weights_proj.dtype), iw.weights_proj).float() * (hi**-0.5 * di**-0.5)
     return q.contiguous(), k.contiguous(), weights.contiguous()
 
 

@@ -1,0 +1,126 @@
+"""MLA attention of one DeepSeek layer over the injected backend, and the linear-attention layer of hybrids.
+
+MLA per layer: q from the normed hidden state (``q_proj``, or q LoRA ``q_a_proj`` -> RMSNorm -> ``q_b_proj``),
+``kv_a_proj_with_mqa`` to the latent (kv_lora_rank) plus the rope key, RMSNorm on the latent, RoPE on the rope
+dims (interleaved or half-split, :mod:`runtime.model.deepseek.rope`), the latent row written to the KV pool.
+Decode takes the absorbed path (``W_UK`` of ``kv_b_proj`` folded into q; ``W_UV`` applied to the latent output);
+prefill takes the MHA chunked-prefix path when a :class:`MHAChunkPrefill` hook is injected, the absorbed path
+otherwise. Sparse layers (V3.2) also compute the indexer's q, k and head weights and hand them to the sparse
+backend's hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backends.base import AttentionBackend, MHAChunkPrefill, SparseDecode
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.kv_pool import MLAKVPool
+from runtime.core.model_spec import ModelSpec
+from runtime.model.deepseek.rope import apply_rope
+from runtime.model.deepseek.weights import AttentionWeights, LinearLayerWeights
+from runtime.model.dump import AttentionDumper
+from runtime.model.indexer import indexer_projections
+from runtime.model.layers import rms_norm
+
+
+class MLAAttention:
+    """The attention half of every MLA layer (weights passed per call).
+
+    Parameters
+    ----------
+    spec : ModelSpec
+    kv_pool : MLAKVPool
+    backend : AttentionBackend
+    mha_prefill : MHAChunkPrefill or None
+        The MHA chunked-prefix prefill hook; None selects the absorbed path for prefill.
+    dumper : AttentionDumper or None
+    sparse : SparseDecode or None
+        The sparse backend's hooks, for sparse layers.
+    dump_layer : int
+        The layer whose attention inputs/outputs the dumper saves (-1: none).
+    """
+
+    def __init__(self, spec: ModelSpec, kv_pool: MLAKVPool, backend: AttentionBackend,
+                 mha_prefill: MHAChunkPrefill | None, dumper: AttentionDumper | None, sparse: SparseDecode | None,
+                 dump_layer: int):
+        self.spec, self.kv_pool, self.backend = spec, kv_pool, backend
+        self.mha_prefill, self.dumper, self.sparse, self.dump_layer = mha_prefill, dumper, sparse, dump_layer
+
+    def queries(self, lw: AttentionWeights, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """xn [T, D] -> (q_in [T, q_lora or D] the query latent, q [T, H, qk_head] before RoPE)."""
+        s = self.spec
+        q_in = rms_norm(F.linear(xn, lw.q_a), lw.q_a_norm, s.rms_norm_eps) if lw.q_a is not None else xn
+        return q_in, F.linear(q_in, lw.q_b).view(xn.shape[0], s.num_heads, s.qk_head_dim)
+
+    def latent(self, lw: AttentionWeights, xn: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """xn [T, D] -> (ckv [T, kv_lora] normed latent, kpe [T, rope] rotated rope key)."""
+        s = self.spec
+        kv = F.linear(xn, lw.kv_a)
+        ckv = rms_norm(kv[:, : s.kv_lora_rank], lw.kv_a_norm, s.rms_norm_eps)
+        return ckv, apply_rope(s, kv[:, s.kv_lora_rank :], cos, sin)
+
+    def forward(self, layer_id: int, lw: AttentionWeights, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, use_mha: bool) -> torch.Tensor:
+        """xn [T, D] normed hidden states -> attention output [T, D] (before the residual add)."""
+        s = self.spec
+        t, h = xn.shape[0], s.num_heads
+        q_in, q = self.queries(lw, xn)
+        q_nope, q_pe = q[..., : s.qk_nope_head_dim], apply_rope(s, q[..., s.qk_nope_head_dim :], cos, sin)
+        ckv, kpe = self.latent(lw, xn, cos, sin)
+        self.kv_pool.write(layer_id, batch.out_cache_loc, ckv, kpe)
+        index = None
+        if lw.indexer is not None:  # sparse layer: the backend keeps its indexer keys (and, with HiSparse, its KV)
+            index = indexer_projections(lw.indexer, s, xn, q_in, cos, sin)
+            self.sparse.store_sparse_tokens(torch.cat([ckv, kpe], dim=-1), index[1], layer_id, batch)
+        sparse_decode = index is not None and batch.mode == ForwardMode.DECODE
+
+        if use_mha:
+            o = self._mha_prefill(layer_id, lw, q_nope, q_pe, ckv, kpe, batch)
+        else:
+            q_abs = torch.einsum("thd,hdc->thc", q_nope, lw.w_uk)
+            fwd = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
+            if sparse_decode:
+                o_lat = self.sparse.forward_sparse_decode(q_abs, q_pe, index[0], index[2], layer_id, batch)
+            else:
+                o_lat = fwd(q_abs, q_pe, layer_id, batch)
+            if not sparse_decode and layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
+                self.dumper.save_absorbed(layer_id, batch, self.kv_pool, q_abs, q_pe, o_lat, s.kv_lora_rank, s.sm_scale)
+            o = torch.einsum("thc,hcd->thd", o_lat, lw.w_uv)
+        return F.linear(o.reshape(t, h * s.v_head_dim), lw.o)
+
+    def decompress(self, lw: AttentionWeights, ckv: torch.Tensor, kpe: torch.Tensor):
+        """Latent rows -> per-head keys and values: ckv [N, kv_lora], kpe [N, rope] -> k [N, H, qk_head],
+        v [N, H, v_head]."""
+        k_nope = torch.einsum("nc,hdc->nhd", ckv, lw.w_uk)
+        v = torch.einsum("nc,hcd->nhd", ckv, lw.w_uv)
+        k = torch.cat([k_nope, kpe[:, None, :].expand(-1, self.spec.num_heads, -1)], dim=-1)
+        return k, v
+
+    def _mha_prefill(self, layer_id, lw, q_nope, q_pe, ckv, kpe, batch: ForwardBatch) -> torch.Tensor:
+        s, hook = self.spec, self.mha_prefill
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k, v = self.decompress(lw, ckv, kpe)
+        out, lse = hook.forward_mha_extend(q, k, v, layer_id, batch)
+        for i, chunk in enumerate(batch.prefix_chunks):
+            rows = self.kv_pool.gather(layer_id, chunk.kv_slots)
+            k_c, v_c = self.decompress(lw, rows[:, : s.kv_lora_rank], rows[:, s.kv_lora_rank :])
+            out_c, lse_c = hook.forward_mha_prefix_chunk(q, k_c, v_c, i, layer_id, batch)
+            out, lse = hook.merge_states(out, lse, out_c, lse_c)
+        out = out.to(q.dtype)
+        if layer_id == self.dump_layer and self.dumper.wants("extend_mha"):
+            self.dumper.save_mha(layer_id, batch, self.kv_pool, q, out, lambda c, p: self.decompress(lw, c, p), s.sm_scale)
+        return out
+
+
+def linear_attention(spec: ModelSpec, backend: AttentionBackend, layer_id: int, lw: LinearLayerWeights,
+                     x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """A hybrid model's lightning-attention layer: x [T, D] (un-normed) -> output [T, D] (before the residual)."""
+    t, hl, dl = x.shape[0], spec.linear_num_heads, spec.linear_head_dim
+    xn = rms_norm(x, lw.attn_norm, spec.rms_norm_eps)
+    q = F.silu(xn @ lw.wq).view(t, hl, dl)
+    k = F.silu(xn @ lw.wk).view(t, hl, dl)
+    v = (xn @ lw.wv).view(t, hl, dl)
+    o = backend.forward_linear(q, k, v, layer_id, batch)
+    return rms_norm(o.reshape(t, hl * dl), lw.out_norm, spec.rms_norm_eps) @ lw.wo

@@ -1,0 +1,110 @@
+"""DeepSeek MoE: routing (V2 softmax greedy / group-limited, V3 sigmoid noaux_tc), grouped expert compute, shared
+experts.
+
+Routing (float32, as the reference):
+
+* ``softmax`` (V2): scores = softmax(router logits). ``greedy``: top-k scores. ``group_limited_greedy``: the
+  ``topk_group`` groups with the highest max score survive, the rest are zeroed, then top-k. With
+  ``norm_topk_prob`` and k > 1 the k weights are renormalised (DeepSeek-V2's code; its releases leave it off).
+* ``sigmoid`` (V3, ``noaux_tc``): scores = sigmoid(logits); the *choice* uses scores + e_score_correction_bias:
+  groups ranked by the sum of their top-2 biased scores, the best ``topk_group`` survive, top-k of the biased
+  scores among them; the weights are the unbiased scores of the chosen experts, renormalised (+1e-20) when
+  ``norm_topk_prob``.
+
+Both multiply the weights by ``routed_scaling_factor``.
+
+Expert compute: the T*k (token, expert) pairs are sorted by expert, each active expert runs one GEMM over its
+contiguous rows (``torch._grouped_mm`` does all of them in one launch with device-side offsets on CUDA bf16,
+no host sync, so decode can be graphed; elsewhere a loop over the active experts only), the outputs are
+weighted and summed back per token in float32 in a fixed order (graph replays equal eager runs bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.core.model_spec import ModelSpec
+from runtime.model.deepseek.mlp import dense_mlp, swiglu
+from runtime.model.deepseek.weights import MoEWeights
+
+
+def route(spec: ModelSpec, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    logits = F.linear(x.float(), w.gate.float())  # [T, E]
+    t, e, k = logits.shape[0], logits.shape[1], spec.num_experts_per_tok
+    g = spec.n_group
+    if spec.scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+        if spec.topk_method == "group_limited_greedy":
+            group = scores.view(t, g, e // g).amax(dim=-1)
+            keep = _group_mask(group, spec.topk_group, e)
+            scores = scores.masked_fill(~keep, 0.0)
+        weights, ids = torch.topk(scores, k, dim=-1)
+        if spec.norm_topk_prob and k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        scores = logits.sigmoid()
+        choice = scores + w.bias if w.bias is not None else scores
+        per = e // g
+        group = choice.view(t, g, per).topk(min(2, per), dim=-1).values.sum(dim=-1)
+        keep = _group_mask(group, spec.topk_group, e)
+        ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if spec.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scaling_factor, ids
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
+    """[T, G] group scores -> [T, E] bool: experts of the ``topk_group`` best groups."""
+    t, g = group_scores.shape
+    best = torch.topk(group_scores, topk_group, dim=-1).indices
+    mask = torch.zeros(t, g, dtype=torch.bool, device=group_scores.device).scatter_(1, best, True)
+    return mask[:, :, None].expand(t, g, num_experts // g).reshape(t, num_experts)
+
+
+def grouped_mm_usable(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
+    """Whether ``torch._grouped_mm`` serves the expert GEMMs: CUDA, bf16, compute capability >= 9.0, rows of
+    16-byte multiples."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0) and all(d % 8 == 0 for d in dims)
+
+
+def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   grouped_mm: bool) -> torch.Tensor:
+    """Sum over each token's k experts of weight * expert(x). x [T, D]; weights [T, k] float32; ids [T, k]
+    -> [T, D] float32."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // k
+    xs = x[tokens]  # [T * k, D], grouped by expert
+    # counts per expert without a host sync (bincount would read the max id back): graph-capturable
+    counts = torch.zeros(w.gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    if grouped_mm:
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
+        y = torch._grouped_mm(swiglu(h), w.down.transpose(1, 2), offs=offsets)
+    else:
+        y = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):  # one host sync; a GEMM per active expert only
+            if n:
+                y[start : start + n] = F.linear(swiglu(F.linear(xs[start : start + n], w.gate_up[e])), w.down[e])
+                start += n
+    unsorted = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    unsorted[order] = y.float()  # back to (token, slot) order: a fixed-order sum, deterministic (no atomics)
+    return (unsorted.view(t, k, -1) * weights[:, :, None]).sum(dim=1)
+
+
+def moe(spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
+    """x [T, D] -> routed experts + shared experts [T, D] in x's dtype."""
+    weights, ids = route(spec, w, x)
+    out = routed_experts(w, x, weights, ids, grouped_mm).to(x.dtype)
+    if w.shared is not None:
+        out = out + dense_mlp(w.shared, x)
+    return out

@@ -1,0 +1,211 @@
+"""The weights of a DeepSeek model as plain tensors, and their seeded random initialisation (the presets).
+
+Linear weights keep the Hugging Face layout ``[out, in]`` (applied with ``F.linear``), so a checkpoint's
+tensors are used as they are stored. ``kv_b_proj`` is split at load into ``w_uk`` [H, qk_nope, kv_lora] and
+``w_uv`` [H, kv_lora, v_head] for the absorbed path.
+
+Random initialisation: normal weights scaled by 1/sqrt(fan_in); the projections that write into the residual
+stream (attention output, MLP down) are scaled by a further 1/sqrt(2 * num_layers) (the GPT-2 / Megatron
+residual init), so the stream stays O(1) through depth and the first layers already say much of what the whole
+stack says, as in a trained model (a draft made of the first layers is accepted at a meaningful rate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime.core.config import LayerKind
+from runtime.core.model_spec import MLPLayer, ModelSpec
+from runtime.model.indexer import IndexerWeights
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor of a weights dataclass, nested weights dataclasses included."""
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif dataclasses.is_dataclass(v):
+            out += _tensors(v)
+    return out
+
+
+@dataclass
+class AttentionWeights:
+    """One MLA layer (attention half of a decoder layer)."""
+
+    attn_norm: torch.Tensor  # [D]
+    q_a: torch.Tensor | None  # [q_lora, D] (q LoRA) or None
+    q_a_norm: torch.Tensor | None  # [q_lora]
+    q_b: torch.Tensor  # [H * qk_head, q_in]   (q_in = q_lora or D; q_proj without q LoRA)
+    kv_a: torch.Tensor  # [kv_lora + rope, D]   (kv_a_proj_with_mqa)
+    kv_a_norm: torch.Tensor  # [kv_lora]
+    w_uk: torch.Tensor  # [H, qk_nope, kv_lora]   (kv_b's key half)
+    w_uv: torch.Tensor  # [H, kv_lora, v_head]    (kv_b's value half, transposed)
+    o: torch.Tensor  # [D, H * v_head]
+    indexer: IndexerWeights | None = None  # sparse layers (DeepSeek-V3.2)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return _tensors(self)
+
+
+@dataclass
+class LinearLayerWeights:
+    """A lightning-style linear-attention layer: SiLU(q), SiLU(k), v, per-head recurrent state, out norm."""
+
+    attn_norm: torch.Tensor  # [D]
+    wq: torch.Tensor  # [D, Hl * dk]
+    wk: torch.Tensor  # [D, Hl * dk]
+    wv: torch.Tensor  # [D, Hl * dv]
+    out_norm: torch.Tensor  # [Hl * dv]
+    wo: torch.Tensor  # [Hl * dv, D]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return _tensors(self)
+
+
+@dataclass
+class DenseMLPWeights:
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    gate_up: torch.Tensor  # [2 * I, D]  (gate rows, then up rows)
+    down: torch.Tensor  # [D, I]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return _tensors(self)
+
+
+@dataclass
+class MoEWeights:
+    """Router, routed experts (stacked), shared experts."""
+
+    gate: torch.Tensor  # [E, D] float32 router
+    bias: torch.Tensor | None  # [E] float32 e_score_correction_bias (sigmoid routing)
+    gate_up: torch.Tensor  # [E, 2 * I_moe, D]
+    down: torch.Tensor  # [E, D, I_moe]
+    shared: DenseMLPWeights | None  # intermediate I_moe * n_shared_experts
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return _tensors(self)
+
+
+@dataclass
+class DecoderLayerWeights:
+    attn: AttentionWeights | LinearLayerWeights
+    mlp_norm: torch.Tensor | None = None  # [D] post_attention_layernorm (None: attention-only layer)
+    mlp: DenseMLPWeights | MoEWeights | None = None
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return _tensors(self)
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, D]
+    layers: list[DecoderLayerWeights]
+    final_norm: torch.Tensor  # [D]
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    load_seconds: float = 0.0
+    peak_host_bytes: int = 0
+    source: str = "random"
+    extra: dict = field(default_factory=dict)
+
+    def first(self, n: int) -> ModelWeights:
+        """The same tensors (by reference) with only the first ``n`` layers: the speculative draft."""
+        return ModelWeights(self.embed, self.layers[:n], self.final_norm, self.lm_head, source=self.source)
+
+    @property
+    def nbytes(self) -> int:
+        seen, total = set(), 0
+        for t in [self.embed, self.final_norm, self.lm_head] + [x for lw in self.layers for x in lw.tensors]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+
+def split_kv_b(kv_b: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj.weight [H * (qk_nope + v_head), kv_lora] -> w_uk [H, qk_nope, kv_lora], w_uv [H, kv_lora, v_head]."""
+    w = kv_b.view(spec.num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
+    return (w[:, : spec.qk_nope_head_dim].contiguous(),
+            w[:, spec.qk_nope_head_dim :].transpose(1, 2).contiguous())
+
+
+def random_weights(spec: ModelSpec, device: torch.device) -> ModelWeights:
+    """Seeded random weights of ``spec`` (a function of ``spec.weight_seed`` and the device kind: the generator
+    runs on ``device`` so real-width experts need no host copy)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(spec.weight_seed)
+    s = spec
+
+    def w(*shape: int, fan_in: int, residual: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+        scale = fan_in * (2 * s.num_layers if residual else 1)
+        t = torch.randn(*shape, generator=gen, dtype=torch.float32, device=device) / scale**0.5
+        return t.to(dtype or s.dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=s.dtype)
+
+    def mlp(inter: int) -> DenseMLPWeights:
+        return DenseMLPWeights(gate_up=w(2 * inter, d, fan_in=d), down=w(d, inter, fan_in=inter, residual=True))
+
+    h, d = s.num_heads, s.hidden_size
+    hl, dl = s.linear_num_heads, s.linear_head_dim
+    embed = w(s.vocab_size, d, fan_in=1)
+    layers = []
+    for kind, mkind in zip(s.layer_kinds, s.mlp_kinds):
+        if kind == LayerKind.linear:
+            attn = LinearLayerWeights(
+                attn_norm=ones(d), wq=w(d, hl * dl, fan_in=d), wk=w(d, hl * dl, fan_in=d),
+                wv=w(d, hl * dl, fan_in=d), out_norm=ones(hl * dl), wo=w(hl * dl, d, fan_in=hl * dl, residual=True))
+        else:
+            q_in = s.q_lora_rank or d
+            w_uk, w_uv = split_kv_b(w(h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, fan_in=s.kv_lora_rank), s)
+            attn = AttentionWeights(
+                attn_norm=ones(d),
+                q_a=w(s.q_lora_rank, d, fan_in=d) if s.q_lora_rank else None,
+                q_a_norm=ones(s.q_lora_rank) if s.q_lora_rank else None,
+                q_b=w(h * s.qk_head_dim, q_in, fan_in=q_in),
+                kv_a=w(s.kv_row_dim, d, fan_in=d),
+                kv_a_norm=ones(s.kv_lora_rank),
+                w_uk=w_uk, w_uv=w_uv,
+                o=w(d, h * s.v_head_dim, fan_in=h * s.v_head_dim, residual=True),
+                indexer=_random_indexer(s, w, q_in) if kind == LayerKind.sparse else None,
+            )
+        layer = DecoderLayerWeights(attn)
+        if mkind == MLPLayer.dense:
+            layer.mlp_norm, layer.mlp = ones(d), mlp(s.intermediate_size)
+        elif mkind == MLPLayer.moe:
+            e, i = s.n_routed_experts, s.moe_intermediate_size
+            gate_up = torch.empty(e, 2 * i, d, dtype=s.dtype, device=device)
+            down = torch.empty(e, d, i, dtype=s.dtype, device=device)
+            for x in range(e):  # one expert at a time: no float32 copy of all experts
+                gate_up[x] = w(2 * i, d, fan_in=d)
+                down[x] = w(d, i, fan_in=i, residual=True)
+            layer.mlp_norm = ones(d)
+            layer.mlp = MoEWeights(
+                gate=w(e, d, fan_in=d, dtype=torch.float32),
+                bias=w(e, fan_in=1e4, dtype=torch.float32) if s.scoring_func == "sigmoid" else None,
+                gate_up=gate_up, down=down,
+                shared=mlp(i * s.n_shared_experts) if s.n_shared_experts else None)
+        layers.append(layer)
+    final_norm = ones(d)
+    lm_head = embed if s.tie_word_embeddings else w(s.vocab_size, d, fan_in=d)
+    return ModelWeights(embed, layers, final_norm, lm_head)
+
+
+def _random_indexer(s: ModelSpec, w, q_in: int) -> IndexerWeights:
+    hi, di, d = s.index_n_heads, s.index_head_dim, s.hidden_size
+    dev = w(1, fan_in=1).device
+    return IndexerWeights(
+        wq_b=w(hi * di, q_in, fan_in=q_in), wk=w(di, d, fan_in=d),
+        k_norm_weight=torch.ones(di, dtype=s.dtype, device=dev), k_norm_bias=torch.zeros(di, dtype=s.dtype, device=dev),
+        weights_proj=w(hi, d, fan_in=d, dtype=torch.float32))

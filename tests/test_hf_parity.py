@@ -1,0 +1,80 @@
+"""Real DeepSeek checkpoints: tiny random models built and saved by transformers (the oracle), loaded here through
+the normal config path (``model=hf model.path=DIR``) and served as one batch of 8 prompts (1..40 tokens).
+
+Greedy tokens must equal transformers' ``generate(do_sample=False)`` and float32 last-prompt-token logits must
+match within 1e-4 (relative), on the CPU backends (torch_mla; dsa with its torch impl). The Triton backends
+(triton_mla, dsa impl=triton) and flashinfer_mla run the same cases on the GPU (tests/test_hf_parity_gpu.py):
+whole-engine runs in the Triton CPU interpreter take minutes. Each model's weights are scaled so that no
+generated position is a near-tie (the test checks the reference's top-2 gap).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose_config
+from hf_models import CASES, V32_CASE, Case, Reference, make_case, prompt_overrides
+
+from containers import build
+
+pytest.importorskip("transformers")
+MIN_GAP = 1e-3  # top-1 minus top-2 logit of the reference at every generated position
+LOGIT_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is faster (and immune to a busy machine's oversubscription)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    cache: dict[str, Reference] = {}
+
+    def get(case: Case) -> Reference:
+        if case.name not in cache:
+            cache[case.name] = make_case(case, tmp_path_factory.mktemp(case.name))
+        return cache[case.name]
+
+    return get
+
+
+def serve(ref: Reference, new_tokens: int, *overrides: str):
+    """Our greedy tokens and last-prompt-token logits [P, vocab] float32 for the reference's prompts."""
+    cfg = compose_config("model=hf", f"model.path={ref.folder}", "model.dtype=float32", "device=cpu", "check=off",
+                         "progress=false", *prompt_overrides(ref.folder, ref.prompts, new_tokens), *overrides)
+    rt = build(cfg)
+    res = rt.engine.run()
+    first = torch.stack([res.hidden[i][0] for i in range(len(ref.prompts))])
+    return [res.outputs[i] for i in range(len(ref.prompts))], rt.container.model().logits(first), rt
+
+
+def check(ref: Reference, tokens, logits) -> None:
+    assert ref.min_gap > MIN_GAP, f"reference near-tie (gap {ref.min_gap:.2e}): reseed the case"
+    assert torch.isfinite(logits).all()
+    for i, (ours, theirs) in enumerate(zip(tokens, ref.tokens)):
+        assert ours == theirs, f"prompt {i} (len {len(ref.prompts[i])}): ours {ours} vs transformers {theirs}"
+    rel = (torch.linalg.vector_norm(logits - ref.last_logits, dim=-1)
+           / torch.linalg.vector_norm(ref.last_logits, dim=-1)).max().item()
+    assert rel < LOGIT_RTOL, f"last-token logits rel err {rel:.2e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_torch_mla_matches_transformers(case, reference):
+    ref = reference(case)
+    tokens, logits, _ = serve(ref, case.new_tokens, "backend=torch_mla")
+    check(ref, tokens, logits)
+
+
+def test_dsa_v32_matches_transformers(reference, impl="torch"):
+    """The indexer from the checkpoint's weights drives sparse decode: contexts grow past index_topk (12)."""
+    ref = reference(V32_CASE)
+    tokens, logits, rt = serve(ref, V32_CASE.new_tokens, "backend=dsa", f"backend.impl={impl}")
+    spec = rt.container.model_spec()
+    assert spec.sparse_layers == list(range(spec.num_layers)) and spec.index_topk == 12
+    assert max(len(p) for p in ref.prompts) + V32_CASE.new_tokens > spec.index_topk + 1
+    check(ref, tokens, logits)
