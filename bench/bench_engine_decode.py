@@ -47,7 +47,7 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int) -> dic
     ends = [s.marks[1] for s in full]
     periods = [a.elapsed_time(b) for a, b in zip(ends[:-1], ends[1:])][2:]  # skip the first steps
     runner = rt.container.graph_runner().get("decode")
-    graph = runner.graphs[bs][0]
+    graph = runner.graphs[bs][0][0]
     for _ in range(5):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

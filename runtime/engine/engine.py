@@ -25,7 +25,11 @@ from runtime.engine.progress import Progress
 from runtime.engine.speculative import SpeculativeDriver
 from runtime.engine.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
 from runtime.engine.workload import Request, make_requests
+from runtime.model.dump import AttentionDumper
 from runtime.model.mla_model import MLAModel
+
+# graph modes whose forwards run the target model (the one that dumps attention)
+TARGET_GRAPH_MODES = ("decode", "target_verify")
 
 
 @dataclass
@@ -94,6 +98,12 @@ class Engine:
     device : torch.device
     spec : SpeculativeDriver or None
         Speculative decoding: decode steps become rounds of draft, verify and draft extend.
+    overlap : bool
+        ``engine.overlap`` resolved: schedule, plan and launch step N+1 before reading step N's results back
+        (see :meth:`run`); off: read every step back before scheduling the next.
+    dumper : AttentionDumper or None
+        The target model's dumper: a graphed step whose mode it still wants to dump runs eagerly, so the
+        dump holds that step's values (a replay would not run the dump's Python code).
     """
 
     def __init__(
@@ -107,6 +117,8 @@ class Engine:
         workload: dict,
         device: torch.device,
         spec: SpeculativeDriver | None = None,
+        overlap: bool = False,
+        dumper: AttentionDumper | None = None,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
         self.slots, self.workload, self.device = token_slots, workload, device
@@ -115,18 +127,28 @@ class Engine:
         self._lookahead = spec.lookahead if spec is not None else 0
         self.clock = StepClock(device)
         self._fence = None  # event after the previous step's metadata copies (see _forward)
+        self.overlap, self.dumper = overlap, dumper
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False,
-            record_hidden: bool = True) -> RunResult:
+            record_hidden: bool = True, requests: list[Request] | None = None) -> RunResult:
         """Run every request to completion. ``forced`` (rid -> tokens) feeds those tokens instead of the
         greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too.
         ``record_hidden``: keep each generated token's final hidden state (the parity check compares them;
         a benchmark turns it off so no step copies [B, hidden] to the host).
 
-        No step waits for the previous one: decode inputs come from the device-side last-token table and
-        results are copied back lazily (runtime/engine/step_outputs.py)."""
-        requests = make_requests(self.workload, self.model.spec.vocab_size)
+        ``requests``: run these instead of the workload's (tests give some stop tokens).
+
+        Overlap (``engine.overlap``): the host schedules, plans and launches step N+1 while the GPU runs step
+        N. What the scheduler knows about step N then: its lengths (every request grew by its new tokens),
+        its slots, and that its tokens sit in the device last-token table (step N+1's input ids are gathered
+        there on the device); not the token values. Results come back through pinned non-blocking copies
+        (runtime/engine/step_outputs.py); before scheduling, every step but the newest is read back (the
+        metadata fence has already waited for those). So a request whose step N produced a stop token is
+        known to be finished when step N+2 is scheduled: it also ran in step N+1, whose token is dropped and
+        whose slot is released with the request. Without overlap every step is read back before the next
+        is scheduled (the host waits for the GPU each step); the emitted tokens are the same."""
+        requests = requests if requests is not None else make_requests(self.workload, self.model.spec.vocab_size)
         res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
         for r in requests:
             res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
@@ -141,6 +163,11 @@ class Engine:
         self.graphs.capture()
         with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
             while waiting or running:
+                if self.overlap:
+                    self._outputs.resolve_older(res, keep=1)
+                self._reap(waiting, running, res)
+                if not (waiting or running):
+                    break
                 step = self._prefill_step(waiting, running, res)
                 if step is None and self.spec is not None:
                     decoding, locs = self._reserve_decoding(waiting, running, res, self.spec.round_span)
@@ -166,6 +193,8 @@ class Engine:
                                             self.slots.req_to_token_pool.last_token, self._spec_forward)
                 self._finish_step(reqs, running, res)
                 self._outputs.push(pending, res)
+                if not self.overlap:
+                    self._outputs.resolve_all(res)
                 bar.advance(len(reqs))
         self._outputs.resolve_all(res)
         self._resolve_times(wait=True)
@@ -173,7 +202,7 @@ class Engine:
         res.hidden = {rid: (torch.stack([t[i] for t, i in v]) if v else torch.empty(0, hidden_dim))
                       for rid, v in res.hidden_rows.items()}
         res.hidden_rows = {}
-        res.outputs = {r.rid: list(r.output) for r in requests}
+        res.outputs = {r.rid: r.final_output for r in requests}
         res.lost = sum(1 for r in requests if not r.done)
         return res
 
@@ -211,7 +240,7 @@ class Engine:
         than one step ahead."""
         self.clock.wait(self._fence)
         graphs = self.graphs.get(mode)
-        graphed = graphs is not None and graphs.can_run(batch)
+        graphed = graphs is not None and graphs.can_run(batch) and not self._dump_wants(mode, batch)
         if graphed:
             graphs.prepare(ids, batch)  # copies inputs, the backend's hook refreshes static metadata
         else:
@@ -223,6 +252,11 @@ class Engine:
                 mha_prefill.init_mha_chunk_metadata(batch)
         self._fence = self.clock.mark()
         return (graphs.replay() if graphed else fn(ids, batch)), graphed
+
+    def _dump_wants(self, mode: str, batch) -> bool:
+        """The target model's dumper still wants this batch's mode: run it eagerly (dumps run Python code
+        that a replay skips; graph capture never dumps, see GraphRunner)."""
+        return self.dumper is not None and mode in TARGET_GRAPH_MODES and self.dumper.wants(batch.mode.value)
 
     # ------------------------------------------------------------------------------ speculative
     def _spec_forward(self, phase: str, fn, planner, ids: torch.Tensor, batch) -> torch.Tensor:
@@ -247,6 +281,10 @@ class Engine:
         verify = next(s for s in reversed(res.steps) if s.phase == "target_verify")
         verify.tokens = sum(len(t) for t in rr.tokens)  # a round's decode tokens are the ones it emitted
         for r, toks, margins, i in zip(decoding, rr.tokens, rr.margins, range(len(decoding))):
+            stop = next((j for j, t in enumerate(toks) if t in r.stop_tokens), None)
+            if stop is not None:  # a round learns its tokens before the next round: nothing runs extra
+                toks, margins = toks[: stop + 1], margins[: stop + 1]
+                r.stop_at = len(r.output) + stop
             r.output.extend(toks)
             res.argmax[r.rid].extend(toks)
             res.margins[r.rid].extend(margins)
@@ -376,6 +414,18 @@ class Engine:
         r.retractions += 1
         res.retracted += 1
         waiting.appendleft(r)
+
+    def _reap(self, waiting: deque[Request], running: list[Request], res: RunResult) -> None:
+        """Release requests whose stop token was read back since they were scheduled (with overlap, one
+        step late: the step in between ran for them, its token is dropped)."""
+        for r in [r for r in running if r.stop_at is not None]:
+            self.slots.release(r.row)
+            running.remove(r)
+            r.row = None
+            res.finished += 1
+        for r in [r for r in waiting if r.stop_at is not None]:  # retracted before its stop was learned
+            waiting.remove(r)
+            res.finished += 1
 
     def _finish_step(self, reqs: list[Request], running: list[Request], res: RunResult) -> None:
         """Host bookkeeping that needs no token value: a placeholder output per sampled request, and the

@@ -1,9 +1,11 @@
 """Step results read back lazily, so the host plans the next step while the GPU still runs this one.
 
-The engine's schedule never depends on token values (a synthetic workload has no stop token), so a step
-only *enqueues* its sampling: the chosen tokens go to the device-side last-token table (the next decode's
-input) and into a :class:`PendingStep`. Host copies are resolved when their step's event has completed,
-when too many are pending, when a retracted request needs its tokens, and at the end of the run.
+The engine's schedule depends on token values only through stop tokens, so a step only *enqueues* its
+sampling: the chosen tokens go to the device-side last-token table (the next decode's input) and into a
+:class:`PendingStep`. Host copies are resolved when their step's event has completed, when too many are
+pending, when a retracted request needs its tokens, before the engine schedules (every step but the newest,
+with overlap: so a stop token is learned one step late), and at the end of the run. A request whose token
+is a stop token gets ``stop_at``; results of later steps for it (the overlap's extra step) are dropped.
 """
 
 from __future__ import annotations
@@ -92,6 +94,11 @@ class StepOutputs:
         while self._q:
             self._resolve_one(sink)
 
+    def resolve_older(self, sink, keep: int = 1) -> None:
+        """Resolve every pending step but the newest ``keep`` (with overlap, the step in flight)."""
+        while len(self._q) > keep:
+            self._resolve_one(sink)
+
     def _ready(self, step: PendingStep) -> bool:
         return not self.clock.cuda or step.end.query()
 
@@ -106,7 +113,11 @@ class StepOutputs:
         margins = (s.top2[:, 0] - s.top2[:, 1]).tolist()
         hidden = s.hidden
         for i, (r, slot) in enumerate(zip(s.reqs, s.slots)):
+            if r.stop_at is not None and slot > r.stop_at:
+                continue  # a step that ran after the request's stop token (learned late): dropped
             r.output[slot] = tokens[i]
+            if tokens[i] in r.stop_tokens:
+                r.stop_at = slot
             sink.argmax[r.rid].append(choices[i])
             sink.margins[r.rid].append(margins[i])
             if hidden is not None:

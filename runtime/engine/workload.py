@@ -37,6 +37,8 @@ class Request:
     cached: int = 0
     decoding: bool = False  # prefill done: each step feeds the newest token
     retractions: int = 0
+    stop_tokens: frozenset[int] = frozenset()  # generating one of these finishes the request (EOS)
+    stop_at: int | None = None  # index in ``output`` of the stop token, once its step was read back
 
     @property
     def tokens(self) -> list[int]:
@@ -44,7 +46,14 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        """Reached its length, or generated a stop token that the host has read back (with overlap, one step
+        after the step that produced it: the step in between ran for it too, and its token is dropped)."""
+        return self.stop_at is not None or len(self.output) >= self.max_new_tokens
+
+    @property
+    def final_output(self) -> list[int]:
+        """The generated tokens up to and including the stop token (tokens of steps after it are dropped)."""
+        return list(self.output if self.stop_at is None else self.output[: self.stop_at + 1])
 
 
 def make_requests(workload: dict, vocab_size: int) -> list[Request]:
