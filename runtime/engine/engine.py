@@ -184,7 +184,7 @@ class Engine:
                 record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0, phase=phase)
                 res.steps.append(record)
                 start = self.clock.mark()
-                h = self._forward(ids, batch)
+                h, record.graphed = self._forward(ids, batch)
                 sel = h if sample_rows is None else h[sample_rows]
                 pending = self._sample(reqs, req_rows, sel, forced, record, start)
                 if self.spec is not None and batch.mode == ForwardMode.EXTEND:
@@ -224,9 +224,10 @@ class Engine:
         return PendingStep(reqs, slots, host(tokens), host(choices), host(top2.values.float()), hidden, record,
                            start, self.clock.mark())
 
-    def _forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """A prefill or plain decode step of the target model (the MHA chunked-prefix plan for EXTEND)."""
-        return self._launch("decode", self.model.forward, self.backend, ids, batch, self.mha_prefill)[0]
+    def _forward(self, ids: torch.Tensor, batch) -> tuple[torch.Tensor, bool]:
+        """A prefill or plain decode step of the target model (the MHA chunked-prefix plan for EXTEND);
+        returns (hidden states, whether a graph replayed it)."""
+        return self._launch("decode", self.model.forward, self.backend, ids, batch, self.mha_prefill)
 
     def _launch(self, mode: str, fn, planner, ids: torch.Tensor, batch,
                 mha_prefill: MHAChunkPrefill | None = None) -> tuple[torch.Tensor, bool]:
