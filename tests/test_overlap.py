@@ -10,6 +10,8 @@ import torch
 from conftest import compose_config
 
 import containers
+from runtime.core.batch import ForwardMode
+from runtime.engine.graph_runner import GraphDecision
 from runtime.engine.workload import make_requests
 
 
@@ -92,14 +94,17 @@ def test_stop_tokens_finish_requests_identically_with_overlap_on_and_off(preset)
 class _FakeGraphs:
     """A graphed mode that replays by running the function eagerly (CPU), counting replays."""
 
-    def __init__(self, fn):
-        self.fn, self.replays = fn, 0
+    decision = GraphDecision("decode", False, reason="fake: nothing to capture")
+
+    def __init__(self, fn, planner):
+        self.fn, self.planner, self.replays = fn, planner, 0
 
     def can_run(self, batch):
-        return True
+        return batch.mode == ForwardMode.DECODE
 
     def prepare(self, ids, batch):
         self._args = (ids, batch)
+        self.planner.init_forward_metadata(batch)  # what a backend's replay hook refreshes
 
     def replay(self):
         self.replays += 1
@@ -112,7 +117,7 @@ def test_a_graphed_step_runs_eagerly_while_its_dump_is_wanted(tmp_path):
     later decode steps replay."""
     rt = containers.build(compose_config("device=cpu", "check=off", f"+dump_dir={tmp_path}"))
     engine = rt.engine
-    fake = _FakeGraphs(engine.model.forward)
+    fake = _FakeGraphs(engine.model.forward, engine.backend)
     runner = rt.container.graph_runner()
     runner.modes["decode"] = fake
     res = engine.run()
@@ -122,7 +127,7 @@ def test_a_graphed_step_runs_eagerly_while_its_dump_is_wanted(tmp_path):
     assert fake.replays == len(decode_steps) - 1 > 0
     # the same run without a dump replays every decode step
     rt2 = containers.build(compose_config("device=cpu", "check=off"))
-    fake2 = _FakeGraphs(rt2.engine.model.forward)
+    fake2 = _FakeGraphs(rt2.engine.model.forward, rt2.engine.backend)
     rt2.container.graph_runner().modes["decode"] = fake2
     res2 = rt2.engine.run()
     assert fake2.replays == sum(1 for s in res2.steps if s.phase == "decode")
