@@ -21,10 +21,15 @@ from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill, SparseDec
 from backends.dsa import DSABackend, indexer_workspace_spec, sparse_decode_workspace_spec
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
+from backends.kernels.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
 from backends.linear_attention import LinearAttentionBackend
 from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
+from backends.tokenspeed_mla import TokenSpeedMLABackend
+from backends.tokenspeed_mla import load_kernel as load_tokenspeed_kernel
 from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
+from backends.trtllm_mla import TrtllmMLABackend
+from backends.trtllm_mla import load_kernel as load_trtllm_kernel
 from runtime.app.validation import validate
 from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo, probe_device
@@ -36,6 +41,7 @@ from runtime.core.workspace import WorkspaceLedger
 from runtime.engine.engine import Engine
 from runtime.engine.graph_runner import GraphRunner, ModeGraphs, decide_graphs
 from runtime.engine.hisparse import HiSparseCoordinator, host_page_count
+from runtime.engine.prompts import load_workload
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
 from runtime.model.dump import AttentionDumper
 from runtime.model.indexer import IndexKeyPool
@@ -48,6 +54,8 @@ BACKENDS: dict[str, type] = {
     "triton_mla": TritonMLABackend,
     "flashinfer_mla": FlashInferMLABackend,
     "dsa": DSABackend,
+    "trtllm_mla": TrtllmMLABackend,
+    "tokenspeed_mla": TokenSpeedMLABackend,
 }
 # Workspaces the report always lists (0 bytes when nobody consumed them); FlashInfer's per-wrapper int
 # workspaces (flashinfer_int:*) appear when a FlashInfer backend acquires them.
@@ -144,6 +152,21 @@ def _shared_kv_indices(draft_backends: list, mode: str, req_to_token_pool: ReqTo
     return SharedKVIndicesPass(req_to_token_pool, page_size) if steps and (needed or mode == "always") else None
 
 
+def _max_batch(max_requests: int, graph_enabled: bool, graph_sizes: list[int]) -> int:
+    """The largest batch a backend runs: a request table's worth, or a larger captured (padded) graph size."""
+    return max([max_requests, *(graph_sizes if graph_enabled else [])])
+
+
+def _max_q_len(speculative: bool, num_steps: int) -> int:
+    """Most query tokens per request a decode-kernel call gets: verify / draft extend run num_steps + 1."""
+    return num_steps + 1 if speculative else 1
+
+
+def _emulated_sm_count(info: DeviceInfo, emulated: int) -> int:
+    """The GPU's SM count, or (the CPU) the count the emulation sizes for."""
+    return info.sm_count or emulated
+
+
 def _plain_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None, padding_row: int,
                   device, copies: int) -> list[ModeGraphs]:
     return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device,
@@ -188,6 +211,8 @@ class Container(containers.DeclarativeContainer):
         qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
         dtype=model_spec.provided.dtype,
         device=device,
+        kv_dtype=config.kv.dtype,
+        scale=config.kv.scale,
     ))
 
     index_key_pool = providers.Selector(  # sparse models: the indexer's key cache
@@ -233,6 +258,20 @@ class Container(containers.DeclarativeContainer):
 
     # 5. backends: the selected full-attention backend (only that one is built); for a model with
     #    linear-attention layers also the state pool, the linear backend and the wrapper that routes layers.
+    # the Blackwell backends' kernel call: one injected callable, the real one (imported only here) or the torch
+    # emulation of its contract (backend.kernel=emulate); tests override these providers with fakes
+    trtllm_kernel = providers.Selector(
+        config.backend.kernel,
+        real=providers.Singleton(load_trtllm_kernel),
+        emulate=providers.Singleton(EmulatedTrtllmMLADecode, device_info.provided.sm_count))
+    tokenspeed_sm_count = providers.Callable(_emulated_sm_count, device_info, config.backend.emulated_sm_count)
+    tokenspeed_kernel = providers.Selector(
+        config.backend.kernel,
+        real=providers.Singleton(load_tokenspeed_kernel),
+        emulate=providers.Singleton(EmulatedTokenSpeedMLADecode, tokenspeed_sm_count))
+    max_batch = providers.Callable(_max_batch, config.kv.max_requests, config.graph.enabled, config.graph.batch_sizes)
+    max_q_len = providers.Callable(_max_q_len, config.speculative.enabled, config.speculative.num_steps)
+
     backend = providers.Selector(
         config.backend.name,
         torch_mla=_step(build_log, "backend:torch_mla", providers.Factory(
@@ -246,6 +285,12 @@ class Container(containers.DeclarativeContainer):
         dsa=_step(build_log, "backend:dsa", providers.Factory(
             DSABackend, req_to_token_pool, kv_pool, index_key_pool, hisparse_coordinator, model_spec,
             dsa_decode_workspace, dsa_indexer_workspace, config.backend, device)),
+        trtllm_mla=_step(build_log, "backend:trtllm_mla", providers.Factory(
+            TrtllmMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, trtllm_kernel,
+            config.backend, max_batch, device_info.provided.sm_count)),
+        tokenspeed_mla=_step(build_log, "backend:tokenspeed_mla", providers.Factory(
+            TokenSpeedMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, tokenspeed_kernel,
+            config.backend, tokenspeed_sm_count, max_q_len)),
     )
     backend_mha_prefill = providers.Callable(_mha_prefill_hook, backend, config.attention.prefill, config.backend)
     backend_decode_graph = providers.Callable(_decode_graph_hook, backend)
@@ -289,6 +334,8 @@ class Container(containers.DeclarativeContainer):
         qk_rope_head_dim=model_spec.provided.qk_rope_head_dim,
         dtype=model_spec.provided.dtype,
         device=device,
+        kv_dtype=config.kv.dtype,
+        scale=config.kv.scale,
     ))
     draft_split_kv_workspace = providers.Factory(
         workspace_ledger.provided.acquire.call(
@@ -304,6 +351,14 @@ class Container(containers.DeclarativeContainer):
         flashinfer_mla=providers.Callable(_instances, providers.Factory(
             FlashInferMLABackend, req_to_token_pool, draft_kv_pool, model_spec, flashinfer_float_workspace,
             workspace_ledger, config.backend).provider, config.speculative.num_steps, instance="draft{i}"),
+        trtllm_mla=providers.Callable(_instances, providers.Factory(
+            TrtllmMLABackend, req_to_token_pool, draft_kv_pool, model_spec, workspace_ledger, trtllm_kernel,
+            config.backend, max_batch, device_info.provided.sm_count).provider, config.speculative.num_steps,
+            instance="draft{i}"),
+        tokenspeed_mla=providers.Callable(_instances, providers.Factory(
+            TokenSpeedMLABackend, req_to_token_pool, draft_kv_pool, model_spec, workspace_ledger, tokenspeed_kernel,
+            config.backend, tokenspeed_sm_count, max_q_len).provider, config.speculative.num_steps,
+            instance="draft{i}"),
     ))
     draft_kv_indices = providers.Singleton(
         _shared_kv_indices, draft_backends, config.speculative.shared_kv_indices, req_to_token_pool,
@@ -334,6 +389,8 @@ class Container(containers.DeclarativeContainer):
                               draft_steps, config.speculative.num_steps, padding_row, device, graph_copies),
     )
     graph_runner = _step(build_log, "graph_runner", providers.Factory(GraphRunner, graph_modes, device, dumper))
+    # the requests (synthetic, or a prompt file's), their stop ids and the tokenizer that decodes outputs
+    workload = _step(build_log, "workload", providers.Factory(load_workload, config.workload, config.model))
     speculative = providers.Selector(
         spec_mode, off=providers.Object(None),
         on=_step(build_log, "speculative", providers.Factory(
@@ -341,14 +398,15 @@ class Container(containers.DeclarativeContainer):
             config.speculative.num_steps, config.kv.max_requests, device)))
     engine = _step(build_log, "engine", providers.Factory(
         Engine, model, attention, mha_prefill, graph_runner, engine_token_slots, request_states, config.workload,
-        device, speculative, overlap, dumper))
+        workload, device, speculative, overlap, dumper))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
     "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
-    "hisparse_coordinator", "workspace_ledger", "attention", "model", "graph_runner", "speculative", "engine",
+    "hisparse_coordinator", "workspace_ledger", "attention", "model", "graph_runner", "workload", "speculative",
+    "engine",
 )
 
 

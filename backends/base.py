@@ -47,14 +47,30 @@ class BackendCapabilities:
         Page sizes the kernels accept; None means any.
     min_compute_capability : tuple of int or None
         Lowest CUDA compute capability (major, minor); None when the backend also runs on the CPU.
+    compute_capabilities : frozenset of (int, int) or None
+        The exact GPU families the kernels are built for (e.g. SM100 and SM103 are (10, 0) and (10, 3));
+        None means every GPU from ``min_compute_capability`` on.
     dtypes : frozenset of torch.dtype
-        KV/query dtypes the kernels accept.
+        Model (query) dtypes the kernels accept.
+    kv_dtypes : frozenset of str
+        ``kv.dtype`` values the kernels read: "auto" (the model dtype) and/or "fp8_e4m3" (dequantized in the
+        kernels with the per-tensor ``kv.scale``).
+    fp8_kv_model_dtypes : frozenset of torch.dtype or None
+        Model dtypes allowed with an fp8 cache (None: every dtype in ``dtypes``).
+    fp8_kv_gpu_major : int or None
+        The GPU compute-capability major an fp8 cache needs (None: any the backend runs on).
     devices : frozenset of str
         "cpu" and/or "cuda".
     workspaces : frozenset of str
         Ledger workspaces the backend consumes (``flashinfer_float`` is the shared FlashInfer buffer).
     packages : tuple of str
         Python modules the backend imports (checked at validation, with the install fix).
+    install : str
+        The install command validation prints when a package is missing.
+    emulation : bool
+        ``backend.kernel=emulate`` replaces the kernel call with a torch emulation of its calling contract
+        (same layouts, block tables, scales, workspace arguments). It lifts the hardware gate (devices, compute
+        capability, packages) and the kernel's dtype restriction, for tests on the CPU and on older GPUs.
     """
 
     forward_modes: frozenset[ForwardMode]
@@ -67,9 +83,25 @@ class BackendCapabilities:
     dtypes: frozenset[torch.dtype] = field(
         default_factory=lambda: frozenset({torch.bfloat16, torch.float16, torch.float32})
     )
+    kv_dtypes: frozenset[str] = frozenset({"auto"})
+    fp8_kv_model_dtypes: frozenset[torch.dtype] | None = None
+    fp8_kv_gpu_major: int | None = None
     devices: frozenset[str] = frozenset({"cuda"})
     workspaces: frozenset[str] = frozenset()
     packages: tuple[str, ...] = ()
+    install: str = "pip install 'mla-runtime[gpu]' (on a CUDA machine)"
+    compute_capabilities: frozenset[tuple[int, int]] | None = None
+    emulation: bool = False
+
+    def runs_on(self, kind: str, capability: tuple[int, int] | None) -> bool:
+        """Whether the real kernels run on a device of this kind ("cpu" / "cuda") and compute capability."""
+        if kind not in self.devices:
+            return False
+        if kind != "cuda" or capability is None:
+            return kind == "cpu" or self.min_compute_capability is None
+        if self.min_compute_capability is not None and capability < self.min_compute_capability:
+            return False
+        return self.compute_capabilities is None or capability in self.compute_capabilities
 
     def graph_level(self, mode: ForwardMode) -> CudaGraphLevel:
         return dict(self.cuda_graph).get(mode, CudaGraphLevel.NEVER)

@@ -104,6 +104,7 @@ class DSABackend:
         page_sizes=None,
         min_compute_capability=(8, 0),
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        kv_dtypes=frozenset({"auto", "fp8_e4m3"}),
         devices=frozenset({"cpu", "cuda"}),
         workspaces=frozenset({DECODE_WORKSPACE, INDEXER_WORKSPACE}),
         packages=("triton",),  # backends.kernels imports it (the torch impl runs its reference functions)
@@ -220,13 +221,14 @@ class DSABackend:
         out = torch.empty(t, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
         if self.impl == "triton":
             self._extend(q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.qo_indptr,
-                         batch.seq_lens, self.model.sm_scale, out, max_q_len=batch.max_extend_len)
+                         batch.seq_lens, self.model.sm_scale, out, max_q_len=batch.max_extend_len,
+                         kv_scale=self.kv_pool.scale)
             return out
         cd = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
         qo = batch.qo_indptr_cpu.tolist()
         for b, slots in enumerate(self._kv_slots):
             s, e = qo[b], qo[b + 1]
-            kv = self.kv_pool.gather(layer_id, slots).to(cd)
+            kv = self.kv_pool.gather(layer_id, slots, cd)
             o = mla_math.absorbed_attention(q_nope[s:e].to(cd), q_pe[s:e].to(cd), kv, self.model.kv_lora_rank,
                                             self.model.sm_scale, causal=True)
             out[s:e] = o.to(out.dtype)
@@ -267,5 +269,6 @@ class DSABackend:
             slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices[:, None], topk_pos.clamp_min(0).long()]
             locs, rows = torch.where(topk_pos >= 0, slots, -1).to(torch.int32), self.kv_pool.flat(layer_id)
         if self.impl == "triton":
-            return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, scratch=self.decode_workspace)
-        return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale)
+            return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, scratch=self.decode_workspace,
+                                kv_scale=self.kv_pool.scale)
+        return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, kv_scale=self.kv_pool.scale)

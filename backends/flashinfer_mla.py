@@ -167,6 +167,10 @@ class FlashInferMLABackend:
         page_sizes=None,
         min_compute_capability=(8, 0),  # fa2; kernel=fa3 needs 9.x and is checked at construction
         dtypes=frozenset({torch.bfloat16, torch.float16}),
+        kv_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        # FlashInfer 0.6.18 BatchMLAPagedAttentionWrapper.plan: fp8 e4m3 KV only with fa2/fa3 on SM90, bf16 q
+        fp8_kv_model_dtypes=frozenset({torch.bfloat16}),
+        fp8_kv_gpu_major=9,
         devices=frozenset({"cuda"}),
         workspaces=frozenset({FLOAT_WORKSPACE}),
         packages=("flashinfer",),
@@ -224,6 +228,8 @@ class FlashInferMLABackend:
         self.device = float_workspace.device
         self.page_size = kv_pool.page_size
         self.dtype = kv_pool.dtype
+        self.kv_dtype = kv_pool.cache_dtype  # float8_e4m3fn with an fp8 cache (dequantized by ckv/kpe_scale)
+        self._kv_scales = dict(ckv_scale=kv_pool.scale, kpe_scale=kv_pool.scale) if kv_pool.quantized else {}
         self.num_heads = model.num_heads
         # column of the first token of every page in a request-table row, for the page-table gather
         self._page_cols = torch.arange(0, req_to_token_pool.max_context, self.page_size, device=self.device)
@@ -326,7 +332,7 @@ class FlashInferMLABackend:
         wrapper.plan(
             _pinned(batch.qo_indptr_cpu), _pinned(kv_indptr_cpu), kv_indices, _pinned(batch.seq_lens_cpu),
             self.num_heads, self.model.kv_lora_rank, self.model.qk_rope_head_dim, self.page_size,
-            causal, self.model.sm_scale, self.dtype, self.dtype,
+            causal, self.model.sm_scale, self.dtype, self.kv_dtype,
         )
 
     # ------------------------------------------------------------------------------------ absorbed MLA
@@ -344,7 +350,7 @@ class FlashInferMLABackend:
     def _run_mla(self, wrapper, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int) -> torch.Tensor:
         buf = self.kv_pool.buffer(layer_id)
         rank = self.model.kv_lora_rank
-        return wrapper.run(_stride1(q_nope), _stride1(q_pe), buf[..., :rank], buf[..., rank:])
+        return wrapper.run(_stride1(q_nope), _stride1(q_pe), buf[..., :rank], buf[..., rank:], **self._kv_scales)
 
     def forward_decode(self, q_nope, q_pe, layer_id, batch):
         """q_nope [B, H, 512], q_pe [B, H, 64] in the KV dtype -> [B, H, 512] in that dtype.

@@ -61,3 +61,44 @@ def merge_states(
     w_a = torch.exp(lse_a - safe)[..., None]
     w_b = torch.exp(lse_b - safe)[..., None]
     return out_a * w_a + out_b * w_b, lse
+
+
+def paged_absorbed_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, kv_lora_rank: int, softmax_scale: float,
+                             output_scale: float, causal: bool = True) -> torch.Tensor:
+    """Absorbed MLA for a batch over a paged latent cache, with static shapes (no host sync; graph-capturable).
+    Computes in float32 (float64 for float64 queries) over every column of ``block_tables``, masked.
+
+    Parameters
+    ----------
+    query : [B, S, H, kv_lora + rope]
+    kv_cache : [P, page_size, kv_lora + rope] (or with a singleton dim 1)
+    block_tables : [B, W] int32 page ids (columns past a request's pages are never attended to)
+    seq_lens : [B] int32 KV lengths (device)
+    causal : bottom-right causal within the S query rows; False: every row sees all seq_len keys
+
+    Returns
+    -------
+    [B, S, H, kv_lora] in the query's dtype; a row that sees no key is 0.
+    """
+    cd = torch.float64 if query.dtype == torch.float64 else torch.float32
+    cache = kv_cache.squeeze(1) if kv_cache.dim() == 4 else kv_cache
+    b, s = query.shape[:2]
+    ps = cache.shape[1]
+    kv = cache[block_tables.long()].reshape(b, block_tables.shape[1] * ps, cache.shape[-1]).to(cd)  # [B, L, D]
+    scores = torch.einsum("bshd,bld->bshl", query.to(cd), kv) * softmax_scale
+    keys = torch.arange(kv.shape[1], device=query.device)
+    lens = seq_lens.to(torch.int64)
+    visible = keys[None, None, :] < lens[:, None, None]  # [B, 1, L]
+    if causal:
+        pos = lens[:, None] - s + torch.arange(s, device=query.device)[None, :]  # [B, S]
+        visible = visible & (keys[None, None, :] <= pos[:, :, None])  # [B, S, L]
+    visible = visible[:, :, None, :]  # [B, S, 1, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(scores - top)  # masked keys: exp(-inf) = 0
+    denom = p.sum(dim=-1, keepdim=True)
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    out = torch.einsum("bshl,blc->bshc", p, kv[..., :kv_lora_rank]) * output_scale
+    return out.to(query.dtype)

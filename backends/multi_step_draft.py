@@ -99,6 +99,7 @@ class MultiStepDraftBackend:
         self.step_batches: list[ForwardBatch] = []
         self._static: list[dict[str, torch.Tensor]] = []
         self._static_pages: torch.Tensor | None = None
+        self.kv_indices_skipped = 0  # draft-step plans that ran without the shared pass (it was not injected)
 
     @property
     def num_decode_steps(self) -> int:
@@ -113,8 +114,7 @@ class MultiStepDraftBackend:
             return
         table = self.req_to_token_pool.req_to_token
         self.step_batches = [step_batch(batch, j, table) for j in range(self.num_decode_steps)]
-        if self.kv_indices_pass is not None:
-            self.kv_indices_pass.run(self.step_batches)
+        self._run_kv_indices(self.step_batches)
         for backend, b in zip(self.step_backends, self.step_batches):
             backend.init_forward_metadata(b)
 
@@ -148,9 +148,16 @@ class MultiStepDraftBackend:
     def _static_steps(self, batch: ForwardBatch) -> list[ForwardBatch]:
         table = self.req_to_token_pool.req_to_token
         steps = [step_batch(batch, j, table, into=self._static[j]) for j in range(self.num_decode_steps)]
-        if self.kv_indices_pass is not None and steps:
-            self.kv_indices_pass.run(steps, out=self._static_pages)
+        if steps:
+            self._run_kv_indices(steps, out=self._static_pages)
         return steps
+
+    def _run_kv_indices(self, steps: list[ForwardBatch], out: torch.Tensor | None = None) -> None:
+        """The shared kv-indices pass when injected; otherwise count the skip (the report shows both)."""
+        if self.kv_indices_pass is None:
+            self.kv_indices_skipped += 1
+        else:
+            self.kv_indices_pass.run(steps, out=out)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         if batch.mode != ForwardMode.DECODE:

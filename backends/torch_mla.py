@@ -37,6 +37,7 @@ class TorchMLABackend:
         page_sizes=None,
         min_compute_capability=None,
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
+        kv_dtypes=frozenset({"auto", "fp8_e4m3"}),
         devices=frozenset({"cpu", "cuda"}),
     )
 
@@ -66,7 +67,7 @@ class TorchMLABackend:
         qo = batch.qo_indptr_cpu.tolist()
         for b, slots in enumerate(self._kv_slots):
             s, e = qo[b], qo[b + 1]
-            kv = self.kv_pool.gather(layer_id, slots).to(cd)
+            kv = self.kv_pool.gather(layer_id, slots, cd)  # fp8: dequantized in cd
             o = mla_math.absorbed_attention(
                 q_nope[s:e].to(cd), q_pe[s:e].to(cd), kv, self.model.kv_lora_rank, self.model.sm_scale, causal=True
             )

@@ -60,6 +60,7 @@ class TritonMLABackend:
         page_sizes=None,
         min_compute_capability=(8, 0),
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        kv_dtypes=frozenset({"auto", "fp8_e4m3"}),
         devices=frozenset({"cuda", "cpu"} if _INTERPRET else {"cuda"}),
         workspaces=frozenset({WORKSPACE}),
         packages=("triton",),
@@ -151,7 +152,7 @@ class TritonMLABackend:
         self._decode_kernel(
             q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.seq_lens, self.model.sm_scale,
             out, partial_out, partial_lse, max_splits=splits, min_tokens_per_split=self.min_tokens_per_split,
-            block_n=self.block_n, block_h=self.block_h,
+            block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale,
         )
         return out
 
@@ -160,6 +161,6 @@ class TritonMLABackend:
         out = torch.empty(t, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
         self._extend_kernel(
             q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.qo_indptr, batch.seq_lens,
-            self.model.sm_scale, out, max_q_len=batch.max_extend_len,
+            self.model.sm_scale, out, max_q_len=batch.max_extend_len, kv_scale=self.kv_pool.scale,
         )
         return out

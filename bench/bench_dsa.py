@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """DeepSeek sparse attention (DSA) + HiSparse kernels on one GPU, against ceilings measured in the same run.
 
-    python bench/bench_dsa.py            # everything, with the tuning sweeps
-    python bench/bench_dsa.py --quick    # default configs only
-    python bench/bench_dsa.py --smoke    # the script's code paths on the CPU interpreter, tiny sizes, no numbers
+    python -m bench.bench_dsa            # everything, with the tuning sweeps (or: python bench/bench_dsa.py)
+    python -m bench.bench_dsa --quick    # default configs only
+    python -m bench.bench_dsa --smoke    # the script's code paths on the CPU interpreter, tiny sizes, no numbers
 
 Rows (DeepSeek-V3 TP8 shapes: 16 heads, kv_lora 512, rope 64; batch 32 at 32k context; top-k 2048):
 
-* ceilings: device-to-device ``copy_`` bandwidth (read + write bytes) and pinned host -> device ``copy_``
-  bandwidth of a contiguous buffer.
+* ceilings (:mod:`bench.harness`): device-to-device ``copy_`` bandwidth (read + write bytes), the bf16 matmul
+  rate, and pinned host -> device ``copy_`` bandwidth of a contiguous 1 GiB buffer.
 * sparse decode (:func:`sparse_mla_decode`) over a device buffer of ``device_buffer_size`` (4096) rows per
   request, 2048 selected rows each: time, GB/s of KV read (``B * K * 1152`` bytes) and % of copy bandwidth.
 * dense decode at the same context: FlashInfer ``BatchMLAPagedAttentionWrapper`` (fa3) and our Triton
@@ -21,8 +21,9 @@ Rows (DeepSeek-V3 TP8 shapes: 16 heads, kv_lora 512, rope 64; batch 32 at 32k co
   CPU gather + copy for contrast; and the device -> host offload (:func:`scatter_rows_to_host`).
 
 Every kernel output is checked against the torch reference (or exact indexing) before it is timed. Times are
-GPU times: the calls captured in a CUDA graph and replayed (median of ``triton.testing.do_bench``), with inputs
-rotated over copies so L2 does not serve repeated reads; eager ``do_bench`` medians are printed beside them.
+GPU times: the calls captured in a CUDA graph and replayed (:func:`bench.harness.graph_ms`), with inputs
+rotated over copies so L2 does not serve repeated reads; eager medians (:func:`bench.harness.eager_ms`) are
+printed beside them.
 The summary table comes last.
 """
 
@@ -35,11 +36,13 @@ import statistics
 import sys
 import time
 import traceback
+from functools import partial
+from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-SMOKE = "--smoke" in sys.argv
+if __package__ in (None, ""):  # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# --smoke must be decided before the Triton kernels are imported (the interpreter is chosen at decoration)
+SMOKE = __name__ == "__main__" and "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
@@ -58,6 +61,8 @@ from backends.kernels.sparse_mla_decode import (  # noqa: E402
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
+from bench import harness  # noqa: E402
+from bench.harness import Table, gb_per_s, measure_ceilings, report  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.bfloat16
@@ -70,50 +75,14 @@ if SMOKE:
 else:  # the issue's shapes; the dsa_2048 preset: device_buffer_size 4096, host_to_device_ratio 4
     B, CTX, TOPK, H, DEV_BUF, HI, DI, PAGE, RATIO = 32, 32768, 2048, 16, 4096, 64, 128, 64, 4.0
 
-ROWS: list[tuple] = []  # (name, us, metric, value, pct, goal, met)
+# the harness on this run's device; eager and graph timings as before: 25 ms warm-up, 200 ms of timed calls
+eager_ms = partial(harness.eager_ms, warmup_ms=25, rep_ms=200, device=DEV)
+graph_ms = partial(harness.graph_ms, warmup_ms=25, rep_ms=200, device=DEV)
+sync = partial(harness.sync, DEV)
 
 
 def log(*a):
     print(*a, flush=True)
-
-
-def sync():
-    if not SMOKE:
-        torch.cuda.synchronize()
-
-
-def eager_ms(fn) -> float:
-    fn()
-    sync()
-    if SMOKE:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-
-def graph_ms(calls) -> float:
-    """GPU time per call: the calls (a list of closures, one per input copy) captured once in a CUDA graph in
-    turn, replayed; median of do_bench / len(calls)."""
-    if SMOKE:
-        return float("nan")
-    from triton.testing import do_bench
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    ms = float(do_bench(g.replay, warmup=25, rep=200, return_mode="median")) / len(calls)
-    del g
-    return ms
 
 
 def rel_err(out, ref) -> float:
@@ -121,29 +90,6 @@ def rel_err(out, ref) -> float:
     if torch.isnan(out).any():
         return float("nan")
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def row(name, us, metric="", value=float("nan"), pct=float("nan"), goal="", met=""):
-    ROWS.append((name, us, metric, value, pct, goal, met))
-
-
-# ------------------------------------------------------------------------------------------------ ceilings
-def d2d_copy_gbs() -> float:
-    n = MiB if SMOKE else GiB
-    src = torch.empty(n, dtype=torch.uint8, device=DEV).random_(0, 255)
-    dst = torch.empty_like(src)
-    return 2 * n / (eager_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
-
-
-def h2d_copy_gbs(nbytes: int) -> float:
-    """Pinned host -> device copy_ of one contiguous buffer (bytes counted once)."""
-    if SMOKE:
-        return float("nan")
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    src.fill_(7)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    ms = statistics.median(eager_ms(lambda: dst.copy_(src, non_blocking=True)) for _ in range(3))
-    return nbytes / (ms * 1e-3) / 1e9
 
 
 # ------------------------------------------------------------------------------------------- sparse decode
@@ -375,7 +321,7 @@ def bench_swap(quick: bool, h2d_gbs_big: float):
     src = [torch.randperm(n_host, device=DEV, generator=gen)[:misses] for _ in range(3)]
     dst = [torch.randperm(B * DEV_BUF, device=DEV, generator=gen)[:misses] for _ in range(3)]
     nbytes = misses * ROW_BYTES
-    h2d_same = h2d_copy_gbs(nbytes)
+    h2d_same = harness.h2d_copy_gbs(nbytes, DEV)
     log(f"  pinned host pool {n_host * ROW_BYTES / GiB:.2f} GiB; {misses} misses = {nbytes / MiB:.1f} MiB; "
         f"contiguous pinned H2D copy_ of the same bytes {h2d_same:.1f} GB/s (of 1 GiB: {h2d_gbs_big:.1f})")  # fmt: skip
 
@@ -440,12 +386,17 @@ def bench_swap(quick: bool, h2d_gbs_big: float):
 
 
 # ------------------------------------------------------------------------------------------------------ main
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--smoke", action="store_true")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="default configs only")
+    ap.add_argument("--smoke", action="store_true",
+                    help="this script's code paths on the CPU Triton interpreter, tiny sizes, no numbers")
     ap.add_argument("--no-fi", action="store_true", help="skip FlashInfer")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     quick = args.quick or SMOKE
     dev_name = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0)
     log(f"device: {dev_name}; torch {torch.__version__}")
@@ -462,9 +413,11 @@ def main():
             log(f"FlashInfer unavailable:\n{traceback.format_exc()}")
             args.no_fi = True
 
-    copy_gbs = d2d_copy_gbs()
-    h2d_big = h2d_copy_gbs(GiB)
-    log(f"ceilings: d2d copy {copy_gbs:.0f} GB/s (read+write); pinned H2D copy_ {h2d_big:.1f} GB/s (1 GiB)")
+    ceil = measure_ceilings(DEV)
+    h2d_big = harness.h2d_copy_gbs(GiB, DEV)
+    ceil = ceil.with_extra(h2d_gbs=h2d_big)
+    copy_gbs = ceil.copy_gbs
+    log(f"ceilings: {ceil.summary()} (h2d_gbs: pinned host -> device copy_ of 1 GiB)")
     gen = torch.Generator(device=DEV).manual_seed(1)
 
     log("sparse decode (B=%d, H=%d, K=%d, device buffer %d rows/request)" % (B, H, TOPK, DEV_BUF))
@@ -499,6 +452,12 @@ def main():
     sw_ok, sw, h2d_same, cpu_gbs, off_gbs = bench_swap(quick, h2d_big)
 
     # ------------------------------------------------------------------------------------------ summary
+    rows: list[dict] = []
+
+    def row(name, us=None, metric="", value=None, pct=None, goal="", met=""):
+        rows.append({"row": name, "us": us, "metric": metric, "value": value, "pct_ceil": pct, "goal": goal,
+                     "met": met})
+
     dense_kv = B * CTX * ROW_BYTES
     sparse_kv = B * DEV_BUF * ROW_BYTES
     ref_dense = dense.get("flashinfer fa3", dense.get("triton"))
@@ -508,38 +467,42 @@ def main():
         row("sparse decode (best cfg)", g_ms * 1e3, "GB/s", gbs, 100 * gbs / copy_gbs)
         for name, ms in dense.items():
             speed = ms / g_ms
-            row(f"dense decode {name} {CTX // 1024}k", ms * 1e3, "sparse x faster", speed, float("nan"), ">= 5x",
+            row(f"dense decode {name} {CTX // 1024}k", ms * 1e3, "sparse x faster", speed, None, ">= 5x",
                 "yes" if speed >= 5 else "NO")  # fmt: skip
+    key_bytes = B * CTX * DI * 2
     if ix:
-        row("indexer top-k (best cfg)", ix[0] * 1e3, "x sparse decode", ix[0] / sp[0] if sp else float("nan"))
-        row("  scoring kernel", score_ms * 1e3, "GB/s keys", B * CTX * DI * 2 / (score_ms * 1e-3) / 1e9,
-            100 * B * CTX * DI * 2 / (score_ms * 1e-3) / 1e9 / copy_gbs)  # fmt: skip
-        row("  scoring kernel, random slots", scat_ms * 1e3, "GB/s keys", B * CTX * DI * 2 / (scat_ms * 1e-3) / 1e9,
-            100 * B * CTX * DI * 2 / (scat_ms * 1e-3) / 1e9 / copy_gbs)  # fmt: skip
+        row("indexer top-k (best cfg)", ix[0] * 1e3, "x sparse decode", ix[0] / sp[0] if sp else None)
+        row("  scoring kernel", score_ms * 1e3, "GB/s keys", gb_per_s(key_bytes, score_ms),
+            ceil.pct_copy(key_bytes, score_ms))  # fmt: skip
+        row("  scoring kernel, random slots", scat_ms * 1e3, "GB/s keys", gb_per_s(key_bytes, scat_ms),
+            ceil.pct_copy(key_bytes, scat_ms))  # fmt: skip
         for name, ms in topk.items():
             row(f"  top-k {name}"[:40], ms * 1e3)
         if sp and ref_dense:
             tot = ix[0] + sp[0]
             row(f"sparse + indexer vs dense {ref_name}", tot * 1e3, "x faster", ref_dense / tot)
-    row("device KV bytes dense", float("nan"), "MiB", dense_kv / MiB)
-    row("device KV bytes sparse", float("nan"), "fraction of dense", sparse_kv / dense_kv, float("nan"),
+    row("device KV bytes dense", None, "MiB", dense_kv / MiB)
+    row("device KV bytes sparse", None, "fraction of dense", sparse_kv / dense_kv, None,
         f"<= 1/{RATIO:g}", "yes" if sparse_kv / dense_kv <= 1 / RATIO else "NO")  # fmt: skip
     if sw:
         pct = 100 * sw[2] / h2d_same
         row("swap-in gather (best cfg)", sw[0] * 1e3, "GB/s", sw[2], pct, ">= 50% of pinned copy_",
             "yes" if pct >= 50 else "NO")  # fmt: skip
-    row("CPU gather + copy_ (contrast)", float("nan"), "GB/s", cpu_gbs, 100 * cpu_gbs / h2d_same)
-    row("offload scatter to host", float("nan"), "GB/s", off_gbs, 100 * off_gbs / h2d_same)
+    row("CPU gather + copy_ (contrast)", None, "GB/s", cpu_gbs, 100 * cpu_gbs / h2d_same)
+    row("offload scatter to host", None, "GB/s", off_gbs, 100 * off_gbs / h2d_same)
 
-    log("")
-    log(f"device: {dev_name}; d2d copy {copy_gbs:.0f} GB/s; pinned H2D copy_ {h2d_big:.1f} GB/s (1 GiB), "
-        f"{h2d_same:.1f} GB/s ({B * TOPK * ROW_BYTES / MiB:.0f} MiB); swap copies bit-exact: {sw_ok}")  # fmt: skip
+    title = (f"device: {dev_name}; d2d copy {copy_gbs:.0f} GB/s; pinned H2D copy_ {h2d_big:.1f} GB/s (1 GiB), "
+             f"{h2d_same:.1f} GB/s ({B * TOPK * ROW_BYTES / MiB:.0f} MiB); swap copies bit-exact: {sw_ok}")
     if sp:
-        log(f"best sparse cfg {sp[1]}; best indexer cfg {ix[1] if ix else None}; best gather cfg "
-            f"{sw[1] if sw else None}")  # fmt: skip
-    log(f"{'row':40s} {'time us':>9s} {'metric':>20s} {'value':>9s} {'% ceil':>7s} {'goal':>24s} {'met':>4s}")
-    for name, us, metric, value, pct, goal, met in ROWS:
-        log(f"{name:40s} {us:9.1f} {metric:>20s} {value:9.3g} {pct:7.1f} {goal:>24s} {met:>4s}")
+        title += (f"\nbest sparse cfg {sp[1]}; best indexer cfg {ix[1] if ix else None}; best gather cfg "
+                  f"{sw[1] if sw else None}")
+    title += "\n% ceil: of the d2d copy for GB/s rows of device memory, of the same-size pinned H2D copy_ for swaps"
+    table = Table(rows, title=title, formats={"us": ".1f", "value": ".3g", "pct_ceil": ".1f"})
+    report("bench_dsa", ceil, table,
+           meta={"quick": quick, "smoke": SMOKE, "h2d_same_gbs": h2d_same, "swap_bit_exact": sw_ok,
+                 "best_sparse_cfg": sp[1] if sp else None, "best_indexer_cfg": ix[1] if ix else None,
+                 "best_gather_cfg": sw[1] if sw else None,
+                 "shape": {"B": B, "CTX": CTX, "TOPK": TOPK, "H": H, "DEV_BUF": DEV_BUF}})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """FlashInfer MLA backend benchmark: throughput against ceilings measured in the same run.
 
-``python bench/bench_flashinfer.py [--quick] [--kernels fa3,fa2]``
+``python -m bench.bench_flashinfer [--quick] [--kernels fa3,fa2]`` (or ``python bench/bench_flashinfer.py``)
 
-Rows (each timed with ``triton.testing.do_bench``, median, after warm-up; every FlashInfer module is
+Rows (each timed with :func:`bench.harness.eager_ms`, median, after warm-up; every FlashInfer module is
 JIT-built up front, in parallel, before anything is timed):
 
 * decode, 16 heads, batch 128 x 8192 tokens, page 64: GB/s of KV read (B * L * 576 * 2 bytes), % of copy.
@@ -31,14 +31,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
 
 from backends.flashinfer_mla import FlashInferMLABackend, merge_head_groups, precompile  # noqa: E402
-from bench.ceilings import measure_ceilings  # noqa: E402
+from bench.harness import Table, eager_ms, gb_per_s, host_us, measure_ceilings, report, tflop_per_s  # noqa: E402
 from runtime.core.batch import ForwardBatch, ForwardMode, make_batch  # noqa: E402
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool  # noqa: E402
 from runtime.core.model_spec import ModelSpec  # noqa: E402
@@ -64,9 +63,7 @@ class Row:
 
 
 def median_ms(fn, quick: bool) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25 if quick else 100, rep=100 if quick else 500, return_mode="median"))
+    return eager_ms(fn, warmup_ms=25 if quick else 100, rep_ms=100 if quick else 500)
 
 
 def timed_pair(raw, runtime, quick: bool, rounds: int = 3) -> tuple[float, float]:
@@ -189,18 +186,6 @@ def bench_decode(lens, heads, page_size, kernel, ws, quick):
     return raw_ms, rt_ms, s, batch, w, args
 
 
-def host_us(fn, n: int) -> float:
-    """Median host time of ``fn`` in microseconds (GPU drained first; the calls only enqueue work)."""
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
 def plan_host_times(s: Setup, batch: ForwardBatch, w, plan_args, n: int) -> tuple[float, float]:
     """(raw ``wrapper.plan`` us, backend ``init_forward_metadata`` us) per call, host time."""
     return host_us(lambda: w.plan(*plan_args), n), host_us(lambda: s.backend.init_forward_metadata(batch), n)
@@ -269,11 +254,15 @@ def bench_mha(t_new, prefix, heads, chunk_tokens, kernel, ws, quick):
     return raw_ms, rt_ms, flops, len(batch.prefix_chunks)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, short timing (a smoke run)")
     ap.add_argument("--kernels", default=None, help="comma list of fa3,fa2 (default: every one this GPU runs)")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     quick = args.quick
     if not torch.cuda.is_available():
         print("bench_flashinfer: needs a CUDA GPU; got none. Fix: run on a GPU host.", file=sys.stderr)
@@ -284,12 +273,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     ceil = measure_ceilings()
-    copy_gbs, mm_tflops = ceil["copy_gbs"], ceil["matmul_tflops"]
-    print(
-        f"[ceilings] {ceil['device']} (sm{major}{minor}): copy {copy_gbs:.0f} GB/s (read+write), "
-        f"bf16 8192^3 matmul {mm_tflops:.0f} TFLOP/s  ({time.perf_counter() - t0:.0f} s)",
-        flush=True,
-    )
+    copy_gbs, mm_tflops = ceil.copy_gbs, ceil.matmul_tflops
+    print(f"[ceilings] {ceil.summary()} (sm{major}{minor}, {time.perf_counter() - t0:.0f} s)", flush=True)
 
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=DEV)
     t0 = time.perf_counter()
@@ -305,20 +290,10 @@ def main() -> int:
     for kernel in kernels:
         # decode, memory bound
         raw_ms, rt_ms, s, batch, w, plan_args = bench_decode([L1] * B1, 16, 64, kernel, ws, quick)
-        gbs = B1 * L1 * ROW_BYTES / (rt_ms * 1e-3) / 1e9
-        raw_gbs = B1 * L1 * ROW_BYTES / (raw_ms * 1e-3) / 1e9
-        rows.append(
-            Row(
-                f"decode h16 B{B1}xL{L1} p64",
-                kernel,
-                "GB/s",
-                gbs,
-                100 * gbs / copy_gbs,
-                ">=90%",
-                raw_ms / rt_ms,
-                f"raw {raw_gbs:.0f} GB/s",
-            )
-        )
+        nbytes = B1 * L1 * ROW_BYTES
+        rows.append(Row(f"decode h16 B{B1}xL{L1} p64", kernel, "GB/s", gb_per_s(nbytes, rt_ms),
+                        ceil.pct_copy(nbytes, rt_ms), ">=90%", raw_ms / rt_ms,
+                        f"raw {gb_per_s(nbytes, raw_ms):.0f} GB/s"))
         print(f"[{kernel}] {rows[-1].name}: runtime {rt_ms:.3f} ms, raw {raw_ms:.3f} ms", flush=True)
 
         # plan host time at batch 128 (this setup has B1 requests; full runs use 128)
@@ -331,19 +306,9 @@ def main() -> int:
         # decode, compute bound
         raw_ms, rt_ms, s, *_ = bench_decode([L2] * B2, 128, 64, kernel, ws, quick)
         flops = 2 * B2 * 128 * L2 * (KV_LORA + ROPE + KV_LORA)
-        tf = flops / (rt_ms * 1e-3) / 1e12
-        rows.append(
-            Row(
-                f"decode h128 B{B2}xL{L2} p64",
-                kernel,
-                "TFLOP/s",
-                tf,
-                100 * tf / mm_tflops,
-                ">=70%",
-                raw_ms / rt_ms,
-                f"raw {flops / (raw_ms * 1e-3) / 1e12:.0f}",
-            )
-        )
+        rows.append(Row(f"decode h128 B{B2}xL{L2} p64", kernel, "TFLOP/s", tflop_per_s(flops, rt_ms),
+                        ceil.pct_matmul(flops, rt_ms), ">=70%", raw_ms / rt_ms,
+                        f"raw {tflop_per_s(flops, raw_ms):.0f}"))
         print(f"[{kernel}] {rows[-1].name}: runtime {rt_ms:.3f} ms, raw {raw_ms:.3f} ms", flush=True)
         del s
         torch.cuda.empty_cache()
@@ -351,19 +316,9 @@ def main() -> int:
         # MHA chunked-prefix prefill, 1 and 2 prefix chunks
         for n_chunks in (1, 2):
             raw_ms, rt_ms, flops, got = bench_mha(T_MHA, T_MHA, 128, T_MHA // n_chunks, kernel, ws, quick)
-            tf = flops / (rt_ms * 1e-3) / 1e12
-            rows.append(
-                Row(
-                    f"MHA prefill h128 {T_MHA}+{T_MHA}pfx {got}ch",
-                    kernel,
-                    "TFLOP/s",
-                    tf,
-                    100 * tf / mm_tflops,
-                    ">=80%",
-                    raw_ms / rt_ms,
-                    f"raw {flops / (raw_ms * 1e-3) / 1e12:.0f}",
-                )
-            )
+            rows.append(Row(f"MHA prefill h128 {T_MHA}+{T_MHA}pfx {got}ch", kernel, "TFLOP/s",
+                            tflop_per_s(flops, rt_ms), ceil.pct_matmul(flops, rt_ms), ">=80%", raw_ms / rt_ms,
+                            f"raw {tflop_per_s(flops, raw_ms):.0f}"))
             print(f"[{kernel}] {rows[-1].name}: runtime {rt_ms:.3f} ms, raw {raw_ms:.3f} ms", flush=True)
             torch.cuda.empty_cache()
 
@@ -374,47 +329,23 @@ def main() -> int:
             res = {}
             for label, lens in (("uniform", [mean] * B1), ("N(m,m/2)", varied)):
                 raw_ms, rt_ms, s, *_ = bench_decode(lens, 16, 64, kernel, ws, quick)
-                res[label] = sum(lens) * ROW_BYTES / (rt_ms * 1e-3) / 1e9
+                res[label] = gb_per_s(sum(lens) * ROW_BYTES, rt_ms)
                 del s
                 torch.cuda.empty_cache()
             drop = 100 * (1 - res["N(m,m/2)"] / res["uniform"])
-            rows.append(
-                Row(
-                    f"decode h16 B{B1} mean{mean} uniform",
-                    kernel,
-                    "GB/s",
-                    res["uniform"],
-                    100 * res["uniform"] / copy_gbs,
-                )
-            )
-            rows.append(
-                Row(
-                    f"decode h16 B{B1} mean{mean} N(m,m/2)",
-                    kernel,
-                    "GB/s",
-                    res["N(m,m/2)"],
-                    100 * res["N(m,m/2)"] / copy_gbs,
-                    note=f"drop {drop:.1f}% vs uniform",
-                )
-            )
-            print(
-                f"[{kernel}] mean {mean}: uniform {res['uniform']:.0f} GB/s, varied {res['N(m,m/2)']:.0f} GB/s, "
-                f"drop {drop:.1f}%",
-                flush=True,
-            )
+            rows.append(Row(f"decode h16 B{B1} mean{mean} uniform", kernel, "GB/s", res["uniform"],
+                            100 * res["uniform"] / copy_gbs))
+            rows.append(Row(f"decode h16 B{B1} mean{mean} N(m,m/2)", kernel, "GB/s", res["N(m,m/2)"],
+                            100 * res["N(m,m/2)"] / copy_gbs, note=f"drop {drop:.1f}% vs uniform"))
+            print(f"[{kernel}] mean {mean}: uniform {res['uniform']:.0f} GB/s, varied {res['N(m,m/2)']:.0f} GB/s, "
+                  f"drop {drop:.1f}%", flush=True)
 
-    print()
-    print(
-        f"FlashInfer MLA backend on {ceil['device']}: copy {copy_gbs:.0f} GB/s, matmul {mm_tflops:.0f} TFLOP/s"
-        + ("  (--quick: small sizes)" if quick else "")
-    )
-    head = f"{'row':<40} {'kernel':<6} {'value':>10} {'unit':<8} {'% ceil':>7} {'goal':>6} {'rt/raw':>7}  note"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        pct = f"{r.pct:.0f}%" if r.pct is not None else ""
-        ratio = f"{r.ratio:.3f}" if r.ratio is not None else ""
-        print(f"{r.name:<40} {r.kernel:<6} {r.value:>10.1f} {r.metric:<8} {pct:>7} {r.goal:>6} {ratio:>7}  {r.note}")
+    table = Table([{"row": r.name, "kernel": r.kernel, "value": r.value, "unit": r.metric, "pct_ceil": r.pct,
+                    "goal": r.goal, "rt_over_raw": r.ratio, "note": r.note} for r in rows],
+                  title=f"FlashInfer MLA backend on {ceil.device}: copy {copy_gbs:.0f} GB/s, matmul "
+                        f"{mm_tflops:.0f} TFLOP/s" + ("  (--quick: small sizes)" if quick else ""),
+                  formats={"value": ".1f", "pct_ceil": ".0f", "rt_over_raw": ".3f"})
+    report("bench_flashinfer", ceil, table, meta={"kernels": kernels, "quick": quick})
     bad = [r for r in rows if r.ratio is not None and not math.isfinite(r.ratio)]
     return 1 if bad else 0
 

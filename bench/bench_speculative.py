@@ -10,40 +10,30 @@
    decode phase (with speculation: the rounds' emitted tokens over the sum of their draft, verify and
    draft-extend times), and the acceptance length.
 
-Run: ``python bench/bench_speculative.py [--backends flashinfer_mla triton_mla] [--batch 32] [--context 1024]``
+``--quick``: 100 interleaved samples, 4 layers, draft of 1 layer, outputs of 32, one run per tokens/s row.
+
+Run: ``python -m bench.bench_speculative [--quick] [--backends flashinfer_mla triton_mla] [--batch 32]``
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
+if __package__ in (None, ""):  # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import runtime.core.config  # noqa: F401
-from containers import build
-from runtime.app.report import SPEC_PHASES, _phases
-from runtime.core.batch import ForwardMode, make_batch
+import torch  # noqa: E402
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-def _cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=overrides)
-
-
-def _events_ms(fn, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+from bench.engine_config import compose_config as _cfg  # noqa: E402
+from bench.engine_config import fixed_workload  # noqa: E402
+from bench.harness import Table, host_us, loop_ms, measure_ceilings, report  # noqa: E402
+from containers import build  # noqa: E402
+from runtime.app.report import SPEC_PHASES, _phases  # noqa: E402
+from runtime.core.batch import ForwardMode, make_batch  # noqa: E402
 
 
 def _draft_runtime(backend: str, mode: str, bs: int, context: int, steps: int):
@@ -88,19 +78,14 @@ def draft_step(backend: str, bs: int, context: int, steps: int, iters: int = 400
     torch.cuda.synchronize()
     rows = []
     for m, (rt, graphs, _, _) in runs.items():
-        kernels = statistics.median(_events_ms(graphs.graphs[bs][0].replay, 100) for _ in range(5)) * 1e3
+        kernels = statistics.median(loop_ms(graphs.graphs[bs][0].replay, 100) for _ in range(5)) * 1e3
         kv_pass = rt.container.draft_kv_indices()
         pass_gpu = pass_host = 0.0
         if kv_pass is not None:
             step_batches = rt.container.draft_attention().step_batches
-            pass_gpu = statistics.median(_events_ms(lambda p=kv_pass, sb=step_batches: p.run(sb), 100) for _ in range(5)) * 1e3
-            samples = []
-            for _ in range(iters):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                kv_pass.run(step_batches)
-                samples.append((time.perf_counter() - t0) * 1e6)
-            pass_host = statistics.median(samples)
+            pass_gpu = statistics.median(loop_ms(lambda p=kv_pass, sb=step_batches: p.run(sb), 100)
+                                         for _ in range(5)) * 1e3
+            pass_host = host_us(lambda p=kv_pass, sb=step_batches: p.run(sb), iters, sync_each=True)
         prepare = statistics.median(prep[m])
         rows.append({"backend": backend, "mode": m, "prepare_us": prepare, "kernels_us": kernels,
                      "period_us": prepare + kernels, "pass_us": pass_gpu, "pass_host_us": pass_host,
@@ -115,10 +100,7 @@ def tokens_per_s(backend: str, spec: bool, bs: int, prompt: int, out_len: int, l
     rt = build(_cfg([
         "+deploy=h100_dsv3_tp8_spec", f"backend={backend}", f"speculative.enabled={str(spec).lower()}",
         f"speculative.draft_layers={draft_layers}", f"model.num_layers={layers}", "check=off", "progress=false",
-        f"workload.num_requests={bs}", f"workload.max_running_requests={bs}", f"kv.max_requests={max(bs, 8)}",
-        "workload.prompt_len.dist=fixed", f"workload.prompt_len.mean={prompt}", f"workload.prompt_len.min={prompt}",
-        f"workload.prompt_len.max={prompt}", "workload.output_len.dist=fixed", f"workload.output_len.mean={out_len}",
-        f"workload.output_len.min={out_len}", f"workload.output_len.max={out_len}",
+        *fixed_workload(bs, prompt, out_len), f"kv.max_requests={max(bs, 8)}",
         "workload.chunked_prefill_size=8192", "workload.max_tokens_per_batch=16384", f"kv.num_pages={pages}",
         f"graph.batch_sizes=[{bs}]"]))  # smaller batches pad up to it
     res = rt.engine.run(record_hidden=False)
@@ -137,61 +119,81 @@ def tokens_per_s(backend: str, spec: bool, bs: int, prompt: int, out_len: int, l
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="100 samples, 4 layers, draft of 1 layer, outputs of 32, one run per tokens/s row")
     ap.add_argument("--backends", nargs="+", default=["flashinfer_mla", "triton_mla"])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=4, help="speculative.num_steps (draft decode steps = steps - 1)")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--draft-layers", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--out-len", type=int, default=128)
-    args = ap.parse_args()
-    dev = torch.cuda.get_device_name()
+    ap.add_argument("--layers", type=int, default=None, help="default 8 (--quick: 4)")
+    ap.add_argument("--draft-layers", nargs="+", type=int, default=None, help="default 1 2 (--quick: 1)")
+    ap.add_argument("--out-len", type=int, default=None, help="default 128 (--quick: 32)")
+    return ap
 
-    rows = [r for b in args.backends for r in draft_step(b, args.batch, args.context, args.steps)]
-    print(f"\ndraft decode phase per round ({dev}): DeepSeek-V3 TP8 shapes, draft = 1 layer, batch {args.batch}, "
-          f"context {args.context}, {args.steps - 1} draft steps in one CUDA graph")
-    print("draft step = host prepare (plans of every step, + the shared pass when on) + the draft graph's kernels")
-    print(f"{'backend':<16}{'kv pass':>9}{'step us':>9}{'prepare us':>12}{'kernels us':>12}{'pass us (gpu/host)':>20}"
-          f"{'saved us':>10}{'% of step':>11}")
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    quick = args.quick
+    layers = args.layers or (4 if quick else 8)
+    draft_layers = args.draft_layers or ([1] if quick else [1, 2])
+    out_len = args.out_len or (32 if quick else 128)
+    iters, runs = (100, 1) if quick else (400, 2)
+    ceil = measure_ceilings()
+    print(f"[ceilings] {ceil.summary()}", flush=True)
+
+    rows = [r for b in args.backends for r in draft_step(b, args.batch, args.context, args.steps, iters)]
+    draft_rows = []
     for b in args.backends:
         on, off = [r for r in rows if r["backend"] == b]
         for r in (on, off):
-            print(f"{b:<16}{r['mode']:>9}{r['period_us']:>9.1f}{r['prepare_us']:>12.1f}{r['kernels_us']:>12.1f}"
-                  f"{r['pass_us']:>11.1f}/{r['pass_host_us']:<8.1f}" + (
-                      f"{on['period_us'] - off['period_us']:>10.1f}"
-                      f"{100 * (on['period_us'] - off['period_us']) / on['period_us']:>11.1f}%"
-                      if r is off else ""))
+            saved = on["period_us"] - off["period_us"] if r is off else None
+            draft_rows.append({"backend": b, "kv_pass": r["mode"], "step_us": r["period_us"],
+                               "prepare_us": r["prepare_us"], "kernels_us": r["kernels_us"],
+                               "pass_gpu_us": r["pass_us"], "pass_host_us": r["pass_host_us"], "saved_us": saved,
+                               "saved_pct_of_step": None if saved is None else 100 * saved / on["period_us"]})
+    one_decimal = {k: ".1f" for k in draft_rows[0] if k.endswith(("_us", "_step"))}
+    draft = Table(draft_rows, name="draft_step", formats=one_decimal,
+                  title=f"draft decode phase per round: DeepSeek-V3 TP8 shapes, draft = 1 layer, batch {args.batch}, "
+                        f"context {args.context}, {args.steps - 1} draft steps in one CUDA graph\n"
+                        "draft step = host prepare (plans of every step, + the shared pass when on) + the draft "
+                        "graph's kernels")
+    print(draft.render(), flush=True)
 
-    def mean_of_runs(*a) -> dict:  # host-bound rounds are noisy: the mean of two runs
-        runs = [tokens_per_s(*a) for _ in range(2)]
-        out = dict(runs[0])
+    def mean_of_runs(*a) -> dict:  # host-bound rounds are noisy: the mean of two runs (one with --quick)
+        results = [tokens_per_s(*a) for _ in range(runs)]
+        out = dict(results[0])
         for key in ("tokens_per_s", "span_tokens_per_s", "acceptance_length"):
-            out[key] = statistics.mean(r[key] for r in runs)
+            out[key] = statistics.mean(r[key] for r in results)
         return out
 
     tps = []
     for b in args.backends:
-        tps.append(mean_of_runs(b, False, args.batch, args.context, args.out_len, args.layers, 1))
-        for d in args.draft_layers:
-            r = mean_of_runs(b, True, args.batch, args.context, args.out_len, args.layers, d)
+        tps.append(mean_of_runs(b, False, args.batch, args.context, out_len, layers, 1))
+        for d in draft_layers:
+            r = mean_of_runs(b, True, args.batch, args.context, out_len, layers, d)
             r["draft_layers"] = d
             tps.append(r)
-    print(f"\ndecode tokens/s, {args.layers} layers DeepSeek-V3 TP8, batch {args.batch}, prompt {args.context}, "
-          f"output {args.out_len}, CUDA graphs ({dev})")
-    print("tok/s: tokens over the decode steps' summed GPU time; wall: over the GPU-timeline span from the first "
-          "decode step to the last (host gaps included)")
-    print(f"{'backend':<16}{'speculation':>16}{'accept len':>12}{'tok/s':>10}{'vs plain':>10}{'wall tok/s':>12}"
-          f"{'vs plain':>10}  graphed modes")
+    tok_rows = []
     for b in args.backends:
         base = next(r for r in tps if r["backend"] == b and not r["spec"])
         for r in [x for x in tps if x["backend"] == b]:
-            name = f"k={args.steps} draft {r['draft_layers']}L" if r["spec"] else "off"
-            graphed = ",".join(m for m, g in r["graphed"].items() if g) or "none"
-            print(f"{b:<16}{name:>16}{r['acceptance_length']:>12.2f}{r['tokens_per_s']:>10.0f}"
-                  f"{r['tokens_per_s'] / base['tokens_per_s']:>9.2f}x{r['span_tokens_per_s']:>12.0f}"
-                  f"{r['span_tokens_per_s'] / base['span_tokens_per_s']:>9.2f}x  {graphed}")
+            tok_rows.append({
+                "backend": b, "speculation": f"k={args.steps} draft {r['draft_layers']}L" if r["spec"] else "off",
+                "accept_len": r["acceptance_length"], "tok_s": r["tokens_per_s"],
+                "vs_plain": r["tokens_per_s"] / base["tokens_per_s"], "wall_tok_s": r["span_tokens_per_s"],
+                "wall_vs_plain": r["span_tokens_per_s"] / base["span_tokens_per_s"],
+                "graphed": ",".join(m for m, g in r["graphed"].items() if g) or "none"})
+    tok = Table(tok_rows, name="tokens_per_s",
+                formats={"accept_len": ".2f", "tok_s": ".0f", "vs_plain": ".2f", "wall_tok_s": ".0f",
+                         "wall_vs_plain": ".2f"},
+                title=f"decode tokens/s, {layers} layers DeepSeek-V3 TP8, batch {args.batch}, prompt {args.context}, "
+                      f"output {out_len}, CUDA graphs\ntok/s: tokens over the decode steps' summed GPU time; wall: "
+                      "over the GPU-timeline span from the first decode step to the last (host gaps included)")
+    report("bench_speculative", ceil, [draft, tok],
+           meta={"batch": args.batch, "context": args.context, "steps": args.steps, "layers": layers,
+                 "draft_layers": draft_layers, "out_len": out_len, "quick": quick})
 
 
 if __name__ == "__main__":

@@ -18,23 +18,28 @@ together under CUDA-graph replay):
 * kernels per layer: kernels in the window per step, divided by the layer count.
 
 ``--layers auto`` fits the layer count to the GPU: weights and KV pool for the largest batch in 80% of the
-free memory, at most the model's full depth (DeepSeek-V3: 61). Prints a table and one JSON line.
+free memory, at most the model's full depth (DeepSeek-V3: 61). ``--quick``: batches 1 and 32, 8 layers,
+8 steps. Prints the table and the ``BENCH_JSON`` line (bench/harness.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
-from torch.profiler import ProfilerActivity, profile
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import runtime.core.config  # noqa: F401  (registers the schemas)
-from bench.ceilings import copy_bandwidth_gbs
-from containers import build
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import runtime.core.config  # noqa: E402, F401  (registers the schemas)
+from bench.harness import Table, measure_ceilings, report  # noqa: E402
+from containers import build  # noqa: E402
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 FULL_DEPTH = 61  # DeepSeek-V3
@@ -133,7 +138,7 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.decode_roofline", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="h100_dsv3_tp8")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
@@ -141,25 +146,32 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--overlap", nargs="+", default=["on"], help="engine.overlap values to measure")
-    args = ap.parse_args(argv)
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 32, 8 layers, 8 steps")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.batches, args.layers, args.out_len = [1, 32], "8", 8
     layers = (fit_layers(args.preset, max(args.batches), args.prompt, args.out_len) if args.layers == "auto"
               else int(args.layers))
-    copy_gbs = copy_bandwidth_gbs()
+    ceilings = measure_ceilings()
     rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov)
             for ov in args.overlap for bs in args.batches]
     for r in rows:
-        r["roofline_us"] = r["bytes"] / (copy_gbs * 1e3)
+        r["roofline_us"] = r["bytes"] / (ceilings.copy_gbs * 1e3)
         r["ratio"] = r["roofline_us"] / r["kernel_us"]
-    print(f"\ndecode roofline: {args.preset}, {layers} layers, prompt {args.prompt}, {args.out_len} steps, "
-          f"CUDA graphs ({torch.cuda.get_device_name()}); copy {copy_gbs:.0f} GB/s measured now")
-    print(f"{'overlap':<8}{'batch':>6}{'kernel us':>11}{'idle us':>9}{'MB/step':>9}{'roofline us':>13}"
-          f"{'ratio':>7}{'kern/layer':>11}{'goal idle':>10}")
-    for r in rows:
-        ok = "ok" if r["idle_us"] <= 30 else "MISS"
-        print(f"{r['overlap']:<8}{r['bs']:>6}{r['kernel_us']:>11.1f}{r['idle_us']:>9.1f}{r['bytes'] / 1e6:>9.1f}"
-              f"{r['roofline_us']:>13.1f}{r['ratio']:>7.2f}{r['kernels_per_layer']:>11.1f}{ok:>10}")
-    print(json.dumps({"bench": "decode_roofline", "device": torch.cuda.get_device_name(), "preset": args.preset,
-                      "layers": layers, "copy_gbs": copy_gbs, "rows": rows}))
+        r["mb_per_step"] = r["bytes"] / 1e6
+        r["idle_goal"] = "ok" if r["idle_us"] <= 30 else "MISS"
+    cols = ["overlap", "bs", "kernel_us", "idle_us", "mb_per_step", "roofline_us", "ratio", "kernels_per_layer",
+            "idle_goal"]
+    fmt = {"kernel_us": ".1f", "idle_us": ".1f", "mb_per_step": ".1f", "roofline_us": ".1f", "ratio": ".2f",
+           "kernels_per_layer": ".1f"}
+    title = (f"decode roofline: {args.preset}, {layers} layers, prompt {args.prompt}, {args.out_len} steps, "
+             "CUDA graphs; roofline = bytes / copy bandwidth")
+    report("decode_roofline", ceilings, Table(rows, title, cols, fmt),
+           meta={"preset": args.preset, "layers": layers, "prompt": args.prompt, "out_len": args.out_len})
 
 
 if __name__ == "__main__":

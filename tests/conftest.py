@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, every Triton kernel runs in Triton's CPU interpreter. Set it here, before any test module
+# imports a kernel: Triton reads the variable when a kernel module is first imported, so a test file that sets
+# it itself only works when it happens to be collected before every other importer.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hydra import compose, initialize_config_dir
 
 import runtime.core.config  # noqa: F401  (registers the schemas)

@@ -36,6 +36,12 @@ def test_cli_runs_and_writes_a_consistent_report(preset, tmp_path):
     assert dec["tokens"] + req["finished"] + req["retracted"] >= req["generated_tokens"]
     assert pre["tokens"] >= req["prompt_tokens"] and dec["p99_step_ms"] >= dec["p50_step_ms"] > 0
     assert rep["parity"]["ok"] is True and rep["parity"]["tokens_equal"] is True
+    # one output per request, in input order, synthetic workloads too (no tokenizer: no text)
+    outs = rep["outputs"]
+    assert [o["rid"] for o in outs] == list(range(req["total"]))
+    assert sum(len(o["output_ids"]) for o in outs) == req["generated_tokens"] > 0
+    assert all(o["finish_reason"] == "length" and "text" not in o and o["prompt_tokens"] > 0 for o in outs)
+    assert "outputs" in p.stdout and "#0 (" in p.stdout
     if preset == "cpu_small_pool":
         assert req["retracted"] > 0
 

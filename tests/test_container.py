@@ -27,7 +27,7 @@ def test_build_order_reads_top_to_bottom():
     rt = containers.build(compose_config("device=cpu"))
     assert rt.build_order == [
         "device", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "workspace_ledger",
-        "backend:torch_mla", "model", "graph_runner", "engine",
+        "backend:torch_mla", "model", "graph_runner", "workload", "engine",
     ]
 
 

@@ -1,4 +1,4 @@
-"""The overlap scheduler (engine.overlap): identical tokens with it on and off, stop tokens learned one step
+"""The overlap scheduler (engine.overlap): identical tokens with it on and off, EOS learned one step
 late, graph capture that never dumps, graphed steps that run eagerly while a dump is wanted, steps.png."""
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from conftest import compose_config
 import containers
 from runtime.core.batch import ForwardMode
 from runtime.engine.graph_runner import GraphDecision
-from runtime.engine.workload import make_requests
 
 
-def _run(*overrides, requests=None):
+def _run(*overrides):
     rt = containers.build(compose_config("device=cpu", "check=off", *overrides))
-    return rt, rt.engine.run(requests=requests)
+    return rt, rt.engine.run()
 
 
 @pytest.mark.parametrize("preset", [
@@ -51,44 +50,32 @@ def test_a_typo_in_overlap_fails_at_compose_time():
         compose_config("device=cpu", "engine.overlap=maybe")
 
 
-def _with_stops(rt, stop_index: dict[int, int], base):
-    """The workload's requests, with request rid stopping at the token it emitted at ``stop_index[rid]``."""
-    reqs = make_requests(rt.config["workload"], rt.config["model"]["vocab_size"])
-    for r in reqs:
-        if r.rid in stop_index:
-            r.stop_tokens = frozenset({base.outputs[r.rid][stop_index[r.rid]]})
-    return reqs
-
-
 @pytest.mark.parametrize("preset", [(), ("+deploy=cpu_small_pool",), ("+deploy=cpu_speculative",
                                                                         "speculative.baseline=false")])
-def test_stop_tokens_finish_requests_identically_with_overlap_on_and_off(preset):
-    rt, base = _run(*preset, "engine.overlap=off")
-    # stop where the token first appears (a stop token ends the request at its first occurrence)
-    stops = {}
-    for rid, toks in base.outputs.items():
-        if len(toks) >= 4 and rid % 2 == 0:
-            stops[rid] = toks.index(toks[len(toks) // 2])
-    assert stops
+def test_eos_finishes_requests_identically_with_overlap_on_and_off(preset):
+    _, base = _run(*preset, "engine.overlap=off")
+    eos = next(toks[len(toks) // 2] for toks in base.outputs.values() if len(toks) >= 4)  # emitted midway
+    want = {rid: toks[: toks.index(eos) + 1] if eos in toks else toks for rid, toks in base.outputs.items()}
+    cut = sum(1 for rid in want if want[rid] != base.outputs[rid])
+    assert cut > 0
     results = {}
     for mode in ("on", "off"):
-        rt_m = containers.build(compose_config("device=cpu", "check=off", *preset, f"engine.overlap={mode}"))
-        results[mode] = rt_m.engine.run(requests=_with_stops(rt_m, stops, base))
+        rt_m = containers.build(compose_config("device=cpu", "check=off", *preset, f"engine.overlap={mode}",
+                                               f"workload.eos_token_ids=[{eos}]"))
+        results[mode] = rt_m.engine.run()
         pages = rt_m.container.page_allocator()
         assert pages.available == pages.capacity
         assert rt_m.container.req_to_token_pool().available == rt_m.config["kv"]["max_requests"]
     on, off = results["on"], results["off"]
-    assert on.outputs == off.outputs
-    for rid, toks in base.outputs.items():
-        want = toks[: stops[rid] + 1] if rid in stops else toks
-        assert on.outputs[rid] == want, rid
-        assert len(on.argmax[rid]) == len(want) and len(on.margins[rid]) == len(want)
-    assert on.finished == off.finished == len(base.outputs) and on.lost == 0
+    assert on.outputs == off.outputs == want
+    for rid, toks in want.items():
+        assert len(on.argmax[rid]) == len(toks) and len(on.margins[rid]) == len(toks)
+    assert on.finished == off.finished == len(want) and on.lost == 0
     if not any("speculative" in p for p in preset):
-        # with overlap the stop is learned one step late: stopped requests ran at most one extra decode step
+        # with overlap the EOS is learned one step late: a stopped request runs at most one extra decode step
         dec_on = sum(s.batch_size for s in on.steps if s.phase == "decode")
         dec_off = sum(s.batch_size for s in off.steps if s.phase == "decode")
-        assert dec_off <= dec_on <= dec_off + len(stops)
+        assert dec_off <= dec_on <= dec_off + cut
 
 
 class _FakeGraphs:

@@ -164,6 +164,7 @@ def mla_decode(
     use_tma: bool | None = None,
     max_regs: int | None = None,
     snap: bool = True,
+    kv_scale: float = 1.0,
     _skip_merge: bool = False,
 ) -> None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
@@ -171,7 +172,9 @@ def mla_decode(
     Parameters
     ----------
     q_nope : [B, H, D_CKV]; q_pe : [B, H, D_PE] (last dims contiguous; any dtype, cast to the cache's)
-    kv_cache : [num_pages, page_size, D_CKV + D_PE] bf16/fp16/fp32, last dim contiguous
+    kv_cache : [num_pages, page_size, D_CKV + D_PE] bf16/fp16/fp32, or float8_e4m3fn (dequantized in the
+        kernel: products in q's dtype, ``kv_scale`` folded into the score scale and the output), last dim
+        contiguous
     page_table : int32 [B, max_pages]; seq_lens : int32 [B] (device)
     out : [B, H, D_CKV] written in place (any float dtype)
     partial_out : float32 [R, H, max_splits, D_CKV]; partial_lse : float32 [R, H, max_splits]
@@ -193,6 +196,7 @@ def mla_decode(
         an SM); None -> the config default.
     snap : a chunk of at least half the mean request length is rounded up to a multiple of it, so equal
         lengths are cut at request boundaries (no split pieces); see ``_chunk_len``.
+    kv_scale : dequantization scale of an fp8 cache (real = stored * kv_scale); ignored otherwise.
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
     """
     B, H, D_CKV = q_nope.shape
@@ -204,9 +208,15 @@ def mla_decode(
         triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE,
         "triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE",
     )
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     require(
-        kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), "kv_cache dtype bfloat16, float16 or float32"
+        kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32) or kv_fp8,
+        "kv_cache dtype bfloat16, float16, float32 or float8_e4m3fn",
     )
+    require(not kv_fp8 or q_nope.dtype in (torch.bfloat16, torch.float16, torch.float32),
+            "an fp8 cache needs a bf16 / fp16 / fp32 query (the products run in q's dtype)")
+    # the dtype the products run in: the cache's, or q's over an fp8 cache
+    cdt = q_nope.dtype if kv_fp8 else kv_cache.dtype
     require(
         page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32,
         "page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32",
@@ -236,7 +246,7 @@ def mla_decode(
     if B == 0:
         return
 
-    cfg = default_decode_config(H, kv_cache.dtype)
+    cfg = default_decode_config(H, cdt)
     block_h = cfg["block_h"] if block_h is None else block_h
     block_n = cfg["block_n"] if block_n is None else block_n
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
@@ -253,7 +263,7 @@ def mla_decode(
     head_blocks = triton.cdiv(H, block_h)
     slots = partial_out.shape[0] * max_splits
     tma_ok = (
-        kv_cache.dtype in (torch.bfloat16, torch.float16)
+        cdt in (torch.bfloat16, torch.float16)
         and kv_cache.shape[1] % block_n == 0
         and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
         and D_CKV % 2 == 0
@@ -289,9 +299,10 @@ def mla_decode(
         desc_c = _descriptor(kv_cache, rows, block_n, D_CKV // 2)
         desc_pe = _descriptor(kv_cache, rows, block_n, D_PE)
 
-    upcast = interp and kv_cache.dtype == torch.bfloat16
-    prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
-    qk_scale = float(sm_scale) * _LOG2E
+    upcast = interp and cdt == torch.bfloat16
+    prec = "ieee" if cdt == torch.float32 else "tf32"
+    out_scale = float(kv_scale) if kv_fp8 else 1.0
+    qk_scale = float(sm_scale) * _LOG2E * out_scale
     max_regs = cfg.get("max_regs") if max_regs is None else max_regs
     extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     if max_regs and not interp:
@@ -309,6 +320,7 @@ def mla_decode(
         partial_lse,
         out,
         qk_scale,
+        out_scale,
         q_nope.stride(0),
         q_nope.stride(1),
         q_pe.stride(0),
@@ -339,6 +351,7 @@ def mla_decode(
         PREC=prec,
         UPCAST=upcast,
         USE_TMA=use_tma,
+        KV_FP8=kv_fp8,
         **extra,
     )
     if _skip_merge:

@@ -85,7 +85,9 @@ def _mla_attn_loop(
     UPCAST: tl.constexpr,
 ):
     """Online-softmax over keys [lo, hi) of one request. lo must be a multiple of BLOCK_N when
-    PAGE_SIZE % BLOCK_N == 0 (a tile then lies in one page and its page id is a scalar load)."""
+    PAGE_SIZE % BLOCK_N == 0 (a tile then lies in one page and its page id is a scalar load). KV tiles are
+    converted to q's dtype after the load: an fp8 cache is dequantized there, its per-tensor scale folded into
+    qk_scale and the output scale by the caller."""
     offs_d = tl.arange(0, D_CKV)
     offs_pe = tl.arange(0, D_PE)
     for n0 in range(lo, hi, BLOCK_N):
@@ -108,6 +110,8 @@ def _mla_attn_loop(
         else:
             kv = tl.load(kv_ptrs)
             kpe = tl.load(pe_ptrs)
+        kv = kv.to(q.dtype)  # an fp8 cache is read as fp8 and widened here (its scale is folded by the caller)
+        kpe = kpe.to(q.dtype)
 
         qk = _mm(q, tl.trans(kv), PREC, UPCAST)
         qk += _mm(qpe, tl.trans(kpe), PREC, UPCAST)
@@ -229,9 +233,9 @@ def _mla_attn_loop_tma(
     for n0 in range(lo, hi, BLOCK_N):
         page = tl.load(PT_row + n0 // PAGE_SIZE)
         row = page * PAGE_SIZE + n0 % PAGE_SIZE
-        k_lo = DESC_C.load([row, 0])
-        k_hi = DESC_C.load([row, D_HALF])
-        kpe = DESC_PE.load([row, D_CKV])
+        k_lo = DESC_C.load([row, 0]).to(q_lo.dtype)
+        k_hi = DESC_C.load([row, D_HALF]).to(q_lo.dtype)
+        kpe = DESC_PE.load([row, D_CKV]).to(q_lo.dtype)
         if MASK_N:
             keep = (n0 + tl.arange(0, BLOCK_N)) < hi
             k_lo = tl.where(keep[:, None], k_lo, 0.0).to(k_lo.dtype)
@@ -276,13 +280,19 @@ def _store_piece(
 
 @triton.jit(noinline=_PIECE_NOINLINE)
 def _decode_piece(
-    QN, QP, KV, DESC_C, DESC_PE, PT, PO, PL, OUT, qk_scale, b64, start, end, split, slot, slot_div, pid_h, H,
+    QN, QP, KV, DESC_C, DESC_PE, PT, PO, PL, OUT, qk_scale, out_scale, b64, start, end, split, slot, slot_div, pid_h, H,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_p, stride_kv_t, stride_pt_b, stride_po_b,
     stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
     PAGE_SIZE: tl.constexpr, D_CKV: tl.constexpr, D_PE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """Tokens [start, end) of request b64 for BLOCK_H heads -> OUT (split False) or workspace slot."""
+    """Tokens [start, end) of request b64 for BLOCK_H heads -> OUT (split False) or workspace slot. With an
+    fp8 cache (KV_FP8) the products run in q's dtype and ``out_scale`` (the cache scale) rescales the output."""
+    if KV_FP8:
+        CDT: tl.constexpr = QN.dtype.element_ty
+    else:
+        CDT: tl.constexpr = KV.dtype.element_ty
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     offs_pe = tl.arange(0, D_PE)
@@ -292,15 +302,15 @@ def _decode_piece(
         QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_pe[None, :],
         mask=mask_h[:, None],
         other=0.0,
-    ).to(KV.dtype.element_ty)
+    ).to(CDT)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if USE_TMA:
         D_HALF: tl.constexpr = D_CKV // 2
         cols = tl.arange(0, D_HALF)
         q_base = QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + cols[None, :]
-        q_lo = tl.load(q_base, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
-        q_hi = tl.load(q_base + D_HALF, mask=mask_h[:, None], other=0.0).to(KV.dtype.element_ty)
+        q_lo = tl.load(q_base, mask=mask_h[:, None], other=0.0).to(CDT)
+        q_hi = tl.load(q_base + D_HALF, mask=mask_h[:, None], other=0.0).to(CDT)
         acc_lo = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
         acc_hi = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
         m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
@@ -312,12 +322,12 @@ def _decode_piece(
             qk_scale, PAGE_SIZE, BLOCK_N, D_CKV, MASK_N=True,
         )  # fmt: skip
         _store_piece(
-            acc_lo / l_i[:, None], m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL,
+            acc_lo * (out_scale / l_i)[:, None], m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL,
             OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
             stride_o_b, stride_o_h, WRITE_LSE=True,
         )  # fmt: skip
         _store_piece(
-            acc_hi / l_i[:, None], m_i, l_i, cols + D_HALF, offs_h, mask_h, b64, split, slot, slot_div,
+            acc_hi * (out_scale / l_i)[:, None], m_i, l_i, cols + D_HALF, offs_h, mask_h, b64, split, slot, slot_div,
             PO, PL, OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
             stride_o_b, stride_o_h, WRITE_LSE=False,
         )  # fmt: skip
@@ -327,7 +337,7 @@ def _decode_piece(
             QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d[None, :],
             mask=mask_h[:, None],
             other=0.0,
-        ).to(KV.dtype.element_ty)
+        ).to(CDT)
         acc = tl.zeros([BLOCK_H, D_CKV], dtype=tl.float32)
         m_i, l_i, acc = _mla_attn_loop(
             q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, start, full_end, m_i, qk_scale,
@@ -338,7 +348,7 @@ def _decode_piece(
             PAGE_SIZE, BLOCK_N, D_CKV, D_PE, MASK_N=True, CAUSAL=False, PREC=PREC, UPCAST=UPCAST,
         )  # fmt: skip
         _store_piece(
-            acc / l_i[:, None], m_i, l_i, offs_d, offs_h, mask_h, b64, split, slot, slot_div, PO, PL, OUT,
+            acc * (out_scale / l_i)[:, None], m_i, l_i, offs_d, offs_h, mask_h, b64, split, slot, slot_div, PO, PL, OUT,
             stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
             stride_o_h, WRITE_LSE=True,
         )  # fmt: skip
@@ -359,6 +369,7 @@ def _mla_decode_stage1_kernel(
     PL,
     OUT,
     qk_scale,
+    out_scale,
     stride_qn_b,
     stride_qn_h,
     stride_qp_b,
@@ -389,6 +400,7 @@ def _mla_decode_stage1_kernel(
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """grid (cdiv(H, BLOCK_H), num_programs). Program (h, p): BLOCK_H heads, global tokens
     [p * chunk, (p + 1) * chunk) (see the module doc). The head block varies fastest, so the programs that
@@ -415,11 +427,12 @@ def _mla_decode_stage1_kernel(
             slot = slot0 + (pid_p - p0)
             if start < end:
                 _decode_piece(
-                    QN, QP, KV, DESC_C, DESC_PE, PT, PO, PL, OUT, qk_scale, (s_b * 0 + b).to(tl.int64), start, end,
+                    QN, QP, KV, DESC_C, DESC_PE, PT, PO, PL, OUT, qk_scale, out_scale, (s_b * 0 + b).to(tl.int64),
+                    start, end,
                     split, slot, slot_div, pid_h, H, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_kv_p,
                     stride_kv_t, stride_pt_b, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
                     stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H, BLOCK_N, PREC, UPCAST,
-                    USE_TMA,
+                    USE_TMA, KV_FP8,
                 )  # fmt: skip
             slot0 += tl.where((seq_len > 0) & split, p1 - p0 + 1, 0)
             s_b = e_b

@@ -49,13 +49,15 @@ def mla_extend(
     block_h: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: float = 1.0,
 ) -> None:
     """Causal absorbed-MLA attention of the new tokens of each request over its whole paged KV.
 
     Parameters
     ----------
     q_nope : [T, H, D_CKV]; q_pe : [T, H, D_PE], packed by request (last dims contiguous)
-    kv_cache : [num_pages, page_size, D_CKV + D_PE] bf16/fp16/fp32 (last dim contiguous)
+    kv_cache : [num_pages, page_size, D_CKV + D_PE] bf16/fp16/fp32, or float8_e4m3fn read with ``kv_scale``
+        (real = stored * kv_scale; products in q's dtype) (last dim contiguous)
     page_table : int32 [B, max_pages]; qo_indptr : int32 [B + 1]; seq_lens : int32 [B] (total KV lengths,
         new tokens included; seq_lens[b] >= n_b)
     out : [T, H, D_CKV] written in place (rows of the T tokens only)
@@ -74,9 +76,12 @@ def mla_extend(
         kv_cache.dim() == 3 and kv_cache.shape[-1] == D_CKV + D_PE,
         "kv_cache.dim() == 3 and kv_cache.shape[-1] == D_CKV + D_PE",
     )
+    kv_fp8 = kv_cache.dtype == torch.float8_e4m3fn
     require(
-        kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32), "kv_cache dtype bfloat16, float16 or float32"
+        kv_cache.dtype in (torch.bfloat16, torch.float16, torch.float32) or kv_fp8,
+        "kv_cache dtype bfloat16, float16, float32 or float8_e4m3fn",
     )
+    cdt = q_nope.dtype if kv_fp8 else kv_cache.dtype
     require(
         triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE,
         "triton.next_power_of_2(D_CKV) == D_CKV and triton.next_power_of_2(D_PE) == D_PE",
@@ -96,7 +101,7 @@ def mla_extend(
     if max_q_len <= 0:
         return
 
-    cfg = default_extend_config(H, kv_cache.dtype)
+    cfg = default_extend_config(H, cdt)
     block_m = cfg["block_m"] if block_m is None else block_m
     block_n = cfg["block_n"] if block_n is None else block_n
     block_h = min(cfg["block_h"], block_m) if block_h is None else block_h
@@ -113,8 +118,9 @@ def mla_extend(
     num_m_tiles = triton.cdiv(max_q_len, tokens_per_tile)
     require(num_m_tiles <= 65535, "grid.y limit: raise block_m or lower block_h")
     interp = _mla_extend_kernel.__class__.__name__ == "InterpretedFunction"
-    upcast = interp and kv_cache.dtype == torch.bfloat16
-    prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    upcast = interp and cdt == torch.bfloat16
+    prec = "ieee" if cdt == torch.float32 else "tf32"
+    out_scale = float(kv_scale) if kv_fp8 else 1.0
     extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
 
     _mla_extend_kernel[(triton.cdiv(H, block_h), num_m_tiles, B)](
@@ -125,7 +131,8 @@ def mla_extend(
         qo_indptr,
         seq_lens,
         out,
-        float(sm_scale) * _LOG2E,
+        float(sm_scale) * _LOG2E * out_scale,
+        out_scale,
         q_nope.stride(0),
         q_nope.stride(1),
         q_pe.stride(0),
@@ -145,5 +152,6 @@ def mla_extend(
         BLOCK_N=block_n,
         PREC=prec,
         UPCAST=upcast,
+        KV_FP8=kv_fp8,
         **extra,
     )

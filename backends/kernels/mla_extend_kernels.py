@@ -25,6 +25,7 @@ def _mla_extend_kernel(
     SL,
     OUT,
     qk_scale,
+    out_scale,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -44,9 +45,15 @@ def _mla_extend_kernel(
     BLOCK_N: tl.constexpr,
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """grid (cdiv(H, BLOCK_H), num_m_tiles, B). Head groups vary fastest, then query tiles, so programs that
-    read the same KV run together (L2 hits); a request's tiles are visited last-first (longest first)."""
+    read the same KV run together (L2 hits); a request's tiles are visited last-first (longest first).
+    KV_FP8: an fp8 cache, widened to q's dtype per tile; ``out_scale`` (its scale) rescales the output."""
+    if KV_FP8:
+        CDT: tl.constexpr = QN.dtype.element_ty
+    else:
+        CDT: tl.constexpr = KV.dtype.element_ty
     TOK: tl.constexpr = BLOCK_M // BLOCK_H
     pid_h = tl.program_id(0)
     pid_m = num_m_tiles - 1 - tl.program_id(1)
@@ -70,12 +77,12 @@ def _mla_extend_kernel(
             QN + t_abs[:, None] * stride_qn_t + head[:, None] * stride_qn_h + offs_d[None, :],
             mask=row_mask[:, None],
             other=0.0,
-        ).to(KV.dtype.element_ty)
+        ).to(CDT)
         qpe = tl.load(
             QP + t_abs[:, None] * stride_qp_t + head[:, None] * stride_qp_h + offs_pe[None, :],
             mask=row_mask[:, None],
             other=0.0,
-        ).to(KV.dtype.element_ty)
+        ).to(CDT)
 
         limit = prefix + tok  # inclusive causal limit of each row
         tok_last = tl.minimum(tok0 + TOK, n_q) - 1
@@ -136,6 +143,6 @@ def _mla_extend_kernel(
         )
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]
+        o = acc * (out_scale / l_safe)[:, None]
         o_ptrs = OUT + t_abs[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :]
         tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_mask[:, None])

@@ -49,7 +49,8 @@ def _check_args(q_nope, q_pe, kv_rows, locs) -> None:
 
 
 def sparse_mla_decode_reference(
-    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, locs: torch.Tensor, sm_scale: float
+    q_nope: torch.Tensor, q_pe: torch.Tensor, kv_rows: torch.Tensor, locs: torch.Tensor, sm_scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Sparse absorbed-MLA decode in plain torch (float32 math).
 
@@ -61,6 +62,7 @@ def sparse_mla_decode_reference(
     locs : [T, K] int32
         Device locations each token attends to; -1 = unused entry.
     sm_scale : float
+    kv_scale : dequantization scale of a float8_e4m3fn ``kv_rows`` (real = stored * kv_scale)
 
     Returns
     -------
@@ -70,6 +72,8 @@ def sparse_mla_decode_reference(
     Dc = q_nope.shape[2]
     valid = locs >= 0  # [T, K]
     rows = kv_rows[locs.long().clamp_min(0)].float()  # [T, K, Dc + Dr]
+    if kv_rows.dtype == torch.float8_e4m3fn:
+        rows = rows * kv_scale
     scores = torch.einsum("thc,tkc->thk", q_nope.float(), rows[..., :Dc])
     scores += torch.einsum("thr,tkr->thk", q_pe.float(), rows[..., Dc:])
     scores = (scores * sm_scale).masked_fill(~valid[:, None, :], float("-inf"))
@@ -139,13 +143,15 @@ def sparse_mla_decode(
     target_programs: int | None = None,
     min_entries_per_split: int = MIN_ENTRIES_PER_SPLIT,
     max_splits: int | None = None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Sparse absorbed-MLA decode with Triton (same math as :func:`sparse_mla_decode_reference`).
 
     Parameters
     ----------
     q_nope : [T, H, Dc]; q_pe : [T, H, Dr]; last dims contiguous, any float dtype (cast to the KV dtype)
-    kv_rows : [S, Dc + Dr] bf16 / fp16 / fp32, rows contiguous (any row stride)
+    kv_rows : [S, Dc + Dr] bf16 / fp16 / fp32, or float8_e4m3fn read with ``kv_scale`` (real = stored *
+        kv_scale), rows contiguous (any row stride)
     locs : [T, K] int32 (or int64) device locations, -1 = masked; last dim contiguous
     sm_scale : float
     scratch : float32 (or uint8 ledger buffer) tensor, optional
@@ -172,10 +178,12 @@ def sparse_mla_decode(
     T, H, Dc = q_nope.shape
     Dr = q_pe.shape[2]
     K = locs.shape[1]
+    kv_fp8 = kv_rows.dtype == torch.float8_e4m3fn
     require(
-        kv_rows.dtype in (torch.bfloat16, torch.float16, torch.float32),
-        f"kv_rows bfloat16, float16 or float32; got {kv_rows.dtype}",
+        kv_rows.dtype in (torch.bfloat16, torch.float16, torch.float32) or kv_fp8,
+        f"kv_rows bfloat16, float16, float32 or float8_e4m3fn; got {kv_rows.dtype}",
     )
+    cdt = q_nope.dtype if kv_fp8 else kv_rows.dtype
     require(
         triton.next_power_of_2(Dc) == Dc and triton.next_power_of_2(Dr) == Dr,
         f"power-of-two Dc and Dr; got {Dc} and {Dr}",
@@ -188,7 +196,7 @@ def sparse_mla_decode(
     if T == 0:
         return out
 
-    cfg = default_sparse_decode_config(H, kv_rows.dtype)
+    cfg = default_sparse_decode_config(H, cdt)
     block_h = cfg["block_h"] if block_h is None else block_h
     block_n = cfg["block_n"] if block_n is None else block_n
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
@@ -220,17 +228,18 @@ def sparse_mla_decode(
     else:
         po = pl = out  # unused (SPLIT=False)
 
-    upcast = interp and kv_rows.dtype == torch.bfloat16
-    prec = "ieee" if kv_rows.dtype == torch.float32 else "tf32"
+    upcast = interp and cdt == torch.bfloat16
+    prec = "ieee" if cdt == torch.float32 else "tf32"
+    out_scale = float(kv_scale) if kv_fp8 else 1.0
     extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     kern._sparse_decode_stage1_kernel[(head_blocks, num_splits, T)](
-        q_nope, q_pe, kv_rows, locs, po, pl, out, float(sm_scale) * kern.LOG2E,
+        q_nope, q_pe, kv_rows, locs, po, pl, out, float(sm_scale) * kern.LOG2E * out_scale, out_scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_rows.stride(0), locs.stride(0),
         po.stride(0), po.stride(1), po.stride(2) if num_splits > 1 else 0,
         pl.stride(0), pl.stride(1), pl.stride(2) if num_splits > 1 else 0,
         out.stride(0), out.stride(1), H, K, split_len,
         D_CKV=Dc, D_PE=Dr, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=num_splits > 1, PREC=prec, UPCAST=upcast,
-        **extra,
+        KV_FP8=kv_fp8, **extra,
     )  # fmt: skip
     if num_splits > 1:
         block_s = triton.next_power_of_2(num_splits)

@@ -38,6 +38,7 @@ def _sparse_decode_stage1_kernel(
     PL,
     OUT,
     qk_scale,
+    out_scale,
     stride_qn_t,
     stride_qn_h,
     stride_qp_t,
@@ -62,6 +63,7 @@ def _sparse_decode_stage1_kernel(
     SPLIT: tl.constexpr,  # more than one split: write partials (else the final output)
     PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,  # an fp8 cache: widened to q's dtype per tile, out_scale (its scale) on the output
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -71,7 +73,10 @@ def _sparse_decode_stage1_kernel(
     mask_h = offs_h < H
     offs_d = tl.arange(0, D_CKV)
     offs_pe = tl.arange(0, D_PE)
-    dt = KV.dtype.element_ty
+    if KV_FP8:
+        dt: tl.constexpr = QN.dtype.element_ty
+    else:
+        dt: tl.constexpr = KV.dtype.element_ty
     q = tl.load(
         QN + t * stride_qn_t + offs_h[:, None] * stride_qn_h + offs_d[None, :], mask=mask_h[:, None], other=0.0
     ).to(dt)
@@ -92,6 +97,8 @@ def _sparse_decode_stage1_kernel(
         row = loc.to(tl.int64) * stride_kv
         kv = tl.load(KV + row[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         kpe = tl.load(KV + row[:, None] + D_CKV + offs_pe[None, :], mask=valid[:, None], other=0.0)
+        kv = kv.to(dt)
+        kpe = kpe.to(dt)
         qk = _mm(q, tl.trans(kv), PREC, UPCAST)
         qk = _mm_acc(qpe, tl.trans(kpe), qk, PREC, UPCAST)
         qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
@@ -104,7 +111,7 @@ def _sparse_decode_stage1_kernel(
         m_i = m_new
 
     has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    o = acc * (out_scale / tl.where(has, l_i, 1.0))[:, None]
     if SPLIT:
         po = PO + t * stride_po_t + offs_h[:, None] * stride_po_h + pid_s * stride_po_s + offs_d[None, :]
         tl.store(po, o, mask=mask_h[:, None])

@@ -11,9 +11,16 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from containers import build, to_plain
-from runtime.app.parity import compare, reference_config
+from runtime.app.parity import compare, quantization_effect, reference_config, unquantized_config
 from runtime.app.plot import write_step_plot
-from runtime.app.report import make_report, memory_plan, print_report, speculative_section, write_report
+from runtime.app.report import (
+    make_report,
+    memory_plan,
+    print_report,
+    shared_kv_indices_section,
+    speculative_section,
+    write_report,
+)
 from runtime.core.config import Config
 from runtime.core.errors import ConfigError, Problem
 
@@ -65,7 +72,7 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
     if plain.get("explain"):
         explain(runtime, console)
         return 0
-    res = runtime.engine.run(progress=plain["progress"], record_hidden=plain["check"] == "reference")
+    res = runtime.engine.run(progress=plain["progress"], record_hidden=plain["check"] != "off")
     speculative = None
     spec = plain["speculative"]
     if spec["enabled"]:  # the same workload on the same backend without speculation, for tokens/s
@@ -75,12 +82,18 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
             base_cfg["speculative"]["enabled"] = False
             baseline = build(base_cfg).engine.run(record_hidden=False)
         speculative = speculative_section(res, runtime.container.speculative().stats, baseline)
+        speculative["shared_kv_indices"] = shared_kv_indices_section(runtime.container, spec["shared_kv_indices"])
     parity = None
-    if plain["check"] == "reference":
+    if plain["check"] != "off":
         ref_cfg = reference_config(plain)
         ref_res = build(ref_cfg).engine.run(forced=res.outputs)
         ref_name = f"{ref_cfg['backend']['name']}/{ref_cfg['model']['dtype']}"
         parity = compare(res, ref_res, plain["model"]["dtype"], ref_name).as_dict()
+    if plain["check"] == "unquantized":  # what the fp8 cache alone changes: same run, cache in the model dtype
+        unq = build(unquantized_config(plain)).engine.run(forced=res.outputs)
+        model = runtime.container.model()
+        parity["quantization"] = quantization_effect(
+            res, unq, lambda h: model.logits(h.to(model.device, model.spec.dtype)))
     dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
     report = make_report(runtime, res, parity, dumps, speculative)
     print_report(report, console)

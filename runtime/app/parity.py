@@ -62,6 +62,41 @@ def reference_config(plain: dict) -> dict:
     return ref
 
 
+def unquantized_config(plain: dict) -> dict:
+    """The candidate's config with ``kv.dtype=auto`` (the cache in the model dtype), same backend and model:
+    run fed the candidate's tokens, it shows what the fp8 cache alone changes."""
+    ref = copy.deepcopy(plain)
+    ref["kv"]["dtype"] = "auto"
+    ref["graph"]["enabled"] = False
+    ref["speculative"]["enabled"] = False
+    ref["dump_dir"] = None
+    return ref
+
+
+def quantization_effect(candidate: RunResult, unquantized: RunResult, logits) -> dict:
+    """Token agreement and logit error of an fp8-cache run against the same run with an unquantized cache
+    (both fed the candidate's tokens). ``logits``: float32 host [N, hidden] -> [N, vocab] float32 (the model's
+LM head, in the model dtype on its device).
+
+    Returns greedy-choice agreement (fraction of generated positions where both runs pick the same token),
+    the max relative error of the logits (norm over a request's positions) and the max absolute logit error."""
+    same = total = 0
+    max_rel = max_abs = 0.0
+    for rid in candidate.outputs:
+        a, b = candidate.argmax[rid], unquantized.argmax[rid]
+        same += sum(x == y for x, y in zip(a, b))
+        total += min(len(a), len(b))
+        ha, hb = candidate.hidden[rid], unquantized.hidden[rid]
+        if hb.numel():
+            la, lb = logits(ha).double(), logits(hb).double()
+            rel = (torch.linalg.vector_norm(la - lb) / torch.linalg.vector_norm(lb).clamp_min(1e-30)).item()
+            max_rel = max(max_rel, rel if rel == rel else float("inf"))
+            max_abs = max(max_abs, (la - lb).abs().max().item())
+    return {"reference": "same config, kv.dtype=auto", "positions": total,
+            "token_agreement": same / total if total else 1.0, "logit_max_rel_err": max_rel,
+            "logit_max_abs_err": max_abs}
+
+
 def compare(candidate: RunResult, reference: RunResult, dtype: str,
             reference_name: str = "torch_mla/float32") -> ParityReport:
     tol, tie = TOLERANCE[dtype], TIE_MARGIN[dtype]

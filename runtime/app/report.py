@@ -103,6 +103,31 @@ def speculative_section(res: RunResult, stats, baseline: RunResult | None) -> di
     return out
 
 
+def shared_kv_indices_section(container, mode: str) -> dict:
+    """The multi-step draft's shared kv-indices pass: how often it ran and how often it was skipped because
+    every draft step backend builds its own kv indices (``capabilities.builds_own_kv_indices``)."""
+    kv_pass, draft = container.draft_kv_indices(), container.draft_attention()
+    steps = draft.step_backends
+    own = all(type(b).capabilities.builds_own_kv_indices for b in steps)
+    why = ("every draft step backend builds its own kv indices" if own
+           else "a draft step backend reads batch.kv_page_table") if steps else "no draft decode steps"
+    return {"mode": mode, "runs": kv_pass.runs if kv_pass is not None else 0,
+            "skipped": draft.kv_indices_skipped, "injected": kv_pass is not None, "why": why}
+
+
+def kernel_section(backend_cfg: dict) -> dict | None:
+    """Which kernel implementation ran, for backends with a ``kernel`` switch; an emulation says so plainly."""
+    impl = backend_cfg.get("kernel")
+    if impl is None:
+        return None
+    if impl == "emulate":
+        return {"impl": "emulate", "emulated": True,
+                "note": "EMULATION: a torch implementation of the kernel's calling contract ran instead of the "
+                        "vendor kernel; the hardware gate (GPU family, packages, dtypes) was lifted; timings "
+                        "say nothing about the kernel"}
+    return {"impl": impl, "emulated": False}
+
+
 def _hisparse(container) -> dict | None:
     """Device vs host KV bytes and swap-in counters. ``dense_equivalent_bytes``: a dense device pool holding as
     many tokens as the host pool (what HiSparse saves); ``device_kv_bytes``: the device page pool (prefill) plus
@@ -119,9 +144,33 @@ def _hisparse(container) -> dict | None:
             "device_over_dense": device / dense if dense else 0.0}
 
 
+def _kv_cache(container) -> dict:
+    """Storage dtype and scale of the latent cache, bytes per token (all cached layers) and the tokens the
+    pool holds, and (fp8) how many written values clipped at +-448 x scale: the device counters, read once."""
+    kv = container.kv_pool()
+    tokens = (len(kv.buffers[0]) - 1) * kv.page_size if kv.buffers else 0  # page 0 is the padding page
+    return {**kv.quant_stats(), "pool_bytes": kv.nbytes, "bytes_per_token": kv.bytes_per_token,
+            "pool_tokens": tokens}
+
+
 def _graphs(runner) -> dict:
     return {name: {"graphed": m.decision.graphed, "sizes": sorted(m.graphs), "replays": m.replays,
                    "reason": m.decision.reason} for name, m in runner.modes.items()}
+
+
+def _outputs(res: RunResult, workload) -> list[dict]:
+    """One entry per request, in input order: prompt length, generated ids, why it ended, and the decoded
+    text when the workload has a tokenizer."""
+    out = []
+    for rid in sorted(res.outputs):
+        ids = res.outputs[rid]
+        entry = {"rid": rid, "prompt_tokens": len(workload.specs[rid].prompt), "output_ids": ids,
+                 "finish_reason": res.finish_reasons.get(rid, "length")}
+        text = workload.decode(ids)
+        if text is not None:
+            entry["text"] = text
+        out.append(entry)
+    return out
 
 
 def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, str],
@@ -130,9 +179,11 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
     generated = sum(len(v) for v in res.outputs.values())
     return {
         "backend": cfg["backend"]["name"],
+        "kernel": kernel_section(cfg["backend"]),
         "device": {"kind": runtime.device.kind, "name": runtime.device.name},
         "model": {"name": cfg["model"]["name"], "dtype": cfg["model"]["dtype"], "layers": cfg["model"]["num_layers"]},
         "workload": cfg["workload"]["name"],
+        "outputs": _outputs(res, runtime.container.workload()),
         "build_order": runtime.build_order,
         "memory": memory_plan(runtime.container),
         "phases": _phases(res),
@@ -145,6 +196,7 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
         "graphs": _graphs(runtime.container.graph_runner()),
         "speculative": speculative,
         "hisparse": _hisparse(runtime.container),
+        "kv_cache": _kv_cache(runtime.container),
         "parity": parity if parity is not None else {"reference": None, "ok": None},
         "dumps": dumps,
     }
@@ -161,11 +213,29 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
 
+def _clip(s: str, n: int) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _output_lines(outputs: list[dict], shown: int = 3, width: int = 60) -> str:
+    """The first ``shown`` outputs, one line each (text when decoded, else ids), clipped to ``width``."""
+    lines = []
+    for o in outputs[:shown]:
+        body = repr(o["text"]) if "text" in o else " ".join(map(str, o["output_ids"]))
+        lines.append(_clip(f"#{o['rid']} ({len(o['output_ids'])} tok, {o['finish_reason']}): {body}", width))
+    if len(outputs) > shown:
+        lines.append(f"… {len(outputs) - shown} more in report.json")
+    return "\n".join(lines)
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"mla-runtime: {report['backend']} on {report['device']['name']}", show_header=False)
     t.add_column("what", style="bold")
     t.add_column("value")
+    k = report.get("kernel")
+    if k:
+        t.add_row("kernel", f"[yellow]{k['impl']}: {k['note']}[/yellow]" if k["emulated"] else k["impl"])
     p, d, r = report["phases"]["prefill"], report["phases"]["decode"], report["requests"]
     t.add_row("model", f"{report['model']['name']} ({report['model']['dtype']}, {report['model']['layers']} layers)")
     t.add_row("build order", " -> ".join(report["build_order"]))
@@ -174,11 +244,19 @@ def print_report(report: dict, console: Console | None = None) -> None:
               f"p50 {d['p50_step_ms']:.3f} p99 {d['p99_step_ms']:.3f}")
     t.add_row("requests", f"{r['finished']}/{r['total']} finished, {r['retracted']} retracted, "
               f"{r['queued_for_memory']} times queued for memory, {r['lost']} lost")
+    if report.get("outputs"):
+        t.add_row("outputs", _output_lines(report["outputs"]))
     mem = report["memory"]
     draft = f"draft kv pool {_mib(mem['draft_kv_pool_bytes'])}, " if mem["draft_kv_pool_bytes"] else ""
     t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, {draft}request states {_mib(mem['request_state_bytes'])}, "
               f"weights {_mib(mem['weights_bytes'])}, "
               + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
+    kvc = report.get("kv_cache")
+    if kvc:
+        clip = (f"; {kvc['values_clipped']} of {kvc['values_written']} values clipped (scale {kvc['scale']:g})"
+                if kvc["kv_dtype"] != "auto" else "")
+        t.add_row("kv cache", f"{kvc['cache_dtype']}, {kvc['bytes_per_token']} B/token, "
+                  f"{kvc['pool_tokens']} tokens in {_mib(kvc['pool_bytes'])}" + clip)
     sp = report.get("speculative")
     if sp:
         ph = sp["phases"]
@@ -189,6 +267,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"verify {ph['target_verify']['mean_step_ms']:.3f} "
                   f"extend {ph['draft_extend']['mean_step_ms']:.3f}; decode {sp['decode_tokens_per_s']:.1f} tok/s"
                   + base)
+        kv = sp.get("shared_kv_indices")
+        if kv:
+            t.add_row("shared kv-indices pass", f"{kv['runs']} runs, {kv['skipped']} skipped (mode {kv['mode']}: "
+                      f"{kv['why']})")
     for mode, g in report["graphs"].items():
         t.add_row(f"{mode} graphs", f"{len(g['sizes'])} sizes captured, {g['replays']} replays" if g["graphed"]
                   else f"eager ({g['reason']})")
@@ -204,6 +286,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
         t.add_row("parity", f"{verdict} vs {par['reference']}: tokens equal {par['tokens_equal']} "
                   f"({par['mismatches']} mismatches, {par['near_tie_mismatches']} at near-ties), "
                   f"max rel err {par['max_rel_err']:.2e} (tol {par['tolerance']:.0e})")
+        q = par.get("quantization")
+        if q:
+            t.add_row("fp8 vs unquantized", f"token agreement {q['token_agreement']:.1%} of {q['positions']}, "
+                      f"logit max rel err {q['logit_max_rel_err']:.2e}, max abs {q['logit_max_abs_err']:.3f}")
     else:
         t.add_row("parity", "off")
     console.print(t)

@@ -23,6 +23,8 @@ from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.model_spec import TORCH_DTYPES
+from runtime.engine.prompts import capped, check_workload
+from runtime.engine.workload import RequestSpec
 
 FLASHINFER_WORKSPACE = "flashinfer_float"
 
@@ -66,7 +68,7 @@ def validate(
         add(Problem("backend", f"'{name}'", f"one of {sorted(backends)}", f"pick one: backend={sorted(backends)[0]}"))
     else:
         caps = backends[name].capabilities
-        problems += _backend_problems(name, backends[name], cfg, device, package_present)
+        problems += _backend_problems(name, backends[name], cfg, device, package_present, backends)
 
     # --- model
     problems += _model_problems(model, name, caps)
@@ -97,9 +99,12 @@ def validate(
                         "impl=triton (auto on CUDA) for graphed decode", "use backend.impl=auto, or graph=off"))
 
     # --- KV cache and workload
+    problems += _kv_dtype_problems(cfg, name, caps, backends, device)
     spec = cfg["speculative"]
     lookahead = spec["num_steps"] + 2 if spec["enabled"] and spec["num_steps"] >= 1 else 0
-    problems += _workload_problems(work, kv, model, lookahead)
+    source_problems, specs = check_workload(work, model, lookahead)  # reads the prompt file, if any
+    problems += capped(source_problems)
+    problems += _workload_problems(work, kv, model, lookahead, specs)
     return problems
 
 
@@ -136,25 +141,49 @@ def _speculative_problems(cfg, name: str, caps: BackendCapabilities | None) -> l
     return out
 
 
-def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_present) -> list[Problem]:
+def _cc(cc: tuple[int, int]) -> str:
+    return f"{cc[0]}.{cc[1]}"
+
+
+def hardware_problems(name: str, caps: BackendCapabilities, device: DeviceInfo,
+                      backends: Mapping[str, type]) -> list[Problem]:
+    """Whether backend ``name``'s real kernels run on ``device``; if not, one problem naming the device found,
+    the requirement, and the backends whose capabilities say they do run there (never a hard-coded list)."""
+    cc = device.compute_capability
+    if device.kind == "cuda" and cc is None:
+        return []  # no GPU visible: the device check reports it
+    if caps.runs_on(device.kind, cc):
+        return []
+    found = f"GPU {device.name} (compute capability {_cc(cc)})" if device.kind == "cuda" else "device cpu (no GPU)"
+    need = []
+    if "cuda" in caps.devices and caps.min_compute_capability is not None:
+        need.append(f"compute capability >= {_cc(caps.min_compute_capability)}")
+    if "cuda" in caps.devices and caps.compute_capabilities is not None:
+        need.append("exactly one of " + ", ".join(_cc(c) for c in sorted(caps.compute_capabilities)))
+    if device.kind not in caps.devices:
+        need.insert(0, f"a device in {sorted(caps.devices)}")
+    here = sorted(n for n, b in backends.items() if n != name and b.capabilities.runs_on(device.kind, cc))
+    fix = f"use a backend that runs on this {'GPU' if device.kind == 'cuda' else 'machine'}: {', '.join(here)}" \
+        if here else "run on a GPU the backend supports"
+    if caps.emulation:
+        fix += "; or backend.kernel=emulate (a torch emulation of the kernels, for tests: not their speed)"
+    return [Problem(f"backend '{name}'", found, " and ".join(need), fix)]
+
+
+def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_present,
+                      backends: Mapping[str, type]) -> list[Problem]:
     caps: BackendCapabilities = backend_cls.capabilities
     out: list[Problem] = []
     add = out.append
-    if device.kind not in caps.devices:
-        add(Problem(f"backend '{name}'", f"device {device.kind}", f"a device in {sorted(caps.devices)}",
-                    "use backend=torch_mla on the CPU, or run on a GPU (device=cuda)"))
-    if device.kind == "cuda" and caps.min_compute_capability and device.compute_capability:
-        if device.compute_capability < caps.min_compute_capability:
-            need = ".".join(map(str, caps.min_compute_capability))
-            got = ".".join(map(str, device.compute_capability))
-            add(Problem(f"backend '{name}'", f"GPU {device.name} (compute capability {got})",
-                        f"compute capability >= {need}", "pick a backend that supports this GPU"))
-    for pkg in caps.packages:
-        if not package_present(pkg):
-            add(Problem(f"backend '{name}'", f"python package '{pkg}' not importable", f"'{pkg}' installed",
-                        "pip install 'mla-runtime[gpu]' (on a CUDA machine)"))
+    emulated = caps.emulation and cfg["backend"].get("kernel") == "emulate"
+    if not emulated:  # backend.kernel=emulate runs a torch emulation of the kernels anywhere
+        out += hardware_problems(name, caps, device, backends)
+        for pkg in caps.packages:
+            if not package_present(pkg):
+                add(Problem(f"backend '{name}'", f"python package '{pkg}' not importable", f"'{pkg}' installed",
+                            caps.install))
     dtype = TORCH_DTYPES.get(str(cfg["model"]["dtype"]))
-    if dtype is not None and dtype not in caps.dtypes:
+    if dtype is not None and dtype not in caps.dtypes and not emulated:
         add(Problem(f"backend '{name}'", f"model.dtype={cfg['model']['dtype']}",
                     f"one of {sorted(str(d).removeprefix('torch.') for d in caps.dtypes)}",
                     "set model.dtype=bfloat16"))
@@ -292,25 +321,72 @@ def _linear_problems(cfg, linear_backend: type | None, device: DeviceInfo, packa
     return out
 
 
-def _workload_problems(work, kv, model, lookahead: int = 0) -> list[Problem]:
-    """``lookahead``: positions a speculative round reserves past a request's length (num_steps + 2)."""
+def _fp8_ok(caps: BackendCapabilities, model_dtype, device: DeviceInfo) -> bool:
+    if "fp8_e4m3" not in caps.kv_dtypes:
+        return False
+    if caps.fp8_kv_model_dtypes is not None and model_dtype not in caps.fp8_kv_model_dtypes:
+        return False
+    cc = device.compute_capability
+    return caps.fp8_kv_gpu_major is None or device.kind != "cuda" or cc is None or cc[0] == caps.fp8_kv_gpu_major
+
+
+def _kv_dtype_problems(cfg, name: str, caps: BackendCapabilities | None, backends: Mapping[str, type],
+                       device: DeviceInfo) -> list[Problem]:
+    """kv.dtype / kv.scale: the scale is a positive finite number; an fp8 cache needs a backend whose
+    capabilities read it (for this model dtype and GPU), and no HiSparse (its host pool copies raw rows)."""
+    out: list[Problem] = []
+    kv, model_dtype = cfg["kv"], TORCH_DTYPES.get(str(cfg["model"]["dtype"]))
+    kv_dtype, scale = str(kv.get("dtype", "auto")), kv.get("scale", 1.0)
+    if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        out.append(Problem("kv.scale", repr(scale), "a positive finite number (fp8 stores value / scale)",
+                           "set kv.scale=1.0, or the cache's absolute maximum / 448"))
+    if kv_dtype == "auto":
+        return out
+    if caps is not None and not _fp8_ok(caps, model_dtype, device):
+        working = sorted(n for n, cls in backends.items() if _fp8_ok(cls.capabilities, model_dtype, device))
+        extra = []
+        if caps.fp8_kv_model_dtypes is not None:
+            extra.append(f"model.dtype in {sorted(str(d).removeprefix('torch.') for d in caps.fp8_kv_model_dtypes)}")
+        if caps.fp8_kv_gpu_major is not None:
+            extra.append(f"a GPU of compute capability {caps.fp8_kv_gpu_major}.x")
+        need = f" ({', '.join(extra)})" if extra and kv_dtype in caps.kv_dtypes else ""
+        got = f"model.dtype={cfg['model']['dtype']}" + (f", GPU {device.name}" if device.kind == "cuda" else "")
+        out.append(Problem(f"kv.dtype={kv_dtype} with backend '{name}'", got,
+                           f"a backend that reads an {kv_dtype} cache{need}: {working}",
+                           f"use backend={working[0] if working else 'torch_mla'}, or kv.dtype=auto"))
+    if cfg["hisparse"]["enabled"]:
+        out.append(Problem(f"kv.dtype={kv_dtype} with hisparse.enabled=true",
+                           "HiSparse host pool (copies rows in the model dtype)", "kv.dtype=auto with HiSparse",
+                           "set kv.dtype=auto, or hisparse=off"))
+    return out
+
+
+def _workload_problems(work, kv, model, lookahead: int = 0, specs: list[RequestSpec] | None = None) -> list[Problem]:
+    """``lookahead``: positions a speculative round reserves past a request's length (num_steps + 2).
+    ``specs``: the prompt file's requests (their lengths replace the synthetic length distributions), or None
+    for a synthetic workload."""
     out: list[Problem] = []
     add = out.append
-    for key in ("num_requests", "max_running_requests", "max_tokens_per_batch", "chunked_prefill_size",
-                "mha_prefix_chunk_tokens"):
+    synthetic = specs is None
+    keys = ("max_running_requests", "max_tokens_per_batch", "chunked_prefill_size", "mha_prefix_chunk_tokens")
+    for key in (("num_requests",) if synthetic else ()) + keys:
         if work[key] < 1:
             add(Problem(f"workload.{key}", str(work[key]), ">= 1", f"set workload.{key} to a positive value"))
-    for which in ("prompt_len", "output_len"):
-        d = work[which]
-        if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
-            add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
-                        "1 <= min <= max, mean >= 1, std >= 0", f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
-    longest = work["prompt_len"]["max"] + work["output_len"]["max"] + lookahead
-    spec = f" + speculative look-ahead {lookahead}" if lookahead else ""
-    if longest > model["max_context"]:
-        add(Problem("workload length", f"prompt_len.max + output_len.max{spec} = {longest} tokens",
-                    f"<= model.max_context ({model['max_context']})",
-                    f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
+    if synthetic:
+        for which in ("prompt_len", "output_len"):
+            d = work[which]
+            if d["min"] < 1 or d["max"] < d["min"] or d["mean"] < 1 or d["std"] < 0:
+                add(Problem(f"workload.{which}", f"min={d['min']} mean={d['mean']} std={d['std']} max={d['max']}",
+                            "1 <= min <= max, mean >= 1, std >= 0",
+                            f"e.g. workload.{which}.min=1 workload.{which}.max=64"))
+        longest = work["prompt_len"]["max"] + work["output_len"]["max"] + lookahead
+        spec = f" + speculative look-ahead {lookahead}" if lookahead else ""
+        if longest > model["max_context"]:
+            add(Problem("workload length", f"prompt_len.max + output_len.max{spec} = {longest} tokens",
+                        f"<= model.max_context ({model['max_context']})",
+                        f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
+    else:  # each line's length against max_context is checked with the file
+        longest = max((len(s.prompt) + s.max_new_tokens for s in specs), default=0) + lookahead
     for key in ("page_size", "num_pages", "max_requests"):
         if kv[key] < 1:
             add(Problem(f"kv.{key}", str(kv[key]), ">= 1", f"set kv.{key} to a positive value"))

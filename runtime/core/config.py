@@ -50,7 +50,18 @@ class LinearImpl(str, enum.Enum):
 
 class CheckMode(str, enum.Enum):
     off = "off"
-    reference = "reference"
+    reference = "reference"  # the float32 torch reference, reading the same (possibly fp8) KV cache
+    unquantized = "unquantized"  # also the same run with kv.dtype=auto: what the fp8 cache costs
+
+
+class KVDType(str, enum.Enum):
+    auto = "auto"  # the model dtype
+    fp8_e4m3 = "fp8_e4m3"  # float8 e4m3 (max 448) with the per-tensor scale kv.scale
+
+
+class WorkloadKind(str, enum.Enum):
+    synthetic = "synthetic"  # seeded random prompts from the length distributions
+    prompts = "prompts"  # one request per line of the JSON-lines file `workload.path`
 
 
 class OverlapMode(str, enum.Enum):
@@ -97,6 +108,29 @@ class FlashInferMLAConfig(BackendConfig):
     disable_ragged: bool = False  # MHA prefill: skip the ragged kernel and use the absorbed path
 
 
+class KernelImpl(str, enum.Enum):
+    real = "real"  # the vendor kernel (Blackwell only)
+    emulate = "emulate"  # a torch emulation of the kernel's calling contract: any device, for tests, not speed
+
+
+@dataclass
+class TrtllmMLAConfig(BackendConfig):
+    """TensorRT-LLM-gen MLA decode through FlashInfer (SM100 / SM103)."""
+
+    name: str = "trtllm_mla"
+    kernel: KernelImpl = KernelImpl.real
+    workspace_bytes: int = 128 * MiB  # the kernel's own zero-initialised workspace (multi-CTA partials)
+
+
+@dataclass
+class TokenSpeedMLAConfig(BackendConfig):
+    """TokenSpeed's CuTe DSL MLA decode (SM100 / SM103 / SM107)."""
+
+    name: str = "tokenspeed_mla"
+    kernel: KernelImpl = KernelImpl.real
+    emulated_sm_count: int = 148  # SMs the emulation sizes the workspace for on a device without them (B200)
+
+
 @dataclass
 class DSAConfig(BackendConfig):
     """DeepSeek sparse attention: dense prefill, indexer top-k + sparse decode (optionally over HiSparse)."""
@@ -133,6 +167,7 @@ class ModelConfig:
     index_head_dim: int = 128  # indexer query/key head dim (RoPE on its first qk_rope_head_dim dims)
     index_topk: int = 2048  # tokens each query of a sparse layer attends to
     weight_seed: int = 1234
+    path: str | None = None  # a Hugging Face model folder (config.json, tokenizer.json, generation_config.json)
 
 
 # ------------------------------------------------------------------------------------- memory and pools
@@ -147,6 +182,8 @@ class KVCacheConfig:
     page_size: int = 16
     num_pages: int = 1024
     max_requests: int = 64  # rows of the request -> token table
+    dtype: KVDType = KVDType.auto  # storage of the latent cache: writes quantize, kernels dequantize on read
+    scale: float = 1.0  # fp8: stored = clamp(value / scale, -448, 448); read = stored * scale
 
 
 @dataclass
@@ -193,7 +230,15 @@ class LengthConfig:
 
 @dataclass
 class WorkloadConfig:
+    """Requests and scheduler limits. ``kind=synthetic`` draws ``num_requests`` random prompts from the length
+    distributions; ``kind=prompts`` reads them from ``path`` (JSON lines, see runtime/engine/prompts.py)."""
+
     name: str = MISSING
+    kind: WorkloadKind = WorkloadKind.synthetic
+    path: str | None = None  # kind=prompts: the JSON-lines file, one request per line
+    max_new_tokens: int = 32  # kind=prompts: for lines without their own max_new_tokens
+    tokenizer: str | None = None  # a tokenizer.json (or a folder with one); default: model.path's tokenizer.json
+    eos_token_ids: list[int] | None = None  # stop ids; null: the model folder's (none for presets); []: never stop
     num_requests: int = 8
     prompt_len: LengthConfig = field(default_factory=LengthConfig)
     output_len: LengthConfig = field(default_factory=lambda: LengthConfig(mean=8, std=2, min=1, max=16))
@@ -249,6 +294,8 @@ BACKEND_SCHEMAS: dict[str, type[BackendConfig]] = {
     "triton_mla": TritonMLAConfig,
     "flashinfer_mla": FlashInferMLAConfig,
     "dsa": DSAConfig,
+    "trtllm_mla": TrtllmMLAConfig,
+    "tokenspeed_mla": TokenSpeedMLAConfig,
 }
 
 _GROUP_SCHEMAS: dict[str, Any] = {

@@ -15,6 +15,7 @@ class DeviceInfo:
     cuda_available: bool
     compute_capability: tuple[int, int] | None
     name: str
+    sm_count: int = 0  # streaming multiprocessors of the GPU (0 on the CPU)
 
     @property
     def torch_device(self) -> torch.device:
@@ -25,11 +26,12 @@ def probe_device(requested: str, index: int = 0) -> DeviceInfo:
     """Resolve ``auto`` (cuda if a GPU is visible, else cpu) and read the GPU's compute capability."""
     available = torch.cuda.is_available()
     kind = ("cuda" if available else "cpu") if requested == "auto" else requested
-    cc, name = None, "cpu"
+    cc, name, sms = None, "cpu", 0
     if kind == "cuda" and available and index < torch.cuda.device_count():
         cc = torch.cuda.get_device_capability(index)
         name = torch.cuda.get_device_name(index)
-    return DeviceInfo(requested, kind, index, available, cc, name)
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return DeviceInfo(requested, kind, index, available, cc, name, sms)
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

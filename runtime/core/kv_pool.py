@@ -81,15 +81,31 @@ class PageAllocator:
         self._free.extend(reversed(pages))
 
 
+#: ``kv.dtype`` name -> storage dtype (None: the model dtype).
+KV_STORAGE = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
+FP8_E4M3_MAX = 448.0
+
+
 class MLAKVPool:
     """Paged latent KV, one buffer per attention layer that has a KV cache.
+
+    With ``kv_dtype="fp8_e4m3"`` the buffers hold float8 e4m3 values ``clamp(x / scale, -448, 448)``: writes
+    quantize, readers dequantize (``stored * scale``): :meth:`gather` here, the kernels inside their tile loads.
+    Values that hit the clamp are counted on the device (no host sync on the write path); :meth:`quant_stats`
+    reads the counters once, at the end of a run.
 
     Attributes
     ----------
     buffers : list of torch.Tensor
-        Per cached layer, [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] in the model dtype: the
+        Per cached layer, [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] in ``cache_dtype``: the
         first ``kv_lora_rank`` values of a row are the normalized latent (ckv, also the value), the rest the
         rotated rope key (kpe).
+    dtype : torch.dtype
+        The model dtype: what writes bring and what :meth:`gather` returns.
+    cache_dtype : torch.dtype
+        What the buffers store: ``dtype``, or ``torch.float8_e4m3fn``.
+    scale : float
+        Dequantization scale of an fp8 cache (1.0 and unused otherwise).
     """
 
     def __init__(
@@ -101,36 +117,74 @@ class MLAKVPool:
         qk_rope_head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        kv_dtype: str = "auto",
+        scale: float = 1.0,
     ):
         self.page_size, self.kv_lora_rank, self.rope_dim = page_size, kv_lora_rank, qk_rope_head_dim
         self.row_dim = kv_lora_rank + qk_rope_head_dim
         self.dtype, self.device = dtype, device
+        self.kv_dtype = str(kv_dtype)
+        self.cache_dtype = KV_STORAGE[self.kv_dtype] or dtype
+        self.quantized = self.cache_dtype != dtype
+        self.scale = float(scale) if self.quantized else 1.0
         self._index = {layer: i for i, layer in enumerate(layer_ids)}
         self.buffers = [
-            torch.zeros(num_pages, page_size, self.row_dim, dtype=dtype, device=device) for _ in layer_ids
+            torch.zeros(num_pages, page_size, self.row_dim, dtype=self.cache_dtype, device=device) for _ in layer_ids
         ]
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)  # values clipped, values written
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes over every cached layer."""
+        return self.row_dim * self.cache_dtype.itemsize * len(self.buffers)
+
     def buffer(self, layer_id: int) -> torch.Tensor:
-        """[num_pages, page_size, row_dim] of ``layer_id``."""
+        """[num_pages, page_size, row_dim] of ``layer_id`` in ``cache_dtype`` (kernels dequantize with ``scale``)."""
         return self.buffers[self._index[layer_id]]
 
     def flat(self, layer_id: int) -> torch.Tensor:
-        """[num_pages * page_size, row_dim] view of ``layer_id`` indexed by slot."""
+        """[num_pages * page_size, row_dim] view of ``layer_id`` indexed by slot, in ``cache_dtype``."""
         return self.buffer(layer_id).view(-1, self.row_dim)
 
-    def write(self, layer_id: int, slots: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> None:
-        """Store new tokens. slots [T] int64; ckv [T, kv_lora_rank]; kpe [T, qk_rope_head_dim]."""
-        flat = self.flat(layer_id)
-        flat[slots, : self.kv_lora_rank] = ckv.to(self.dtype)
-        flat[slots, self.kv_lora_rank :] = kpe.to(self.dtype)
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """Values in any float dtype -> ``cache_dtype``; an fp8 cache counts the values that clip (on the
+        device; graph-safe: in-place adds to a persistent counter)."""
+        if not self.quantized:
+            return x.to(self.cache_dtype)
+        v = x.float() / self.scale
+        self._counts[0] += (v.abs() > FP8_E4M3_MAX).sum()
+        self._counts[1] += v.numel()
+        return v.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(self.cache_dtype)
 
-    def gather(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
-        """Rows of ``slots`` ([N] int64) -> [N, row_dim]."""
-        return self.flat(layer_id)[slots]
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored rows -> ``dtype`` (default: the model dtype); an fp8 cache multiplies by ``scale`` in float32."""
+        dtype = dtype or self.dtype
+        if not self.quantized:
+            return rows.to(dtype)
+        return (rows.float() * self.scale).to(dtype)
+
+    def write(self, layer_id: int, slots: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor) -> None:
+        """Store new tokens. slots [T] int64; ckv [T, kv_lora_rank]; kpe [T, qk_rope_head_dim] (any float
+        dtype; quantized to ``cache_dtype``)."""
+        flat = self.flat(layer_id)
+        flat[slots, : self.kv_lora_rank] = self.quantize(ckv)
+        flat[slots, self.kv_lora_rank :] = self.quantize(kpe)
+
+    def gather(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows of ``slots`` ([N] int64) -> [N, row_dim], dequantized to ``dtype`` (default: the model dtype)."""
+        return self.dequantize(self.flat(layer_id)[slots], dtype)
+
+    def quant_stats(self) -> dict:
+        """kv dtype, scale, and how many values were written and clipped so far (one host sync: call it at
+        the end of a run)."""
+        clipped, written = (int(v) for v in self._counts.tolist())
+        return {"kv_dtype": self.kv_dtype, "cache_dtype": str(self.cache_dtype).removeprefix("torch."),
+                "scale": self.scale, "values_written": written, "values_clipped": clipped,
+                "clipped_fraction": clipped / written if written else 0.0}
 
 
 class TokenSlots:

@@ -82,6 +82,10 @@ class WorkspaceLedger:
         """name -> bytes allocated, 0 for a known workspace nobody consumed."""
         return {name: (self._specs[name].nbytes if name in self._specs else 0) for name in self._known}
 
+    def specs(self) -> dict[str, WorkspaceSpec]:
+        """name -> spec of every workspace allocated so far."""
+        return dict(self._specs)
+
     def consumers(self) -> dict[str, list[str]]:
         return {name: list(c) for name, c in self._consumers.items()}
 

@@ -24,7 +24,7 @@ from runtime.engine.graph_runner import GraphRunner
 from runtime.engine.progress import Progress
 from runtime.engine.speculative import SpeculativeDriver
 from runtime.engine.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
-from runtime.engine.workload import Request, make_requests
+from runtime.engine.workload import Request, Workload
 from runtime.model.dump import AttentionDumper
 from runtime.model.mla_model import MLAModel
 
@@ -55,13 +55,16 @@ class RunResult:
 
     Attributes
     ----------
-    outputs : rid -> generated token ids (the forced ones when the run was forced)
+    outputs : rid -> generated token ids (the forced ones when the run was forced); a request stopped by an
+        EOS id ends with it
+    finish_reasons : rid -> "stop" (emitted an EOS id) or "length" (reached its max_new_tokens)
     argmax : rid -> the model's own greedy choice at every generated position
     margins : rid -> top-1 minus top-2 logit at every generated position
     hidden : rid -> [num_generated, hidden] float32 final-normed hidden states that produced each token
     """
 
     outputs: dict[int, list[int]] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
     argmax: dict[int, list[int]] = field(default_factory=dict)
     margins: dict[int, list[float]] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -94,7 +97,9 @@ class Engine:
         Per-request state pools indexed by request row (``reset(rows)``), e.g. linear-attention states;
         each admitted request's row is reset.
     workload : dict
-        The resolved `workload` config.
+        The resolved `workload` config (scheduler limits).
+    requests : Workload
+        The requests to serve and the EOS ids that stop them early.
     device : torch.device
     spec : SpeculativeDriver or None
         Speculative decoding: decode steps become rounds of draft, verify and draft extend.
@@ -115,40 +120,47 @@ class Engine:
         token_slots: TokenSlots,
         request_states: list,
         workload: dict,
+        requests: Workload,
         device: torch.device,
         spec: SpeculativeDriver | None = None,
         overlap: bool = False,
         dumper: AttentionDumper | None = None,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
-        self.slots, self.workload, self.device = token_slots, workload, device
+        self.slots, self.workload, self.requests, self.device = token_slots, workload, requests, device
         self.request_states = request_states
         self.spec = spec
         self._lookahead = spec.lookahead if spec is not None else 0
         self.clock = StepClock(device)
-        self._fence = None  # event after the previous step's metadata copies (see _forward)
         self.overlap, self.dumper = overlap, dumper
+        self._fence = None  # event after the previous step's metadata copies (see _forward)
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False,
-            record_hidden: bool = True, requests: list[Request] | None = None) -> RunResult:
+            record_hidden: bool = True) -> RunResult:
         """Run every request to completion. ``forced`` (rid -> tokens) feeds those tokens instead of the
-        greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too.
+        greedy choice (the parity check replays the candidate's tokens), recording the greedy choice too; a
+        request then generates exactly its forced tokens.
         ``record_hidden``: keep each generated token's final hidden state (the parity check compares them;
         a benchmark turns it off so no step copies [B, hidden] to the host).
 
-        ``requests``: run these instead of the workload's (tests give some stop tokens).
+        No step waits for the previous one: decode inputs come from the device-side last-token table and
+        results are copied back lazily (runtime/engine/step_outputs.py). A request whose resolved token is an
+        EOS id is released as soon as the host sees that token; what steps already enqueued generated for it
+        past the EOS is dropped.
 
         Overlap (``engine.overlap``): the host schedules, plans and launches step N+1 while the GPU runs step
         N. What the scheduler knows about step N then: its lengths (every request grew by its new tokens),
         its slots, and that its tokens sit in the device last-token table (step N+1's input ids are gathered
-        there on the device); not the token values. Results come back through pinned non-blocking copies
-        (runtime/engine/step_outputs.py); before scheduling, every step but the newest is read back (the
-        metadata fence has already waited for those). So a request whose step N produced a stop token is
-        known to be finished when step N+2 is scheduled: it also ran in step N+1, whose token is dropped and
-        whose slot is released with the request. Without overlap every step is read back before the next
-        is scheduled (the host waits for the GPU each step); the emitted tokens are the same."""
-        requests = requests if requests is not None else make_requests(self.workload, self.model.spec.vocab_size)
+        there on the device); not the token values. Before scheduling, every step but the newest is read
+        back (the metadata fence has already waited for those), so an EOS sampled at step N is seen when
+        step N+2 is scheduled: the request also ran in step N+1, whose token is dropped, and is released
+        then. Without overlap every step is read back before the next is scheduled (the host waits for the
+        GPU each step) and nothing runs extra; the emitted tokens are the same."""
+        requests = self.requests.requests()
+        if forced is not None:
+            for r in requests:
+                r.max_new_tokens = len(forced[r.rid])
         res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
         for r in requests:
             res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
@@ -157,17 +169,17 @@ class Engine:
         if forced is not None and self.spec is not None:
             raise ValueError("Engine.run(forced=...) replays given tokens through plain greedy decoding; this engine "
                              "speculates. Fix: build the replay engine with speculative.enabled=false.")
-        self._outputs = StepOutputs(self.clock, record_hidden)
+        self._outputs = StepOutputs(self.clock, record_hidden, self.requests.eos_ids)
         self._res = res
         self._timed: list[tuple[StepRecord, object, object]] = []  # speculative phases awaiting their times
         self.graphs.capture()
         with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
             while waiting or running:
-                if self.overlap:
+                if self.overlap:  # an EOS is learned one step late, never later
                     self._outputs.resolve_older(res, keep=1)
-                self._reap(waiting, running, res)
-                if not (waiting or running):
-                    break
+                    self._release_stopped(running, res)
+                    if not (waiting or running):
+                        break
                 step = self._prefill_step(waiting, running, res)
                 if step is None and self.spec is not None:
                     decoding, locs = self._reserve_decoding(waiting, running, res, self.spec.round_span)
@@ -195,14 +207,17 @@ class Engine:
                 self._outputs.push(pending, res)
                 if not self.overlap:
                     self._outputs.resolve_all(res)
+                self._release_stopped(running, res)
                 bar.advance(len(reqs))
         self._outputs.resolve_all(res)
+        self._release_stopped(running, res)
         self._resolve_times(wait=True)
         hidden_dim = self.model.spec.hidden_size
         res.hidden = {rid: (torch.stack([t[i] for t, i in v]) if v else torch.empty(0, hidden_dim))
                       for rid, v in res.hidden_rows.items()}
         res.hidden_rows = {}
-        res.outputs = {r.rid: r.final_output for r in requests}
+        res.outputs = {r.rid: list(r.output) for r in requests}
+        res.finish_reasons = {r.rid: "stop" if r.stopped else "length" for r in requests}
         res.lost = sum(1 for r in requests if not r.done)
         return res
 
@@ -272,20 +287,23 @@ class Engine:
     def _spec_round(self, decoding: list[Request], locs: list[int], running: list[Request], res: RunResult,
                     bar) -> None:
         """One speculative round; the host waits for the verify results (the next round's lengths depend on
-        them) while the draft extend runs."""
+        them) while the draft extend runs. A request whose prefill token turns out to be an EOS id (resolved
+        here, after the round was launched) is released and gets nothing of the round; one whose round
+        emits an EOS id keeps the tokens up to it."""
         rows, lens = [r.row for r in decoding], [r.cached for r in decoding]
         host, verified = self.spec.round(rows, lens, locs, self.slots.req_to_token_pool.last_token,
                                          self._spec_forward, self._outputs.record_hidden, self.clock)
         self._outputs.resolve_all(res)  # earlier (prefill) tokens first: outputs stay in order
+        self._release_stopped(running, res)
         self.clock.wait(verified)
-        rr = self.spec.resolve(host, [r.max_new_tokens - len(r.output) for r in decoding])
+        rr = self.spec.resolve(host, [0 if r.stopped else r.max_new_tokens - len(r.output) for r in decoding],
+                               self.requests.eos_ids)
         verify = next(s for s in reversed(res.steps) if s.phase == "target_verify")
         verify.tokens = sum(len(t) for t in rr.tokens)  # a round's decode tokens are the ones it emitted
         for r, toks, margins, i in zip(decoding, rr.tokens, rr.margins, range(len(decoding))):
-            stop = next((j for j, t in enumerate(toks) if t in r.stop_tokens), None)
-            if stop is not None:  # a round learns its tokens before the next round: nothing runs extra
-                toks, margins = toks[: stop + 1], margins[: stop + 1]
-                r.stop_at = len(r.output) + stop
+            if r.stopped:  # released above
+                continue
+            r.stopped = rr.stopped[i]
             r.output.extend(toks)
             res.argmax[r.rid].extend(toks)
             res.margins[r.rid].extend(margins)
@@ -350,7 +368,8 @@ class Engine:
             spans = [n + t for (_, n), t in zip(chosen, tails)]
             starts = [0, *itertools.accumulate(spans)]
             locs = [x for (_, n), s0 in zip(chosen, starts) for x in locs[s0 : s0 + n]]
-        ids = torch.tensor([t for r, n in chosen for t in self._host_tokens(r, r.cached, r.cached + n)],
+        # a request that prefills has no pending output (a retraction resolves them first)
+        ids = torch.tensor([t for r, n in chosen for t in r.tokens[r.cached : r.cached + n]],
                            dtype=torch.int64)
         batch = make_batch(
             ForwardMode.EXTEND, [r.row for r in reqs], [r.cached for r in reqs], [n for _, n in chosen], locs,
@@ -408,25 +427,19 @@ class Engine:
         return decoding, batch, ids, None, batch.req_pool_indices  # every request samples: all rows of h
 
     def _retract(self, r: Request, waiting: deque[Request], running: list[Request], res: RunResult) -> None:
-        """Return every page of ``r`` and queue it first; its generated tokens are kept."""
+        """Return every page of ``r`` and queue it first; its generated tokens are kept. Pending outputs are
+        resolved first (the re-prefill needs ``r``'s tokens, and a request that already stopped is released
+        instead), so a waiting request never has a pending token."""
+        self._outputs.resolve_all(res)
+        self._release_stopped(running, res)
+        if r.stopped:
+            return
         self.slots.release(r.row)
         running.remove(r)
         r.row, r.cached, r.decoding = None, 0, False
         r.retractions += 1
         res.retracted += 1
         waiting.appendleft(r)
-
-    def _reap(self, waiting: deque[Request], running: list[Request], res: RunResult) -> None:
-        """Release requests whose stop token was read back since they were scheduled (with overlap, one
-        step late: the step in between ran for them, its token is dropped)."""
-        for r in [r for r in running if r.stop_at is not None]:
-            self.slots.release(r.row)
-            running.remove(r)
-            r.row = None
-            res.finished += 1
-        for r in [r for r in waiting if r.stop_at is not None]:  # retracted before its stop was learned
-            waiting.remove(r)
-            res.finished += 1
 
     def _finish_step(self, reqs: list[Request], running: list[Request], res: RunResult) -> None:
         """Host bookkeeping that needs no token value: a placeholder output per sampled request, and the
@@ -440,11 +453,16 @@ class Engine:
                 r.row = None
                 res.finished += 1
 
-    def _host_tokens(self, r: Request, start: int, end: int) -> list[int]:
-        """Tokens ``start:end`` of ``r`` on the host (a retracted request's outputs may still be pending)."""
-        if PENDING in r.output:
-            self._outputs.resolve_all(self._res)
-        return r.tokens[start:end]
+    def _release_stopped(self, running: list[Request], res: RunResult) -> None:
+        """Release every running request that resolved outputs showed has emitted an EOS id: its pages and
+        request row return now, and no later step includes it. (One that already finished by length was
+        released then.)"""
+        for r in self._outputs.take_stopped():
+            if r.row is not None:
+                self.slots.release(r.row)
+                running.remove(r)
+                r.row = None
+                res.finished += 1
 
     def _stall_message(self, waiting, running) -> str:
         return (

@@ -84,12 +84,14 @@ class SpecStats:
 @dataclass
 class RoundResult:
     """Host values of one round, per request: the emitted tokens (greedy choices), their top-2 logit
-    margins, and (if recorded) the hidden-state rows that produced them."""
+    margins, (if recorded) the hidden-state rows that produced them, and whether the request emitted an EOS
+    id (its tokens then end with it)."""
 
     tokens: list[list[int]]
     margins: list[list[float]]
     hidden: torch.Tensor | None  # [B, k + 1, hidden] host, or None
     accepted: list[int]
+    stopped: list[bool]
 
 
 class SpeculativeDriver:
@@ -188,16 +190,26 @@ class SpeculativeDriver:
         self.draft_token[ext.req_pool_indices] = torch.argmax(self.draft.logits(rows_n), dim=-1)
         return host, verified
 
-    def resolve(self, host, remaining: list[int]) -> RoundResult:
+    def resolve(self, host, remaining: list[int], eos_ids: frozenset[int] = frozenset()) -> RoundResult:
         """Host values of a round (its copies are complete): per request the emitted tokens, capped by the
-        tokens it still needs (``remaining``), and statistics."""
+        tokens it still needs (``remaining``) and cut right after the first EOS id, and statistics. A request
+        with ``remaining`` 0 (released while the round ran) gets nothing and is left out of the statistics."""
         greedy, accepted, margins, hidden = host
         g, n_acc, m = greedy.tolist(), accepted.tolist(), margins.tolist()
-        tokens, marg = [], []
+        tokens, marg, stopped = [], [], []
         st = self.stats
         st.rounds += 1
         for i, n in enumerate(n_acc):
+            if remaining[i] == 0:
+                tokens.append([])
+                marg.append([])
+                stopped.append(False)
+                continue
             emit = min(n + 1, remaining[i])
+            eos = next((j for j, t in enumerate(g[i][:emit]) if t in eos_ids), None)
+            stopped.append(eos is not None)
+            if eos is not None:
+                emit = eos + 1
             tokens.append(g[i][:emit])
             marg.append(m[i][:emit])
             st.request_rounds += 1
@@ -205,4 +217,4 @@ class SpeculativeDriver:
             st.accepted += n
             st.emitted += emit
             st.accept_hist[n] += 1
-        return RoundResult(tokens, marg, hidden, n_acc)
+        return RoundResult(tokens, marg, hidden, n_acc, stopped)

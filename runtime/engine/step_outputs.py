@@ -1,11 +1,14 @@
 """Step results read back lazily, so the host plans the next step while the GPU still runs this one.
 
-The engine's schedule depends on token values only through stop tokens, so a step only *enqueues* its
+The engine's schedule depends on token values only through stop (EOS) ids, so a step only *enqueues* its
 sampling: the chosen tokens go to the device-side last-token table (the next decode's input) and into a
 :class:`PendingStep`. Host copies are resolved when their step's event has completed, when too many are
-pending, when a retracted request needs its tokens, before the engine schedules (every step but the newest,
-with overlap: so a stop token is learned one step late), and at the end of the run. A request whose token
-is a stop token gets ``stop_at``; results of later steps for it (the overlap's extra step) are dropped.
+pending, before a request is retracted, and at the end of the run.
+
+Early stop: when a resolved token is an EOS id, its request's output is cut right after it, the request is
+marked ``stopped`` and handed to the engine (:meth:`StepOutputs.take_stopped`), which releases it before the
+next step. Steps enqueued before the host saw the EOS may have generated more tokens for it; resolving them
+drops those (and their greedy choices, margins and hidden states), so nothing past the EOS is reported.
 """
 
 from __future__ import annotations
@@ -81,9 +84,17 @@ class PendingStep:
 class StepOutputs:
     """A FIFO of pending steps; ``resolve`` fills outputs, greedy choices, margins, hidden states, times."""
 
-    def __init__(self, clock: StepClock, record_hidden: bool = True, max_pending: int = 32):
+    def __init__(self, clock: StepClock, record_hidden: bool = True, eos_ids: frozenset[int] = frozenset(),
+                 max_pending: int = 32):
         self.clock, self.record_hidden, self.max_pending = clock, record_hidden, max_pending
+        self.eos_ids = eos_ids
         self._q: deque[PendingStep] = deque()
+        self._stopped: list = []  # requests that resolved an EOS id since the last take_stopped
+
+    def take_stopped(self) -> list:
+        """Requests that emitted an EOS id since the last call (each once)."""
+        out, self._stopped = self._stopped, []
+        return out
 
     def push(self, step: PendingStep, sink) -> None:
         self._q.append(step)
@@ -95,7 +106,8 @@ class StepOutputs:
             self._resolve_one(sink)
 
     def resolve_older(self, sink, keep: int = 1) -> None:
-        """Resolve every pending step but the newest ``keep`` (with overlap, the step in flight)."""
+        """Resolve every pending step but the newest ``keep`` (with overlap, the step in flight), so an EOS is
+        learned one step after the step that sampled it."""
         while len(self._q) > keep:
             self._resolve_one(sink)
 
@@ -113,11 +125,13 @@ class StepOutputs:
         margins = (s.top2[:, 0] - s.top2[:, 1]).tolist()
         hidden = s.hidden
         for i, (r, slot) in enumerate(zip(s.reqs, s.slots)):
-            if r.stop_at is not None and slot > r.stop_at:
-                continue  # a step that ran after the request's stop token (learned late): dropped
+            if slot >= len(r.output):  # generated after the request's EOS, by a step enqueued before it was seen
+                continue
             r.output[slot] = tokens[i]
-            if tokens[i] in r.stop_tokens:
-                r.stop_at = slot
+            if tokens[i] in self.eos_ids:
+                r.stopped = True
+                del r.output[slot + 1 :]
+                self._stopped.append(r)
             sink.argmax[r.rid].append(choices[i])
             sink.margins[r.rid].append(margins[i])
             if hidden is not None:

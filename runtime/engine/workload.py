@@ -1,8 +1,10 @@
-"""Seeded synthetic requests from the `workload` config."""
+"""The requests of a run: seeded synthetic ones from the `workload` config, or those of a prompt file
+(runtime/engine/prompts.py), with the token ids that stop a request early."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,8 +39,7 @@ class Request:
     cached: int = 0
     decoding: bool = False  # prefill done: each step feeds the newest token
     retractions: int = 0
-    stop_tokens: frozenset[int] = frozenset()  # generating one of these finishes the request (EOS)
-    stop_at: int | None = None  # index in ``output`` of the stop token, once its step was read back
+    stopped: bool = False  # emitted a stop (EOS) token: ``output`` ends with it
 
     @property
     def tokens(self) -> list[int]:
@@ -46,22 +47,52 @@ class Request:
 
     @property
     def done(self) -> bool:
-        """Reached its length, or generated a stop token that the host has read back (with overlap, one step
-        after the step that produced it: the step in between ran for it too, and its token is dropped)."""
-        return self.stop_at is not None or len(self.output) >= self.max_new_tokens
-
-    @property
-    def final_output(self) -> list[int]:
-        """The generated tokens up to and including the stop token (tokens of steps after it are dropped)."""
-        return list(self.output if self.stop_at is None else self.output[: self.stop_at + 1])
+        return self.stopped or len(self.output) >= self.max_new_tokens
 
 
-def make_requests(workload: dict, vocab_size: int) -> list[Request]:
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request as given: prompt token ids and the most tokens to generate."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the engine serves: the requests in input order (request ``i`` gets rid ``i``), the token ids that
+    stop a request early, and the tokenizer that decodes outputs (None without one).
+
+    Attributes
+    ----------
+    specs : the requests, in input order
+    eos_ids : a generated token in this set ends its request (kept as its last output token)
+    tokenizer : a ``tokenizers.Tokenizer`` or None
+    """
+
+    specs: tuple[RequestSpec, ...]
+    eos_ids: frozenset[int] = frozenset()
+    tokenizer: Any = None
+
+    def requests(self) -> list[Request]:
+        """Fresh engine requests (every run starts from these)."""
+        return [Request(rid=i, prompt=list(s.prompt), max_new_tokens=s.max_new_tokens) for i, s in enumerate(self.specs)]
+
+    def decode(self, ids: list[int]) -> str | None:
+        """The text of ``ids`` (special tokens dropped), or None without a tokenizer."""
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+
+def synthetic_specs(workload: dict, vocab_size: int) -> tuple[RequestSpec, ...]:
+    """``num_requests`` seeded random prompts, lengths drawn from ``prompt_len`` / ``output_len``."""
     rng = np.random.default_rng(workload["seed"])
     n = workload["num_requests"]
     prompt_lens = sample_lengths(workload["prompt_len"], n, rng)
     output_lens = sample_lengths(workload["output_len"], n, rng)
-    return [
-        Request(rid=i, prompt=[int(t) for t in rng.integers(0, vocab_size, size=p)], max_new_tokens=o)
-        for i, (p, o) in enumerate(zip(prompt_lens, output_lens))
-    ]
+    return tuple(RequestSpec(tuple(int(t) for t in rng.integers(0, vocab_size, size=p)), o)
+                 for p, o in zip(prompt_lens, output_lens))
+
+
+def make_requests(workload: dict, vocab_size: int) -> list[Request]:
+    """The synthetic requests of a `workload` config."""
+    return Workload(synthetic_specs(workload, vocab_size)).requests()

@@ -1,0 +1,148 @@
+"""DeepSeek-V4 attention (``backend=dsv4``): sliding window + compressed entries + sinks, over :class:`DSV4Pools`.
+
+Per layer and step the model has already (1) run the layer's compressors, which wrote every entry whose window
+closed in this step into the compressed pools, and (2) computed q [T, H, D] and the new tokens' KV rows kv [T, D]
+(normalized, RoPE on the last ``rope_dim`` channels). The backend then, per request:
+
+* window part: the request's cached window rows (positions ``max(0, P - W + 1) .. P - 1``, read from the ring
+  before anything is overwritten) and the step's new rows; query ``t`` sees rows ``t - W < p <= t``;
+* compressed part: ``hca`` layers: every entry ``e < (t + 1) // rate``; ``csa`` layers: the entries the indexer
+  picked (:meth:`DSV4Backend.select_topk`, -1 = none), gathered from the paged pool;
+* one joint softmax with a per-head sink (:func:`backends.kernels.dsv4_reference.sink_attention`);
+* finally the new rows go into the ring.
+
+This is the plain-torch implementation (float32 or float64 compute, CPU or GPU, a host loop per request): the
+oracle that a Triton kernel or FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` will be checked against.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from backends.base import BackendCapabilities
+from backends.kernels.dsv4_reference import indexer_topk, sink_attention
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.dsv4_pools import DSV4Pools
+from runtime.core.dsv4_spec import DSV4LayerType
+from runtime.core.model_spec import TORCH_DTYPES
+
+
+@runtime_checkable
+class DSV4AttentionBackend(Protocol):
+    """What the V4 model calls per layer (the ``dsv4`` backend here; a Triton or FlashInfer one later)."""
+
+    capabilities: ClassVar[BackendCapabilities]
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    def select_topk(self, index_q: torch.Tensor, index_weights: torch.Tensor, layer_id: int,
+                    batch: ForwardBatch) -> torch.Tensor: ...
+
+    def forward_decode(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
+                       layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def forward_extend(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
+                       layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class DSV4Backend:
+    """V4 attention in plain torch over the V4 pools.
+
+    Parameters
+    ----------
+    pools : DSV4Pools
+        Ring, compressed pools and compressor state (the spec rides on it).
+    compute_dtype : str
+        "float32" or "float64": every product and softmax runs in it; outputs are cast back to q's dtype.
+    """
+
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
+        # The compressors' partial-window state is not rewindable (as in the reference), so speculative verify /
+        # draft-extend are not offered until the state pools learn to snapshot and roll back.
+        forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
+        cuda_graph=(),  # host loop per request: never inside a graph
+        mha_chunked_prefill=False,
+        sparse=False,  # its own top-k over compressed entries; not DSA's SparseDecode, no HiSparse
+        builds_own_kv_indices=True,
+        page_sizes=None,
+        min_compute_capability=None,
+        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
+        devices=frozenset({"cpu", "cuda"}),
+    )
+
+    @classmethod
+    def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
+        return []  # the schema's enum restricts compute_dtype; model checks belong to the V4 model validation
+
+    def __init__(self, pools: DSV4Pools, compute_dtype: str):
+        self.pools, self.spec = pools, pools.spec
+        self.compute_dtype = TORCH_DTYPES[str(compute_dtype)]
+        self._rows: list[int] = []
+        self._prefix: list[int] = []
+        self._qo: list[int] = [0]
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._rows = batch.req_pool_indices_cpu.tolist()
+        self._prefix = batch.prefix_lens_cpu.tolist()
+        self._qo = batch.qo_indptr_cpu.tolist()
+
+    # ------------------------------------------------------------------------------------------ indexer
+    def select_topk(self, index_q: torch.Tensor, index_weights: torch.Tensor, layer_id: int,
+                    batch: ForwardBatch) -> torch.Tensor:
+        """Lightning-indexer top-k of a CSA layer over the entries already in the pool.
+
+        index_q [T, Hi, Di] (RoPE applied), index_weights [T, Hi] (scales folded in) -> [T, index_topk] int64
+        entry ids, -1 padding.
+        """
+        cd, spec, pool = self.compute_dtype, self.spec, self.pools.csa
+        out = torch.full((index_q.shape[0], spec.index_topk), -1, dtype=torch.int64, device=index_q.device)
+        for b, row in enumerate(self._rows):
+            s, e = self._qo[b], self._qo[b + 1]
+            count = pool.entries_for(self._prefix[b] + e - s)
+            keys = pool.gather(layer_id, "index", row, count).to(cd)
+            out[s:e] = indexer_topk(index_q[s:e].to(cd), index_weights[s:e].to(cd), keys, batch.positions[s:e],
+                                    spec.csa_rate, spec.index_topk)
+        return out
+
+    # ---------------------------------------------------------------------------------------- attention
+    def _attend(self, q, kv, sinks, topk, layer_id, batch) -> torch.Tensor:
+        cd, spec, ring = self.compute_dtype, self.spec, self.pools.window
+        kind = spec.layer_types[layer_id]
+        w = spec.sliding_window
+        out = torch.empty_like(q)
+        for b, row in enumerate(self._rows):
+            s, e, p = self._qo[b], self._qo[b + 1], self._prefix[b]
+            pos = batch.positions[s:e]
+            start = max(0, p - w + 1)
+            rows = torch.cat([ring.read(layer_id, row, start, p).to(cd), kv[s:e].to(cd)])
+            kpos = torch.arange(start, p + e - s, device=q.device)
+            visible = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - w)
+            parts = [(rows, visible)]
+            if kind == DSV4LayerType.hca:
+                pool = self.pools.hca
+                count = pool.entries_for(p + e - s)
+                entries = pool.gather(layer_id, "kv", row, count).to(cd)
+                ent = torch.arange(count, device=q.device)
+                parts.append((entries, ent[None, :] < ((pos + 1) // pool.rate)[:, None]))
+            elif kind == DSV4LayerType.csa:
+                pool, picked = self.pools.csa, topk[s:e]
+                slots = pool.table[row].long()[picked.clamp_min(0)]
+                entries = pool.flat(layer_id, "kv")[slots].to(cd)  # [n, K, D]
+                parts.append((entries, picked >= 0))
+            out[s:e] = sink_attention(q[s:e].to(cd), parts, sinks.to(cd), spec.sm_scale).to(out.dtype)
+            ring.write(layer_id, row, p, kv[s:e])
+        return out
+
+    def forward_decode(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
+                       layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """q [B, H, D], kv [B, D] (the new tokens' rows), sinks [H], topk [B, K] (CSA layers; else None)
+        -> [B, H, D] in q's dtype; stores kv in the window ring."""
+        return self._attend(q, kv, sinks, topk, layer_id, batch)
+
+    def forward_extend(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
+                       layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """q [T, H, D], kv [T, D], sinks [H], topk [T, K] or None -> [T, H, D]; causal over each request's window
+        (cached prefix rows + new rows) and its compressed entries; stores the new rows' latest W in the ring."""
+        return self._attend(q, kv, sinks, topk, layer_id, batch)

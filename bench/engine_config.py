@@ -1,0 +1,28 @@
+"""Hydra composition for the engine benches (bench_engine_decode, profile_engine_step, bench_speculative)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import runtime.core.config  # noqa: F401  (registers the config schemas)
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """The project's ``config`` composed with ``overrides`` (Hydra override strings)."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def fixed_workload(num_requests: int, prompt: int, out_len: int) -> list[str]:
+    """Overrides for ``num_requests`` requests, all running at once, of ``prompt`` prompt tokens and ``out_len``
+    output tokens each (fixed lengths)."""
+    out = [f"workload.num_requests={num_requests}", f"workload.max_running_requests={num_requests}"]
+    for key, n in (("prompt_len", prompt), ("output_len", out_len)):
+        out += [f"workload.{key}.dist=fixed", f"workload.{key}.mean={n}", f"workload.{key}.min={n}",
+                f"workload.{key}.max={n}"]
+    return out

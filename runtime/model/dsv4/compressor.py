@@ -1,0 +1,89 @@
+"""V4 KV compressors (CSA and HCA) and the indexer's queries.
+
+A compressor projects every token to kv and gate rows; a closed window of ``rate`` tokens becomes one entry:
+``entry = RMSNorm(sum_j softmax_j(gate_j + position_bias_j) * kv_j)`` (softmax per channel over the window's
+slots), then RoPE (the ``compress`` rope) at the window's first position ``e * rate``.
+
+Overlapping compressors (CSA, and the CSA indexer's own compressor) project to ``2 * dim``: a token's first half
+(series A) belongs to the NEXT entry, its second half (series B) to its own window's entry, so entry ``e`` mixes
+``2 * rate`` slots: window ``e - 1``'s A and window ``e``'s B. Before any window closed, the A slots are empty
+(gate -inf: weight 0).
+
+Tokens arrive in pieces (decode one by one, extend in chunks); :func:`compress_step` keeps the partial window and
+the previous window's A series in a :class:`runtime.core.dsv4_pools.CompressorStatePool` row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.core.dsv4_pools import CompressorStatePool
+from runtime.model.dsv4.norms import rms_norm
+
+
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, prev_kv: torch.Tensor | None = None, prev_gate: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Entries of ``nw`` closed windows (RMSNorm applied, no RoPE yet).
+
+    Parameters
+    ----------
+    kv, gate : torch.Tensor
+        [nw, rate, width] projections of the windows' tokens (gate without the position bias), nw >= 1.
+    position_bias : torch.Tensor
+        [rate, width].
+    norm_weight : torch.Tensor
+        [dim]; ``width == 2 * dim`` (overlapping) or ``dim``.
+    prev_kv, prev_gate : torch.Tensor or None
+        [rate, dim] the A series (gate with bias) of the window before the first one; overlapping only.
+
+    Returns
+    -------
+    entries : [nw, dim] in kv's dtype
+    last_kv, last_gate : [rate, dim] the last window's A series (gate with bias), for the next call; None when not
+        overlapping.
+    """
+    dim = norm_weight.shape[0]
+    gate = gate + position_bias.to(gate.dtype)
+    last_kv = last_gate = None
+    if kv.shape[-1] == 2 * dim:
+        a_kv = torch.cat([prev_kv[None].to(kv.dtype), kv[:-1, :, :dim]])
+        a_gate = torch.cat([prev_gate[None].to(gate.dtype), gate[:-1, :, :dim]])
+        last_kv, last_gate = kv[-1, :, :dim], gate[-1, :, :dim]
+        kv = torch.cat([a_kv, kv[:, :, dim:]], dim=1)
+        gate = torch.cat([a_gate, gate[:, :, dim:]], dim=1)
+    cd = torch.float64 if kv.dtype == torch.float64 else torch.float32
+    weights = torch.softmax(gate.to(cd), dim=1).to(kv.dtype)
+    return rms_norm((kv * weights).sum(dim=1), norm_weight, eps), last_kv, last_gate
+
+
+def compress_step(x: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor, position_bias: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float, state: CompressorStatePool, layer_id: int, row: int,
+                  start: int) -> tuple[int, torch.Tensor]:
+    """Feed tokens ``start .. start + n - 1`` of one request (x [n, hidden]) to its compressor.
+
+    Returns (first entry id, entries [nw, dim]) of the windows that closed (nw may be 0); the partial window and
+    the overlap series are kept in ``state`` row ``row``. RoPE is not applied here.
+    """
+    rate = state.rate
+    li = state.layer(layer_id)
+    held = start % rate
+    kv = torch.cat([state.pending_kv[li, row, :held].to(x.dtype), F.linear(x, kv_proj)])
+    gate = torch.cat([state.pending_gate[li, row, :held].to(x.dtype), F.linear(x, gate_proj)])
+    nw = kv.shape[0] // rate
+    first = (start - held) // rate
+    entries = kv.new_zeros(0, norm_weight.shape[0])
+    if nw:
+        used = nw * rate
+        overlap = state.prev_kv is not None
+        entries, last_kv, last_gate = compress_windows(
+            kv[:used].view(nw, rate, -1), gate[:used].view(nw, rate, -1), position_bias, norm_weight, eps,
+            state.prev_kv[li, row] if overlap else None, state.prev_gate[li, row] if overlap else None)
+        if overlap:
+            state.prev_kv[li, row] = last_kv.to(state.prev_kv.dtype)
+            state.prev_gate[li, row] = last_gate.to(state.prev_gate.dtype)
+        kv, gate = kv[used:], gate[used:]
+    state.pending_kv[li, row, : kv.shape[0]] = kv.to(state.pending_kv.dtype)
+    state.pending_gate[li, row, : gate.shape[0]] = gate.to(state.pending_gate.dtype)
+    return first, entries

@@ -1,0 +1,107 @@
+"""The V4 decoder layer over the V4 pools and a ``dsv4`` attention backend.
+
+Attention block (per step, T new tokens of B requests, flattened as in :class:`runtime.core.batch.ForwardBatch`):
+
+1. q: ``q_a_proj`` -> RMSNorm (``q_residual``, shared with the indexer) -> ``q_b_proj`` -> per-head unweighted
+   RMSNorm -> RoPE; kv: ``kv_proj`` -> RMSNorm -> RoPE (one 512-d row, key and value of every head). Sliding-only
+   layers use the ``main`` rope, compressed layers the ``compress`` rope (YaRN) everywhere.
+2. compressed layers: each request's new tokens go through the compressor(s) (:func:`compress_step`); closed
+   windows' entries (RoPE at ``e * rate``) are written to the compressed pool; CSA: indexer queries ->
+   ``backend.select_topk``.
+3. ``backend.forward_decode`` / ``forward_extend`` (window + compressed entries + sinks; stores the window rows).
+4. inverse RoPE (at the query position) on the output's rope channels; grouped low-rank output projection
+   (``o_a_proj`` block-diagonal over ``o_groups`` head groups, then ``o_b_proj``).
+
+Decoder layer: mHC collapse -> RMSNorm -> attention -> mHC expand; mHC collapse -> RMSNorm -> MoE -> mHC expand.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backends.dsv4 import DSV4AttentionBackend
+from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.dsv4_pools import CompressedKVPool, CompressorStatePool, DSV4Pools
+from runtime.core.dsv4_spec import DSV4LayerType
+from runtime.model.dsv4.compressor import compress_step
+from runtime.model.dsv4.config import DSV4Config
+from runtime.model.dsv4.hyper import hc_post, hc_pre
+from runtime.model.dsv4.moe import moe_forward
+from runtime.model.dsv4.norms import rms_norm, unweighted_rms_norm
+from runtime.model.dsv4.rope import apply_rope, cos_sin
+from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, LayerWeights
+
+
+def grouped_output(o: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, groups: int) -> torch.Tensor:
+    """o [T, H, D] -> [T, hidden]: group g of the flattened heads through block g of o_a [G * R, H * D / G],
+    the concatenated [T, G * R] through o_b [hidden, G * R]."""
+    t = o.shape[0]
+    x = o.reshape(t, groups, -1)
+    y = torch.einsum("tgi,gri->tgr", x, o_a.view(groups, -1, x.shape[-1]).to(x.dtype))
+    return F.linear(y.reshape(t, -1), o_b)
+
+
+class DSV4Attention:
+    """One V4 attention layer's math; weights and collaborators arrive in the constructor."""
+
+    def __init__(self, cfg: DSV4Config, layer_id: int, weights: AttentionWeights, pools: DSV4Pools,
+                 backend: DSV4AttentionBackend):
+        self.cfg, self.layer_id, self.w, self.pools, self.backend = cfg, layer_id, weights, pools, backend
+        self.kind = cfg.attention.layer_types[layer_id]
+        self.rope = cfg.rope_main if self.kind == DSV4LayerType.sliding else cfg.rope_compress
+
+    def _compress(self, comp: CompressorWeights, state: CompressorStatePool, pool: CompressedKVPool, name: str,
+                  x: torch.Tensor, batch: ForwardBatch) -> None:
+        spec, eps = self.cfg.attention, self.cfg.rms_norm_eps
+        qo, prefix = batch.qo_indptr_cpu.tolist(), batch.prefix_lens_cpu.tolist()
+        for b, row in enumerate(batch.req_pool_indices_cpu.tolist()):
+            first, ent = compress_step(x[qo[b]: qo[b + 1]], comp.kv_proj, comp.gate_proj, comp.position_bias,
+                                       comp.kv_norm, eps, state, self.layer_id, row, prefix[b])
+            if ent.shape[0]:
+                pos = (first + torch.arange(ent.shape[0], device=x.device)) * state.rate
+                cos, sin = cos_sin(self.rope, spec.rope_dim, pos, ent.dtype)
+                pool.write(self.layer_id, name, row, first, apply_rope(ent, cos, sin))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] (normalized layer input) -> [T, hidden]."""
+        cfg, spec, w, eps = self.cfg, self.cfg.attention, self.w, self.cfg.rms_norm_eps
+        t = x.shape[0]
+        cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions, x.dtype)
+        q_res = rms_norm(F.linear(x, w.q_a_proj), w.q_a_norm, eps)
+        q = unweighted_rms_norm(F.linear(q_res, w.q_b_proj).view(t, spec.num_heads, spec.head_dim), eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(rms_norm(F.linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
+        topk = None
+        if self.kind == DSV4LayerType.hca:
+            self._compress(w.compressor, self.pools.hca_state, self.pools.hca, "kv", x, batch)
+        elif self.kind == DSV4LayerType.csa:
+            self._compress(w.compressor, self.pools.csa_state, self.pools.csa, "kv", x, batch)
+            self._compress(w.indexer, self.pools.csa_index_state, self.pools.csa, "index", x, batch)
+            hi, di = spec.index_n_heads, spec.index_head_dim
+            index_q = apply_rope(F.linear(q_res, w.indexer.q_b_proj).view(t, hi, di), cos, sin)
+            index_w = F.linear(x, w.indexer.weights_proj) * (hi**-0.5 * di**-0.5)
+            topk = self.backend.select_topk(index_q, index_w, self.layer_id, batch)
+        attend = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
+        o = attend(q, kv, w.sinks, topk, self.layer_id, batch)
+        o = apply_rope(o, cos, -sin)
+        return grouped_output(o, w.o_a_proj, w.o_b_proj, cfg.o_groups)
+
+
+class DSV4DecoderLayer:
+    """mHC around attention and MoE. ``forward(streams [T, n, hidden], input_ids [T], batch)``."""
+
+    def __init__(self, cfg: DSV4Config, layer_id: int, weights: LayerWeights, pools: DSV4Pools,
+                 backend: DSV4AttentionBackend):
+        self.cfg, self.layer_id, self.w = cfg, layer_id, weights
+        self.attention = DSV4Attention(cfg, layer_id, weights.attn, pools, backend)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cfg, w = self.cfg, self.w
+        it, he, ne = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        post, comb, x = hc_pre(w.attn_hc, streams, it, he, ne)
+        a = self.attention.forward(rms_norm(x, w.input_layernorm, ne), batch)
+        streams = hc_post(post, comb, a, streams)
+        post, comb, x = hc_pre(w.ffn_hc, streams, it, he, ne)
+        m = moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg)
+        return hc_post(post, comb, m, streams)

@@ -1,0 +1,183 @@
+"""The bench harness on the CPU: the table and the BENCH_JSON line, the ratio helpers, the timers' host-clock
+path, and every bench module importing and parsing ``--help`` without CUDA."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import harness
+from bench.harness import Ceilings, Table, format_table, json_line, parse_json_line, report
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_MODULES = ["bench_dsa", "bench_engine_decode", "bench_flashinfer", "bench_speculative", "profile_engine_step",
+                 "triton_mla_kernels_gpu", "mla_decode_grid", "ceilings", "run_all"]
+CEIL = Ceilings("Fake GPU", copy_gbs=2000.0, matmul_tflops=500.0)
+
+
+# ------------------------------------------------------------------------------------------------ table
+def test_table_aligns_numbers_right_and_text_left_with_a_rule():
+    rows = [{"row": "decode h16", "us": 452.123, "ok": True, "note": None},
+            {"row": "b1", "us": 30.9, "ok": False, "note": "fixed cost"}]
+    lines = format_table(rows, formats={"us": ".1f"}).split("\n")
+    assert lines[0] == "row            us  ok   note"  # a number column's header is right-aligned too
+    assert lines[1] == "----------  -----  ---  ----------"
+    assert lines[2] == "decode h16  452.1  yes"
+    assert lines[3] == "b1           30.9  no   fixed cost"
+    assert all(line == line.rstrip() for line in lines)
+
+
+def test_table_default_number_format_and_column_order():
+    rows = [{"a": 12345.678, "b": 0.001234}, {"b": float("nan"), "c": 3}]
+    lines = format_table(rows).split("\n")
+    assert lines[0].split() == ["a", "b", "c"]  # keys in first-seen order
+    assert lines[2].split() == ["12346", "0.001234"]
+    assert lines[3].split() == ["nan", "3"]
+    assert format_table(rows, columns=["c", "a"]).split("\n")[0].split() == ["c", "a"]
+
+
+def test_table_mixed_column_is_left_aligned():
+    out = format_table([{"v": 1.5}, {"v": "n/a"}]).split("\n")
+    assert out[2] == "1.5" and out[3] == "n/a"
+
+
+# ------------------------------------------------------------------------------------------------ JSON line
+def test_json_line_is_strict_json_with_ceilings_device_rows_and_meta():
+    ceil = CEIL.with_extra(h2d_gbs=53.0)
+    line = json_line("bench_x", ceil, Table([{"row": "r", "v": float("nan"), "w": math.inf, "n": 3}]),
+                     meta={"quick": True, "cfg": {"block_n": 64}})
+    assert line.startswith("BENCH_JSON {") and "\n" not in line
+    doc = json.loads(line[len("BENCH_JSON "):])  # strict: NaN would not parse as JSON null
+    assert "NaN" not in line and "Infinity" not in line
+    assert doc == {"bench": "bench_x", "device": "Fake GPU",
+                   "ceilings": {"copy_gbs": 2000.0, "matmul_tflops": 500.0, "h2d_gbs": 53.0},
+                   "rows": [{"row": "r", "v": None, "w": None, "n": 3}],
+                   "meta": {"quick": True, "cfg": {"block_n": 64}}}
+    assert parse_json_line(line) == doc
+
+
+def test_json_line_names_the_table_of_each_row_when_there_are_several():
+    doc = parse_json_line(json_line("b", CEIL, [Table([{"x": 1}], name="draft"), Table([{"y": 2}], name="tok")]))
+    assert doc["rows"] == [{"table": "draft", "x": 1}, {"table": "tok", "y": 2}]
+
+
+def test_parse_json_line_rejects_other_lines():
+    with pytest.raises(ValueError, match="BENCH_JSON"):
+        parse_json_line('{"bench": 1}')
+
+
+def test_report_prints_ceilings_tables_and_the_json_line_last():
+    out = io.StringIO()
+    report("bench_x", CEIL, [Table([{"row": "a", "GB/s": 1500.0}], title="first"), Table([{"k": 1}])],
+           meta={"m": 1}, file=out)
+    lines = out.getvalue().rstrip("\n").split("\n")
+    assert lines[0] == ""
+    assert lines[1] == "ceilings: Fake GPU: copy 2000 GB/s (read+write), bf16 matmul 500 TFLOP/s"
+    assert lines[2] == "first" and lines[3].split() == ["row", "GB/s"] and lines[5].split() == ["a", "1500"]
+    assert lines[6] == "k"
+    assert lines[-1].startswith("BENCH_JSON ") and parse_json_line(lines[-1])["meta"] == {"m": 1}
+
+
+# ------------------------------------------------------------------------------------------------ ratios
+def test_ratio_helpers():
+    assert harness.gb_per_s(3e9, 1000.0) == pytest.approx(3.0)
+    assert harness.tflop_per_s(5e12, 2000.0) == pytest.approx(2.5)
+    # 1e9 bytes in 1 ms = 1000 GB/s = 50% of 2000 GB/s; 1e11 FLOP in 1 ms = 100 TFLOP/s = 20% of 500
+    assert CEIL.pct_copy(1e9, 1.0) == pytest.approx(50.0)
+    assert CEIL.pct_matmul(1e11, 1.0) == pytest.approx(20.0)
+    assert CEIL.as_dict() == {"device": "Fake GPU", "copy_gbs": 2000.0, "matmul_tflops": 500.0}
+    assert CEIL.with_extra(h2d_gbs=1.0).extra == {"h2d_gbs": 1.0} and CEIL.extra == {}
+
+
+# ------------------------------------------------------------------------------------------------ timers (CPU)
+def test_eager_ms_on_the_host_clock_times_one_call():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = harness.eager_ms(fn, warmup_ms=4, rep_ms=20, device="cpu")
+    assert 2.0 <= ms < 50.0
+    assert len(calls) >= 3  # the first call, estimates, timed calls
+
+
+def test_eager_ms_returns_the_estimate_for_slow_calls():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.03)
+
+    assert harness.eager_ms(fn, rep_ms=20, device="cpu") >= 30.0
+    assert len(calls) == 2  # the first call, then one estimate that already spans rep_ms
+
+
+def test_loop_graph_host_timers_on_the_cpu():
+    calls = []
+    assert harness.loop_ms(lambda: calls.append(1), 7, warmup=2, device="cpu") >= 0.0
+    assert len(calls) == 9
+    assert math.isnan(harness.graph_ms([lambda: None], device="cpu"))
+    assert harness.host_us(lambda: time.sleep(0.001), 3, device="cpu") >= 1000.0
+    with pytest.raises(ValueError, match="iters"):
+        harness.loop_ms(lambda: None, 0, device="cpu")
+
+
+def test_rotation_helpers():
+    seen = []
+    run = harness.rotating([lambda: seen.append(0), lambda: seen.append(1), lambda: seen.append(2)])
+    for _ in range(7):
+        run()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+    # the CPU stands in with a 64 KiB "L2": 3 x 64 KiB of inputs
+    assert harness.copies_for_l2(1 << 20, "cpu") == 1
+    assert harness.copies_for_l2(64 * 1024, "cpu") == 3
+    assert harness.copies_for_l2(1000, "cpu") == 8  # capped
+
+
+def test_measure_ceilings_on_the_cpu_is_finite():
+    c = harness.measure_ceilings("cpu")
+    assert c.device == "cpu" and c.copy_gbs > 0 and c.matmul_tflops > 0
+    assert math.isfinite(c.copy_gbs) and math.isfinite(c.matmul_tflops)
+    assert math.isnan(harness.h2d_copy_gbs(1024, "cpu"))
+
+
+# ------------------------------------------------------------------------------------------------ the benches
+@pytest.mark.parametrize("name", BENCH_MODULES)
+def test_bench_module_imports_and_parses_help_without_cuda(name, capsys):
+    mod = importlib.import_module(f"bench.{name}")
+    if name == "ceilings":
+        assert callable(mod.measure_ceilings)
+        return
+    parser = mod.build_parser()
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    assert parser.parse_args(["--quick"]).quick is True
+
+
+def test_run_all_runs_every_bench():
+    from bench.run_all import BENCHES
+
+    mains = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if re.search(r"^def main\(", p.read_text(), re.M)
+                   and p.stem not in ("run_all", "ceilings"))
+    assert sorted(BENCHES) == mains
+    assert all("--quick" in args for args in BENCHES.values())
+
+
+def test_a_bench_runs_as_a_file():
+    """``python bench/<name>.py`` puts the repository root on the path itself (``-m`` runs as imported above)."""
+    res = subprocess.run([sys.executable, "bench/bench_engine_decode.py", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout
