@@ -116,6 +116,17 @@ def _on_off(enabled: bool) -> str:
     return "on" if enabled else "off"
 
 
+def _overlap_on(mode: str, device) -> bool:
+    """``engine.overlap``: on / off as given; auto is on for CUDA (the host plans ahead of the GPU), off on
+    the CPU (there is nothing to overlap with)."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def _graph_copies(overlap: bool) -> int:
+    """Executable graphs per captured size: 2 with overlap (replays alternate, see graph_runner)."""
+    return 2 if overlap else 1
+
+
 def _has_sparse_layers(spec: ModelSpec) -> str:
     return "yes" if spec.sparse_layers else "no"
 
@@ -169,21 +180,22 @@ def _emulated_sm_count(info: DeviceInfo, emulated: int) -> int:
 
 
 def _plain_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None, padding_row: int,
-                  device) -> list[ModeGraphs]:
-    return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device)]
+                  device, copies: int) -> list[ModeGraphs]:
+    return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device,
+                       copies)]
 
 
 def _spec_graphs(decisions: dict, model: MLAModel, target_hooks: GraphHooks, draft_model: MLAModel,
                  draft_attention: MultiStepDraftBackend, draft_steps: DraftSteps, num_steps: int, padding_row: int,
-                 device) -> list[ModeGraphs]:
+                 device, copies: int) -> list[ModeGraphs]:
     t = num_steps + 1
     return [
         ModeGraphs(decisions["draft_decode"], ForwardMode.DECODE, draft_steps, draft_attention, 1, 1, padding_row,
-                   device),
+                   device, copies),
         ModeGraphs(decisions["target_verify"], ForwardMode.TARGET_VERIFY, model.forward, target_hooks, t, t,
-                   padding_row, device),
+                   padding_row, device, copies),
         ModeGraphs(decisions["draft_extend"], ForwardMode.DRAFT_EXTEND, draft_model.forward, draft_attention, t, t,
-                   padding_row, device),
+                   padding_row, device, copies),
     ]
 
 
@@ -386,13 +398,16 @@ class Container(containers.DeclarativeContainer):
         decide_graphs, config.graph.enabled, device_type, backends_in_use, config.speculative.enabled,
         config.graph.batch_sizes)
     padding_row = req_to_token_pool.provided.padding_row
+    overlap = providers.Callable(_overlap_on, config.engine.overlap, device)
+    graph_copies = providers.Callable(_graph_copies, overlap)
     graph_modes = providers.Selector(
         spec_mode,
-        off=providers.Callable(_plain_graphs, graph_decisions, model, decode_graph, padding_row, device),
+        off=providers.Callable(_plain_graphs, graph_decisions, model, decode_graph, padding_row, device,
+                               graph_copies),
         on=providers.Callable(_spec_graphs, graph_decisions, model, attention, draft_model, draft_attention,
-                              draft_steps, config.speculative.num_steps, padding_row, device),
+                              draft_steps, config.speculative.num_steps, padding_row, device, graph_copies),
     )
-    graph_runner = _step(build_log, "graph_runner", providers.Factory(GraphRunner, graph_modes, device))
+    graph_runner = _step(build_log, "graph_runner", providers.Factory(GraphRunner, graph_modes, device, dumper))
     # the requests (synthetic, or a prompt file's), their stop ids and the tokenizer that decodes outputs
     workload = _step(build_log, "workload", providers.Factory(load_workload, config.workload, config.model))
     speculative = providers.Selector(
@@ -402,7 +417,7 @@ class Container(containers.DeclarativeContainer):
             config.speculative.num_steps, config.kv.max_requests, device)))
     engine = _step(build_log, "engine", providers.Factory(
         Engine, model, attention, mha_prefill, graph_runner, engine_token_slots, request_states, config.workload,
-        workload, device, speculative))
+        workload, device, speculative, overlap, dumper))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the

@@ -50,7 +50,7 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int) -> dic
     ends = [s.marks[1] for s in full]
     periods = [a.elapsed_time(b) for a, b in zip(ends[:-1], ends[1:])][2:]  # skip the first steps
     runner = rt.container.graph_runner().get("decode")
-    graph = runner.graphs[bs][0]
+    graph = runner.graphs[bs][0][0]
     kernel_ms = loop_ms(graph.replay, 50, warmup=5)
     period_ms = statistics.median(periods)
     out = {"preset": preset, "batch": bs, "step_us": period_ms * 1e3, "kernels_us": kernel_ms * 1e3,

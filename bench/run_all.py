@@ -35,6 +35,7 @@ BENCHES: dict[str, list[str]] = {
     "bench_engine_decode": ["--quick"],
     "bench_speculative": ["--quick"],
     "profile_engine_step": ["--quick"],
+    "decode_roofline": ["--quick", "--overlap", "off", "on"],
 }
 
 

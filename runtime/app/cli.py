@@ -12,6 +12,7 @@ from rich.console import Console
 
 from containers import build, to_plain
 from runtime.app.parity import compare, quantization_effect, reference_config, unquantized_config
+from runtime.app.plot import write_step_plot
 from runtime.app.report import (
     make_report,
     memory_plan,
@@ -98,6 +99,9 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
     print_report(report, console)
     path = write_report(report, output_dir)
     console.print(f"report: {path}")
+    plot = write_step_plot(res, output_dir)
+    console.print(f"step plot: {plot}" if plot is not None else
+                  "step plot: skipped (matplotlib is not installed; pip install -e .[plot])")
     if parity is not None and not parity["ok"]:
         print("parity check FAILED: the backend's output differs from the torch reference (see report)",
               file=sys.stderr)

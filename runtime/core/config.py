@@ -85,6 +85,12 @@ class WorkloadKind(str, enum.Enum):
     prompts = "prompts"  # one request per line of the JSON-lines file `workload.path`
 
 
+class OverlapMode(str, enum.Enum):
+    auto = "auto"  # on for CUDA, off on the CPU
+    on = "on"  # plan and launch step N+1 before step N's results are read back (one step ahead)
+    off = "off"  # read every step's results back before scheduling the next (the host waits for the GPU)
+
+
 class LengthDist(str, enum.Enum):
     fixed = "fixed"  # always `mean`
     uniform = "uniform"  # uniform integers in [min, max]
@@ -322,6 +328,13 @@ class AttentionConfig:
 
 
 @dataclass
+class EngineConfig:
+    """How the engine loop drives the device (runtime/engine/engine.py)."""
+
+    overlap: OverlapMode = OverlapMode.auto
+
+
+@dataclass
 class DeviceConfig:
     kind: DeviceKind = DeviceKind.auto
     index: int = 0
@@ -340,6 +353,7 @@ class Config:
     device: DeviceConfig = MISSING
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     check: CheckMode = CheckMode.reference
     progress: bool = True  # progress bar on long runs (off anyway when stdout is not a terminal)
 

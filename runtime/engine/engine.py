@@ -25,7 +25,11 @@ from runtime.engine.progress import Progress
 from runtime.engine.speculative import SpeculativeDriver
 from runtime.engine.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
 from runtime.engine.workload import Request, Workload
+from runtime.model.dump import AttentionDumper
 from runtime.model.mla_model import MLAModel
+
+# graph modes whose forwards run the target model (the one that dumps attention)
+TARGET_GRAPH_MODES = ("decode", "target_verify")
 
 
 @dataclass
@@ -99,6 +103,12 @@ class Engine:
     device : torch.device
     spec : SpeculativeDriver or None
         Speculative decoding: decode steps become rounds of draft, verify and draft extend.
+    overlap : bool
+        ``engine.overlap`` resolved: schedule, plan and launch step N+1 before reading step N's results back
+        (see :meth:`run`); off: read every step back before scheduling the next.
+    dumper : AttentionDumper or None
+        The target model's dumper: a graphed step whose mode it still wants to dump runs eagerly, so the
+        dump holds that step's values (a replay would not run the dump's Python code).
     """
 
     def __init__(
@@ -113,6 +123,8 @@ class Engine:
         requests: Workload,
         device: torch.device,
         spec: SpeculativeDriver | None = None,
+        overlap: bool = False,
+        dumper: AttentionDumper | None = None,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
         self.slots, self.workload, self.requests, self.device = token_slots, workload, requests, device
@@ -120,6 +132,7 @@ class Engine:
         self.spec = spec
         self._lookahead = spec.lookahead if spec is not None else 0
         self.clock = StepClock(device)
+        self.overlap, self.dumper = overlap, dumper
         self._fence = None  # event after the previous step's metadata copies (see _forward)
 
     # -------------------------------------------------------------------------------------------- run
@@ -134,7 +147,16 @@ class Engine:
         No step waits for the previous one: decode inputs come from the device-side last-token table and
         results are copied back lazily (runtime/engine/step_outputs.py). A request whose resolved token is an
         EOS id is released as soon as the host sees that token; what steps already enqueued generated for it
-        past the EOS is dropped."""
+        past the EOS is dropped.
+
+        Overlap (``engine.overlap``): the host schedules, plans and launches step N+1 while the GPU runs step
+        N. What the scheduler knows about step N then: its lengths (every request grew by its new tokens),
+        its slots, and that its tokens sit in the device last-token table (step N+1's input ids are gathered
+        there on the device); not the token values. Before scheduling, every step but the newest is read
+        back (the metadata fence has already waited for those), so an EOS sampled at step N is seen when
+        step N+2 is scheduled: the request also ran in step N+1, whose token is dropped, and is released
+        then. Without overlap every step is read back before the next is scheduled (the host waits for the
+        GPU each step) and nothing runs extra; the emitted tokens are the same."""
         requests = self.requests.requests()
         if forced is not None:
             for r in requests:
@@ -153,6 +175,11 @@ class Engine:
         self.graphs.capture()
         with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
             while waiting or running:
+                if self.overlap:  # an EOS is learned one step late, never later
+                    self._outputs.resolve_older(res, keep=1)
+                    self._release_stopped(running, res)
+                    if not (waiting or running):
+                        break
                 step = self._prefill_step(waiting, running, res)
                 if step is None and self.spec is not None:
                     decoding, locs = self._reserve_decoding(waiting, running, res, self.spec.round_span)
@@ -169,7 +196,7 @@ class Engine:
                 record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0, phase=phase)
                 res.steps.append(record)
                 start = self.clock.mark()
-                h = self._forward(ids, batch)
+                h, record.graphed = self._forward(ids, batch)
                 sel = h if sample_rows is None else h[sample_rows]
                 pending = self._sample(reqs, req_rows, sel, forced, record, start)
                 if self.spec is not None and batch.mode == ForwardMode.EXTEND:
@@ -178,6 +205,8 @@ class Engine:
                                             self.slots.req_to_token_pool.last_token, self._spec_forward)
                 self._finish_step(reqs, running, res)
                 self._outputs.push(pending, res)
+                if not self.overlap:
+                    self._outputs.resolve_all(res)
                 self._release_stopped(running, res)
                 bar.advance(len(reqs))
         self._outputs.resolve_all(res)
@@ -210,9 +239,10 @@ class Engine:
         return PendingStep(reqs, slots, host(tokens), host(choices), host(top2.values.float()), hidden, record,
                            start, self.clock.mark())
 
-    def _forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """A prefill or plain decode step of the target model (the MHA chunked-prefix plan for EXTEND)."""
-        return self._launch("decode", self.model.forward, self.backend, ids, batch, self.mha_prefill)[0]
+    def _forward(self, ids: torch.Tensor, batch) -> tuple[torch.Tensor, bool]:
+        """A prefill or plain decode step of the target model (the MHA chunked-prefix plan for EXTEND);
+        returns (hidden states, whether a graph replayed it)."""
+        return self._launch("decode", self.model.forward, self.backend, ids, batch, self.mha_prefill)
 
     def _launch(self, mode: str, fn, planner, ids: torch.Tensor, batch,
                 mha_prefill: MHAChunkPrefill | None = None) -> tuple[torch.Tensor, bool]:
@@ -226,7 +256,7 @@ class Engine:
         than one step ahead."""
         self.clock.wait(self._fence)
         graphs = self.graphs.get(mode)
-        graphed = graphs is not None and graphs.can_run(batch)
+        graphed = graphs is not None and graphs.can_run(batch) and not self._dump_wants(mode, batch)
         if graphed:
             graphs.prepare(ids, batch)  # copies inputs, the backend's hook refreshes static metadata
         else:
@@ -238,6 +268,11 @@ class Engine:
                 mha_prefill.init_mha_chunk_metadata(batch)
         self._fence = self.clock.mark()
         return (graphs.replay() if graphed else fn(ids, batch)), graphed
+
+    def _dump_wants(self, mode: str, batch) -> bool:
+        """The target model's dumper still wants this batch's mode: run it eagerly (dumps run Python code
+        that a replay skips; graph capture never dumps, see GraphRunner)."""
+        return self.dumper is not None and mode in TARGET_GRAPH_MODES and self.dumper.wants(batch.mode.value)
 
     # ------------------------------------------------------------------------------ speculative
     def _spec_forward(self, phase: str, fn, planner, ids: torch.Tensor, batch) -> torch.Tensor:

@@ -13,6 +13,14 @@ refresh it on the host before each replay (nothing is planned or allocated insid
 entries (up to the captured size) use the request table's padding row (never a live request's), positions
 ``0..t-1`` (``seq_len`` t for t tokens per request), write their KV to slot 0 (the padding page), and their
 outputs are dropped.
+
+With the overlap scheduler (``copies=2``) every size is captured twice, over the same static buffers, and
+replays alternate between the two executable graphs: the host never relaunches an executable graph whose
+previous launch may still be running (a launch of a busy graph exec can hold the host until it finishes).
+All replays and the copies into the static buffers are ordered on one stream, so sharing buffers is safe.
+
+Capture never dumps attention (the values at capture time are padding): the runner pauses the dumper, and
+the engine runs a step eagerly while the dumper still wants its mode.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 
 from backends.base import CudaGraphLevel, GraphHooks
 from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.model.dump import AttentionDumper
 
 # name -> (forward mode of its batches, graph level every backend in use must reach)
 GRAPH_MODES: dict[str, tuple[ForwardMode, CudaGraphLevel]] = {
@@ -88,13 +97,17 @@ class ModeGraphs:
     rows_per_request : output rows per request (t for hidden states, 1 for draft_decode's [bs, steps])
     padding_row : the request table's padding row
     device : torch.device
+    copies : executable graphs captured per size (2 with the overlap scheduler: replays alternate)
     """
 
     def __init__(self, decision: GraphDecision, forward_mode: ForwardMode, fn: Callable, hooks: GraphHooks,
-                 tokens_per_request: int, rows_per_request: int, padding_row: int, device: torch.device):
+                 tokens_per_request: int, rows_per_request: int, padding_row: int, device: torch.device,
+                 copies: int = 1):
         self.decision, self.mode, self.fn, self.hooks = decision, forward_mode, fn, hooks
         self.t, self.rows, self.padding_row, self.device = tokens_per_request, rows_per_request, padding_row, device
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]] = {}
+        self.copies = copies
+        # size -> [(graph, output, batch)] * copies
+        self.graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]]] = {}
         self.max_bs = max(decision.sizes) if decision.graphed else 0
         self.replays = 0
         self._bufs: dict[str, torch.Tensor] = {}
@@ -141,11 +154,13 @@ class ModeGraphs:
                 for _ in range(2):  # warm up (autotuning, lazy module loads) outside the capture
                     self.fn(ids, batch)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.fn(ids, batch)
-            pool = graph.pool()
-            self.graphs[bs] = (graph, out, batch)
+            self.graphs[bs] = []
+            for _ in range(self.copies):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self.fn(ids, batch)
+                pool = graph.pool()
+                self.graphs[bs].append((graph, out, batch))
         return pool
 
     def prepare(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
@@ -172,7 +187,7 @@ class ModeGraphs:
     def replay(self) -> torch.Tensor:
         """Replay the graph ``prepare`` chose; the output rows of the real (unpadded) requests."""
         bs, n = self._prepared
-        graph, out, _ = self.graphs[bs]
+        graph, out, _ = self.graphs[bs][self.replays % len(self.graphs[bs])]
         graph.replay()
         self.replays += 1
         return out[: n * self.rows]
@@ -186,11 +201,12 @@ class GraphRunner:
     ----------
     modes : list of ModeGraphs (graphed or not; an ungraphed one never captures)
     device : torch.device
+    dumper : AttentionDumper or None (paused while capturing)
     """
 
-    def __init__(self, modes: list[ModeGraphs], device: torch.device):
+    def __init__(self, modes: list[ModeGraphs], device: torch.device, dumper: AttentionDumper | None = None):
         self.modes = {m.decision.mode: m for m in modes}
-        self.device = device
+        self.device, self.dumper = device, dumper
         self._captured = False
 
     @property
@@ -210,6 +226,7 @@ class GraphRunner:
         for m in graphed:
             m.init_state()
         pool = None
-        for m in graphed:
-            pool = m.capture(pool)
+        with AttentionDumper.paused_if(self.dumper):
+            for m in graphed:
+                pool = m.capture(pool)
         torch.cuda.synchronize(self.device)

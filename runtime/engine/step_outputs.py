@@ -105,6 +105,12 @@ class StepOutputs:
         while self._q:
             self._resolve_one(sink)
 
+    def resolve_older(self, sink, keep: int = 1) -> None:
+        """Resolve every pending step but the newest ``keep`` (with overlap, the step in flight), so an EOS is
+        learned one step after the step that sampled it."""
+        while len(self._q) > keep:
+            self._resolve_one(sink)
+
     def _ready(self, step: PendingStep) -> bool:
         return not self.clock.cuda or step.end.query()
 

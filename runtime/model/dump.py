@@ -9,7 +9,8 @@ order), ``causal`` (bottom-right aligned), ``sm_scale`` and ``out`` [T,H,kv_lora
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,9 +26,23 @@ class AttentionDumper:
         self.dir = Path(dump_dir) if dump_dir else None
         self.req_to_token_pool = req_to_token_pool
         self.saved: dict[str, Path] = {}
+        self._paused = False
 
     def wants(self, mode: str) -> bool:
-        return self.dir is not None and mode not in self.saved
+        return self.dir is not None and not self._paused and mode not in self.saved
+
+    @staticmethod
+    @contextlib.contextmanager
+    def paused_if(dumper: AttentionDumper | None) -> Iterator[None]:
+        """No dump while inside (CUDA-graph capture and warm-up run on padding inputs); no-op for None."""
+        if dumper is None:
+            yield
+            return
+        dumper._paused = True
+        try:
+            yield
+        finally:
+            dumper._paused = False
 
     def _kv_rows(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots of every request's KV in token order -> ([N] int64, kv_indptr [B+1] int32), host indptr."""

@@ -1,0 +1,178 @@
+"""Decode roofline: what a decode step must read, how long its kernels take, how long the GPU idles.
+
+``python -m bench.decode_roofline [--preset h100_dsv3_tp8] [--batches 1 32 256] [--layers auto]
+[--overlap on off]``
+
+Per (overlap mode, batch size), on a decode-heavy workload (every request prefilled at once, then decoded
+together under CUDA-graph replay):
+
+* kernel us/step: union of GPU activity (kernels, copies, memsets; torch.profiler, CUDA activity only) over
+  the decode window, per decode step. The window is placed on the profiler's clock from the run's own CUDA
+  events: it ends at the run's last GPU activity and lasts from the first decode step's start event to the
+  last step's end event;
+* idle us/step: window length minus that union, per step (what the host cost the GPU);
+* bytes/step: weights the step reads (what the model object reports: every tensor of every layer, the
+  final norm and LM head, one embedding row per request; with MoE the routed experts only, once the model
+  reports them), KV read (every request's cached rows, every MLA layer) and KV written;
+* roofline us = bytes / copy bandwidth measured in the same run; ratio = roofline / kernel time;
+* kernels per layer: kernels in the window per step, divided by the layer count.
+
+``--layers auto`` fits the layer count to the GPU: weights and KV pool for the largest batch in 80% of the
+free memory, at most the model's full depth (DeepSeek-V3: 61). ``--quick``: batches 1 and 32, 8 layers,
+8 steps. Prints the table and the ``BENCH_JSON`` line (bench/harness.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import runtime.core.config  # noqa: E402, F401  (registers the schemas)
+from bench.harness import Table, measure_ceilings, report  # noqa: E402
+from containers import build  # noqa: E402
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+FULL_DEPTH = 61  # DeepSeek-V3
+
+
+def overrides(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str) -> list[str]:
+    pages = bs * -(-(prompt + out_len + 1) // 64) + 16
+    fixed = lambda key, v: [f"{key}.dist=fixed", f"{key}.mean={v}", f"{key}.min={v}", f"{key}.max={v}"]  # noqa: E731
+    return [
+        f"+deploy={preset}", "check=off", "progress=false", f"model.num_layers={layers}",
+        f"workload.num_requests={bs}", f"workload.max_running_requests={bs}",
+        *fixed("workload.prompt_len", prompt), *fixed("workload.output_len", out_len),
+        "workload.chunked_prefill_size=8192", "workload.max_tokens_per_batch=16384",
+        f"kv.num_pages={pages}", f"kv.max_requests={max(bs, 8)}", f"graph.batch_sizes=[{bs}]",
+        f"engine.overlap={overlap}",
+    ]
+
+
+def compose_cfg(over: list[str]):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=over)
+
+
+def fit_layers(preset: str, bs: int, prompt: int, out_len: int) -> int:
+    """Layers whose weights and KV pool (for ``bs``) fit in 80% of the free GPU memory (a 1-layer build
+    reports the per-layer bytes)."""
+    rt = build(compose_cfg(overrides(preset, bs, 1, prompt, out_len, "off")))
+    model, kv = rt.container.model(), rt.container.kv_pool()
+    head = sum(t.numel() * t.element_size() for t in (model.embed, model.final_norm, model.lm_head))
+    per_layer = model.weight_bytes - head + kv.nbytes
+    del rt, model, kv
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    return max(1, min(FULL_DEPTH, int((0.8 * free - head) // per_layer)))
+
+
+def step_bytes(rt, bs: int, mean_len: float) -> dict:
+    """Bytes one decode step of ``bs`` requests of ``mean_len`` cached tokens must move."""
+    model, kv = rt.container.model(), rt.container.kv_pool()
+    spec = model.spec
+    row = kv.row_dim * kv.dtype.itemsize
+    mla_layers = len(spec.kv_cache_layers)
+    layer_weights = sum(t.numel() * t.element_size() for lw in model.layers for t in lw.tensors)
+    head = sum(t.numel() * t.element_size() for t in (model.final_norm, model.lm_head))
+    embed_rows = bs * model.embed.shape[1] * model.embed.element_size()
+    return {"weights": layer_weights + head + embed_rows, "kv_read": int(bs * mean_len * row * mla_layers),
+            "kv_written": bs * row * mla_layers}
+
+
+def gpu_intervals(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, category) of every GPU activity in the profile, sorted."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["cat"]) for e in events
+           if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return sorted(out)
+
+
+def union_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> float:
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e, _ in iv:
+        s, e = max(s, lo), min(e, hi)
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            busy += (cur_e - cur_s) if cur_e is not None else 0.0
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
+
+
+def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str) -> dict:
+    rt = build(compose_cfg(overrides(preset, bs, layers, prompt, out_len, overlap)))
+    rt.engine.run(record_hidden=False)  # warm-up: capture, JIT, allocator caches
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        res = rt.engine.run(record_hidden=False)
+    torch.cuda.synchronize()
+    dec = [s for s in res.steps if s.phase == "decode" and s.batch_size == bs]
+    span_us = dec[0].marks[0].elapsed_time(dec[-1].marks[1]) * 1e3
+    iv = gpu_intervals(prof)
+    end = max(e for _, e, _ in iv)
+    lo = end - span_us
+    busy = union_us(iv, lo, end)
+    kernels = sum(1 for s, _, c in iv if c == "kernel" and s >= lo)
+    n = len(dec)
+    b = step_bytes(rt, bs, prompt + out_len / 2)
+    total = sum(b.values())
+    kernel_us = busy / n
+    out = {"overlap": overlap, "bs": bs, "layers": layers, "steps": n, "kernel_us": kernel_us,
+           "idle_us": (span_us - busy) / n, "period_us": span_us / n, **{f"{k}_bytes": v for k, v in b.items()},
+           "bytes": total, "kernels_per_layer": kernels / n / layers, "graphed": sum(s.graphed for s in dec)}
+    del rt, res, prof
+    torch.cuda.empty_cache()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_roofline", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="h100_dsv3_tp8")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
+    ap.add_argument("--layers", default="auto", help="a number, or auto (fit the GPU, at most 61)")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--overlap", nargs="+", default=["on"], help="engine.overlap values to measure")
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 32, 8 layers, 8 steps")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.batches, args.layers, args.out_len = [1, 32], "8", 8
+    layers = (fit_layers(args.preset, max(args.batches), args.prompt, args.out_len) if args.layers == "auto"
+              else int(args.layers))
+    ceilings = measure_ceilings()
+    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov)
+            for ov in args.overlap for bs in args.batches]
+    for r in rows:
+        r["roofline_us"] = r["bytes"] / (ceilings.copy_gbs * 1e3)
+        r["ratio"] = r["roofline_us"] / r["kernel_us"]
+        r["mb_per_step"] = r["bytes"] / 1e6
+        r["idle_goal"] = "ok" if r["idle_us"] <= 30 else "MISS"
+    cols = ["overlap", "bs", "kernel_us", "idle_us", "mb_per_step", "roofline_us", "ratio", "kernels_per_layer",
+            "idle_goal"]
+    fmt = {"kernel_us": ".1f", "idle_us": ".1f", "mb_per_step": ".1f", "roofline_us": ".1f", "ratio": ".2f",
+           "kernels_per_layer": ".1f"}
+    title = (f"decode roofline: {args.preset}, {layers} layers, prompt {args.prompt}, {args.out_len} steps, "
+             "CUDA graphs; roofline = bytes / copy bandwidth")
+    report("decode_roofline", ceilings, Table(rows, title, cols, fmt),
+           meta={"preset": args.preset, "layers": layers, "prompt": args.prompt, "out_len": args.out_len})
+
+
+if __name__ == "__main__":
+    main()
