@@ -20,6 +20,14 @@ from runtime.engine.hisparse import host_page_count
 # by the candidate model's dtype.
 TOLERANCE = {"float64": 1e-6, "float32": 1e-4, "float16": 5e-2, "bfloat16": 5e-2}
 TIE_MARGIN = {"float64": 1e-6, "float32": 1e-4, "float16": 5e-2, "bfloat16": 5e-2}
+# A model that makes discrete choices inside its forward (MoE expert routing, the sparse indexer's top-k) turns a
+# 16-bit rounding difference into a different expert or token set, and from there into a greedy flip that is not
+# a near-tie of the final logits (measured on an H100 with the 4-layer DeepSeek-V3 preset in bf16: 1 such flip of
+# 170 tokens against the float32 reference, with the hidden states still within tolerance). Such models may
+# flip this fraction of their generated tokens beyond near-ties (at least ROUTING_FLIPS_MIN); the report counts
+# them. Others, and every float32/float64 run, get none.
+ROUTING_FLIP_FRACTION = 1 / 40
+ROUTING_FLIPS_MIN = 4
 
 
 @dataclass
@@ -31,6 +39,7 @@ class ParityReport:
     max_rel_err: float
     tolerance: float
     ok: bool
+    routing_flip_budget: int = 0  # flips beyond near-ties allowed (discrete routing in 16-bit; see above)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -98,8 +107,15 @@ LM head, in the model dtype on its device).
 
 
 def compare(candidate: RunResult, reference: RunResult, dtype: str,
-            reference_name: str = "torch_mla/float32") -> ParityReport:
+            reference_name: str = "torch_mla/float32", discrete_routing: bool = False) -> ParityReport:
+    """Parity of ``candidate`` against ``reference`` (which replayed the candidate's tokens).
+
+    ``discrete_routing``: the model routes tokens to experts or selects KV with a top-k (see
+    ``ROUTING_FLIP_FRACTION``); in a 16-bit dtype it may then flip a bounded number of tokens beyond near-ties."""
     tol, tie = TOLERANCE[dtype], TIE_MARGIN[dtype]
+    generated = sum(len(t) for t in candidate.outputs.values())
+    budget = (max(ROUTING_FLIPS_MIN, int(generated * ROUTING_FLIP_FRACTION))
+              if discrete_routing and dtype in ("float16", "bfloat16") else 0)
     mismatches = near_ties = 0
     max_rel = 0.0
     for rid, tokens in candidate.outputs.items():
@@ -111,5 +127,5 @@ def compare(candidate: RunResult, reference: RunResult, dtype: str,
         if b.numel():
             rel = (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30)).item()
             max_rel = max(max_rel, rel if rel == rel else float("inf"))  # NaN never passes
-    ok = mismatches == near_ties and max_rel <= tol and candidate.lost == 0
-    return ParityReport(reference_name, mismatches == 0, mismatches, near_ties, max_rel, tol, ok)
+    ok = mismatches - near_ties <= budget and max_rel <= tol and candidate.lost == 0
+    return ParityReport(reference_name, mismatches == 0, mismatches, near_ties, max_rel, tol, ok, budget)

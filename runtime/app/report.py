@@ -297,7 +297,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
     if par.get("reference"):
         verdict = "[green]ok[/green]" if par["ok"] else "[red]FAILED[/red]"
         t.add_row("parity", f"{verdict} vs {par['reference']}: tokens equal {par['tokens_equal']} "
-                  f"({par['mismatches']} mismatches, {par['near_tie_mismatches']} at near-ties), "
+                  f"({par['mismatches']} mismatches, {par['near_tie_mismatches']} at near-ties"
+                  + (f", up to {par['routing_flip_budget']} more allowed: discrete routing in 16 bits"
+                     if par.get("routing_flip_budget") else "") + "), "
                   f"max rel err {par['max_rel_err']:.2e} (tol {par['tolerance']:.0e})")
         q = par.get("quantization")
         if q:

@@ -97,4 +97,4 @@ class MLAModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return F.linear(hidden.to(self.weights.lm_head.dtype), self.weights.lm_head).float()
