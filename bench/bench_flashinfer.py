@@ -205,8 +205,8 @@ def bench_mha(t_new, prefix, heads, chunk_tokens, kernel, ws, quick):
     q = torch.randn(t_new, heads, QK, dtype=DT, device=DEV)
     k = torch.randn(t_new, heads, QK, dtype=DT, device=DEV)
     v = torch.randn(t_new, heads, VO, dtype=DT, device=DEV)
-    kc = [torch.randn(c.num_tokens, heads, QK, dtype=DT, device=DEV) for c in batch.prefix_chunks]
-    vc = [torch.randn(c.num_tokens, heads, VO, dtype=DT, device=DEV) for c in batch.prefix_chunks]
+    kc = [torch.randn(c.kv_slots.numel(), heads, QK, dtype=DT, device=DEV) for c in batch.prefix_chunks]
+    vc = [torch.randn(c.kv_slots.numel(), heads, VO, dtype=DT, device=DEV) for c in batch.prefix_chunks]
 
     def plan(kv_indptr, causal):
         w = BatchPrefillWithRaggedKVCacheWrapper(s.float_ws, "NHD", backend=kernel)

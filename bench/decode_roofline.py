@@ -40,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import runtime.core.config  # noqa: E402, F401  (registers the schemas)
 from bench.harness import Table, measure_ceilings, report  # noqa: E402
 from containers import build  # noqa: E402
+from runtime.model.deepseek.weights import AttentionWeights, MoEWeights  # noqa: E402
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 FULL_DEPTH = 61  # DeepSeek-V3
@@ -68,23 +69,52 @@ def fit_layers(preset: str, bs: int, prompt: int, out_len: int) -> int:
     reports the per-layer bytes)."""
     rt = build(compose_cfg(overrides(preset, bs, 1, prompt, out_len, "off")))
     model, kv = rt.container.model(), rt.container.kv_pool()
-    head = sum(t.numel() * t.element_size() for t in (model.embed, model.final_norm, model.lm_head))
+    w = model.weights
+    head = sum(t.numel() * t.element_size() for t in (w.embed, w.final_norm, w.lm_head))
     per_layer = model.weight_bytes - head + kv.nbytes
-    del rt, model, kv
+    del rt, model, kv, w
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     return max(1, min(FULL_DEPTH, int((0.8 * free - head) // per_layer)))
 
 
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts ``tokens`` tokens route to, in expectation under uniform routing:
+    E (1 - (1 - k/E)^T)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
 def step_bytes(rt, bs: int, mean_len: float) -> dict:
-    """Bytes one decode step of ``bs`` requests of ``mean_len`` cached tokens must move."""
+    """Bytes one decode step of ``bs`` requests of ``mean_len`` cached tokens must move: every attention and
+    dense weight, of the routed experts only those the step's tokens are expected to reach (uniform routing),
+    the shared experts, the LM head, ``bs`` embedding rows, and the KV read and written."""
     model, kv = rt.container.model(), rt.container.kv_pool()
-    spec = model.spec
+    spec, w = model.spec, model.weights
     row = kv.row_dim * kv.dtype.itemsize
     mla_layers = len(spec.kv_cache_layers)
-    layer_weights = sum(t.numel() * t.element_size() for lw in model.layers for t in lw.tensors)
-    head = sum(t.numel() * t.element_size() for t in (model.final_norm, model.lm_head))
-    embed_rows = bs * model.embed.shape[1] * model.embed.element_size()
+    layer_weights = 0
+    for lw in w.layers:
+        layer_weights += sum(_nbytes(t) for t in vars(lw.attn).values() if isinstance(t, torch.Tensor))
+        if isinstance(lw.attn, AttentionWeights) and lw.attn.indexer is not None:
+            layer_weights += _nbytes(*lw.attn.indexer.tensors)
+        layer_weights += _nbytes(lw.mlp_norm)
+        mlp = lw.mlp
+        if mlp is None:
+            continue
+        if isinstance(mlp, MoEWeights):  # router, the routed experts reached, the shared experts
+            e = mlp.gate_up.shape[0]
+            hit = expected_experts_hit(e, spec.num_experts_per_tok, bs)
+            layer_weights += _nbytes(mlp.gate, mlp.bias) + int(_nbytes(mlp.gate_up, mlp.down) * hit / e)
+            if mlp.shared is not None:
+                layer_weights += _nbytes(mlp.shared.gate_up, mlp.shared.down)
+        else:
+            layer_weights += _nbytes(mlp.gate_up, mlp.down)
+    head = _nbytes(w.final_norm, w.lm_head)
+    embed_rows = bs * w.embed.shape[1] * w.embed.element_size()
     return {"weights": layer_weights + head + embed_rows, "kv_read": int(bs * mean_len * row * mla_layers),
             "kv_written": bs * row * mla_layers}
 
