@@ -24,6 +24,10 @@ class BlockTables:
 
     Columns past a request's ``ceil(seq_len / page_size)`` pages hold whatever the request row holds there (0:
     the padding page); the kernels never read them.
+
+    It also keeps the step's metadata a kernel call reads: ``current`` (the step's table) and ``max_seq_len``
+    (the batch's longest in eager steps; ``max_context``, a constant baked into the launch, under CUDA graphs),
+    set by :meth:`for_step`, :meth:`for_capture` and :meth:`for_replay`.
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, page_size: int, align: int = 1):
@@ -33,6 +37,9 @@ class BlockTables:
         cols = torch.arange(0, self.max_width * page_size, page_size, device=table.device)
         self._cols = cols.clamp_max(table.shape[1] - 1)
         self._static = torch.zeros(0, self.max_width, dtype=torch.int32, device=table.device)
+        self.max_context = req_to_token_pool.max_context
+        self.current = torch.zeros(0, 0, dtype=torch.int32)
+        self.max_seq_len = 0
 
     def width(self, max_seq_len: int) -> int:
         """Pages of the longest request, rounded up to ``align``."""
@@ -65,3 +72,16 @@ class BlockTables:
         w = self.width(batch.max_seq_len)
         rows[:, :w].copy_(self.gather(batch, w))
         return rows
+
+    # ------------------------------------------------------------------------------- the step's metadata
+    def for_step(self, batch: ForwardBatch) -> None:
+        """An eager step: the batch's table and its longest sequence (from the host mirror)."""
+        self.current, self.max_seq_len = self.gather(batch), batch.max_seq_len
+
+    def for_capture(self, batch_size: int) -> None:
+        """A capture: the static table's rows; ``max_context`` as the longest (the captured launch keeps it)."""
+        self.current, self.max_seq_len = self.static(batch_size), self.max_context
+
+    def for_replay(self, batch: ForwardBatch) -> None:
+        """Before a replay: the batch's pages written into the static table in place."""
+        self.current, self.max_seq_len = self.refresh(batch), self.max_context

@@ -119,31 +119,25 @@ class TokenSpeedMLABackend:
         self.kernel = kernel
         self.req_to_token_pool, self.kv_pool, self.model = req_to_token_pool, kv_pool, model
         self.page_size = kv_pool.page_size
-        self.max_context = req_to_token_pool.max_context
         self.tables = BlockTables(req_to_token_pool, self.page_size)
         self.workspace = ledger.acquire(workspace_spec(sm_count, model, max_q_len, instance),
                                         self.consumer).view(torch.int8)
-        self.block_tables = torch.zeros(0, 0, dtype=torch.int32)
-        self.max_seq_len = 0
 
     # ------------------------------------------------------------------------------------- metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Block tables [B, W] gathered from the request table; max_seq_len from the host mirror."""
         if batch.mode not in self.capabilities.forward_modes:
             raise ValueError(f"{self.name}: forward mode {batch.mode.value!r} is not supported")
-        self.block_tables = self.tables.gather(batch)
-        self.max_seq_len = batch.max_seq_len
+        self.tables.for_step(batch)
 
     def init_graph_state(self, batch: ForwardBatch) -> None:
         self.tables.init_graph_state(batch.batch_size)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self.block_tables = self.tables.static(batch.batch_size)
-        self.max_seq_len = self.max_context
+        self.tables.for_capture(batch.batch_size)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        self.block_tables = self.tables.refresh(batch)
-        self.max_seq_len = self.max_context
+        self.tables.for_replay(batch)
 
     # -------------------------------------------------------------------------------------- forwards
     def _call(self, query: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
@@ -151,7 +145,7 @@ class TokenSpeedMLABackend:
         return self.kernel(
             query=query, kv_cache=self.kv_pool.buffer(layer_id), workspace_buffer=self.workspace,
             kv_lora_rank=self.model.kv_lora_rank, qk_rope_head_dim=self.model.qk_rope_head_dim,
-            block_tables=self.block_tables, seq_lens=batch.seq_lens, max_seq_len=self.max_seq_len,
+            block_tables=self.tables.current, seq_lens=batch.seq_lens, max_seq_len=self.tables.max_seq_len,
             softmax_scale=self.model.sm_scale, output_scale=1.0, out=out, is_var_seq=True, causal_mask=True,
         )
 
@@ -183,6 +177,6 @@ class TokenSpeedMLABackend:
                 visible = seq[r] - (qo[r + 1] - e)  # keys of the block's last row
                 lens = torch.full((1,), visible, dtype=torch.int32, device=query.device)
                 out[s:e] = mla_math.paged_absorbed_attention(
-                    query[None, s:e], cache, self.block_tables[r : r + 1], lens, self.model.kv_lora_rank,
+                    query[None, s:e], cache, self.tables.current[r : r + 1], lens, self.model.kv_lora_rank,
                     self.model.sm_scale, 1.0)[0]
         return out

@@ -131,7 +131,6 @@ class TrtllmMLABackend:
         self.kernel = kernel
         self.req_to_token_pool, self.kv_pool, self.model = req_to_token_pool, kv_pool, model
         self.page_size = kv_pool.page_size
-        self.max_context = req_to_token_pool.max_context
         self.tables = BlockTables(req_to_token_pool, self.page_size, align=max(1, 128 // self.page_size))
 
         def named(base: str) -> str:
@@ -143,29 +142,23 @@ class TrtllmMLABackend:
         counters = trtllm_counter_bytes(max(1, int(max_batch)), model.num_heads, int(sm_count))
         self.counters = ledger.acquire(WorkspaceSpec(named(COUNTERS), counters, zero_init=True, shareable=False),
                                        self.consumer)
-        # this step's metadata (set by init_forward_metadata or the graph hooks)
-        self.block_tables = torch.zeros(0, 0, dtype=torch.int32)
-        self.max_seq_len = 0
 
     # ------------------------------------------------------------------------------------- metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Block tables [B, W] gathered from the request table; max_seq_len from the host mirror."""
         if batch.mode not in self.capabilities.forward_modes:
             raise ValueError(f"{self.name}: forward mode {batch.mode.value!r} is not supported")
-        self.block_tables = self.tables.gather(batch)
-        self.max_seq_len = batch.max_seq_len
+        self.tables.for_step(batch)
 
     def init_graph_state(self, batch: ForwardBatch) -> None:
         """A static block table for up to ``batch.batch_size`` requests (one serves every graphed mode)."""
         self.tables.init_graph_state(batch.batch_size)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
-        self.block_tables = self.tables.static(batch.batch_size)
-        self.max_seq_len = self.max_context  # a constant the captured launch keeps
+        self.tables.for_capture(batch.batch_size)  # max_seq_len = max_context, a constant the launch keeps
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
-        self.block_tables = self.tables.refresh(batch)
-        self.max_seq_len = self.max_context
+        self.tables.for_replay(batch)
 
     # -------------------------------------------------------------------------------------- forwards
     def _call(self, query: torch.Tensor, layer_id: int, batch: ForwardBatch, **var_q) -> torch.Tensor:
@@ -173,8 +166,8 @@ class TrtllmMLABackend:
         return self.kernel(
             query=query, kv_cache=self.kv_pool.buffer(layer_id), workspace_buffer=self.workspace,
             qk_nope_head_dim=self.model.qk_nope_head_dim, kv_lora_rank=self.model.kv_lora_rank,
-            qk_rope_head_dim=self.model.qk_rope_head_dim, block_tables=self.block_tables, seq_lens=batch.seq_lens,
-            max_seq_len=self.max_seq_len, out=out, bmm1_scale=self.model.sm_scale, bmm2_scale=1.0,
+            qk_rope_head_dim=self.model.qk_rope_head_dim, block_tables=self.tables.current, seq_lens=batch.seq_lens,
+            max_seq_len=self.tables.max_seq_len, out=out, bmm1_scale=self.model.sm_scale, bmm2_scale=1.0,
             backend="trtllm-gen", multi_ctas_kv_counter_buffer=self.counters, **var_q,
         )
 

@@ -1,62 +1,31 @@
 """DeepSeek sparse-attention kernels (indexer top-k, sparse MLA decode, host row gather/scatter) against
 independent float64 oracles and the torch references.
 
-Without CUDA the Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1, set below before any kernel
-module is imported) on small sizes; with CUDA the same small cases run compiled on the GPU, and the
+Without CUDA the Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1, set by conftest.py before any
+kernel module is imported) on small sizes; with CUDA the same small cases run compiled on the GPU, and the
 ``gpu``-marked tests add real sizes, CUDA-graph capture and copies from real pinned host memory.
 """
 
-import os
+import math
 
-try:
-    import torch
+import pytest
+import torch
+from triton_env import DEV, INTERPRETED  # noqa: F401  (skips the module without Triton)
+from triton_env import needs_gpu as _needs_gpu
 
-    _HAS_CUDA = torch.cuda.is_available()
-except Exception:  # pragma: no cover - torch missing
-    _HAS_CUDA = False
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import importlib  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
-
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from backends.kernels.host_gather import copy_rows, gather_rows_from_host, scatter_rows_to_host  # noqa: E402
-from backends.kernels.indexer import (  # noqa: E402
+from backends.kernels.host_gather import copy_rows, gather_rows_from_host, scatter_rows_to_host
+from backends.kernels.indexer import (
     indexer_scratch_bytes,
     indexer_topk,
     indexer_topk_reference,
     scores_topk,
 )
-from backends.kernels.sparse_mla_decode import (  # noqa: E402
+from backends.kernels.sparse_mla_decode import (
     sparse_decode_scratch_bytes,
     sparse_decode_splits,
     sparse_mla_decode,
     sparse_mla_decode_reference,
 )
-
-_KERNEL_MODULES = ("sparse_mla_decode_kernels", "indexer_kernels", "host_gather_kernels")
-_kmods = [importlib.import_module(f"backends.kernels.{m}") for m in _KERNEL_MODULES]
-INTERPRETED = _kmods[0]._sparse_decode_stage1_kernel.__class__.__name__ == "InterpretedFunction"
-if INTERPRETED:
-    DEV = "cpu"
-elif _HAS_CUDA:
-    DEV = "cuda"
-else:
-    pytest.skip(
-        "backends.kernels was imported before TRITON_INTERPRET=1 was set and there is no CUDA; "
-        "run with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
 
 D_CKV, D_PE = 512, 64
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -334,11 +303,6 @@ def test_scatter_rows_to_host_torch_path():
 
 
 # ------------------------------------------------------------------------------------------------- GPU
-def _needs_gpu():
-    if not _HAS_CUDA or INTERPRETED:
-        pytest.skip("needs CUDA with compiled kernels")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,T", [(16, 32), (128, 4)])
 def test_gpu_sparse_decode_real_sizes(H, T):

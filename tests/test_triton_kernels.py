@@ -1,56 +1,23 @@
 """Triton MLA kernels (split-KV decode, causal extend) against an independent float64 reference.
 
-On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before
+On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by conftest.py before
 the kernels are imported) on small sizes. On a CUDA machine the same small cases run compiled on the GPU,
 and the ``gpu``-marked tests add real sizes and CUDA-graph capture.
 """
 
-import os
-
-try:
-    import torch
-
-    _HAS_CUDA = torch.cuda.is_available()
-except Exception:  # pragma: no cover - torch missing
-    _HAS_CUDA = False
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
+import importlib
 import math
-import sys
-from pathlib import Path
 
 import pytest
+import torch
+import triton
+from triton_env import DEV, INTERPRETED, TOL  # noqa: F401  (skips the module without Triton)
 
-pytest.importorskip("triton")
-torch = pytest.importorskip("torch")
-
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import importlib  # noqa: E402
-
-import triton  # noqa: E402
+from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
+from backends.kernels.mla_extend import mla_extend
 
 _dec_mod = importlib.import_module("backends.kernels.mla_decode")  # the module (the package exports the function)
-from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode  # noqa: E402
-from backends.kernels.mla_extend import mla_extend  # noqa: E402
-
 D_CKV, D_PE = 512, 64
-INTERPRETED = _dec_mod._interpreting()
-if INTERPRETED:
-    DEV = "cpu"
-elif _HAS_CUDA:
-    DEV = "cuda"
-else:
-    pytest.skip(
-        "backends.kernels was imported before TRITON_INTERPRET=1 was set and there is no CUDA; "
-        "run with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
-
-TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 # ----------------------------------------------------------------------------------------------- helpers

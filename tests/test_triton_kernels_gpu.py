@@ -1,64 +1,25 @@
 """Triton MLA kernels at real sizes on the GPU (``gpu``-marked; the CPU-interpretable cases are in
 test_triton_kernels.py): variable lengths, the backend's workspace, CUDA-graph replay, extend.
 
-On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before
+On a machine without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by conftest.py before
 the kernels are imported) on small sizes. On a CUDA machine the same small cases run compiled on the GPU,
 and the ``gpu``-marked tests add real sizes and CUDA-graph capture.
 """
 
-import os
-
-try:
-    import torch
-
-    _HAS_CUDA = torch.cuda.is_available()
-except Exception:  # pragma: no cover - torch missing
-    _HAS_CUDA = False
-if not _HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import math
-import sys
-from pathlib import Path
 
 import pytest
+import torch
+from triton_env import DEV, INTERPRETED, TOL  # noqa: F401  (skips the module without Triton)
+from triton_env import needs_gpu as _needs_gpu
 
-pytest.importorskip("triton")
-torch = pytest.importorskip("torch")
-
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-import importlib  # noqa: E402
-
-_dec_mod = importlib.import_module("backends.kernels.mla_decode")  # the module (the package exports the function)
-from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode  # noqa: E402
-from backends.kernels.mla_extend import mla_extend  # noqa: E402
+from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
+from backends.kernels.mla_extend import mla_extend
 
 D_CKV, D_PE = 512, 64
-INTERPRETED = _dec_mod._interpreting()
-if INTERPRETED:
-    DEV = "cpu"
-elif _HAS_CUDA:
-    DEV = "cuda"
-else:
-    pytest.skip(
-        "backends.kernels was imported before TRITON_INTERPRET=1 was set and there is no CUDA; "
-        "run with TRITON_INTERPRET=1",
-        allow_module_level=True,
-    )
-
-TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
 
 
 # ---------------------------------------------------------------------------------------- real sizes (GPU)
-def _needs_gpu():
-    if not torch.cuda.is_available() or INTERPRETED:
-        pytest.skip("needs CUDA (and compiled, not interpreted, kernels)")
-
-
 def _gpu_problem(lens, H, page_size, dtype, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
     B = len(lens)

@@ -1,0 +1,29 @@
+"""Where the Triton kernel tests run: compiled on a CUDA GPU, or in Triton's CPU interpreter.
+
+conftest.py sets TRITON_INTERPRET=1 on a machine without CUDA before any kernel module is imported, so the same
+small cases run interpreted on the CPU and compiled on the GPU; ``gpu``-marked tests add the real sizes.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+INTERPRETED = importlib.import_module("backends.kernels.mla_decode")._interpreting()
+if INTERPRETED:
+    DEV = "cpu"
+elif torch.cuda.is_available():
+    DEV = "cuda"
+else:
+    pytest.skip("backends.kernels was imported before TRITON_INTERPRET=1 was set and there is no CUDA; "
+                "run with TRITON_INTERPRET=1", allow_module_level=True)
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def needs_gpu() -> None:
+    """Skip unless the kernels run compiled on CUDA (real sizes, CUDA graphs)."""
+    if not torch.cuda.is_available() or INTERPRETED:
+        pytest.skip("needs CUDA (and compiled, not interpreted, kernels)")
