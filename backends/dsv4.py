@@ -70,6 +70,7 @@ class DSV4Backend:
         min_compute_capability=None,
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
         devices=frozenset({"cpu", "cuda"}),
+        model_families=frozenset({"dsv4"}),
     )
 
     @classmethod

@@ -18,11 +18,12 @@ from backends.base import (
     SparseDecode,
     hook_signature_problems,
 )
+from runtime.app.dsv4_validation import dsv4_problems
 from runtime.core.batch import ForwardMode
 from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
-from runtime.core.model_spec import TORCH_DTYPES
+from runtime.core.model_spec import DSV4_MODEL_TYPE, TORCH_DTYPES
 from runtime.engine.prompts import capped, check_workload
 from runtime.engine.workload import RequestSpec
 
@@ -70,15 +71,23 @@ def validate(
         caps = backends[name].capabilities
         problems += _backend_problems(name, backends[name], cfg, device, package_present, backends)
 
-    # --- model
-    problems += _model_problems(model, name, caps)
+    # --- model: DeepSeek-V4 (its own attention) or MLA; the backend must compute the model's attention
+    v4 = model.get("model_type") == DSV4_MODEL_TYPE
+    problems += _family_problems(model, name, caps, backends, "dsv4" if v4 else "mla")
     problems += _prefill_problems(cfg, name, caps, backends)
-    if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
-        problems += _linear_problems(cfg, linear_backend, device, package_present)
-
-    # --- hisparse
-    if cfg["hisparse"]["enabled"]:
-        problems += _hisparse_problems(cfg, name, caps, backends)
+    if v4:
+        problems += dsv4_problems(cfg)  # includes HiSparse, which V4 does not offer
+    else:
+        set_v4 = sorted(k for k, v in (model.get("v4") or {}).items() if v is not None)
+        if set_v4:
+            problems.append(Problem(f"model.v4 {set_v4}", f"set for model '{model['name']}' "
+                                    f"(model_type {model.get('model_type')})", "model.v4 only for a DeepSeek-V4 model",
+                                    "drop the model.v4 overrides"))
+        problems += _model_problems(model, name, caps)
+        if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
+            problems += _linear_problems(cfg, linear_backend, device, package_present)
+        if cfg["hisparse"]["enabled"]:
+            problems += _hisparse_problems(cfg, name, caps, backends)
 
     # --- speculative decoding
     if cfg["speculative"]["enabled"]:
@@ -112,6 +121,19 @@ def validate(
     problems += capped(source_problems)
     problems += _workload_problems(work, kv, model, lookahead, specs)
     return problems
+
+
+def _family_problems(model, name: str, caps: BackendCapabilities | None, backends: Mapping[str, type],
+                     family: str) -> list[Problem]:
+    """The backend computes the model's kind of attention (``capabilities.model_families``)."""
+    if caps is None or family in caps.model_families:
+        return []
+    serving = sorted(n for n, b in backends.items() if family in b.capabilities.model_families)
+    kind = "a DeepSeek-V4 model" if family == "dsv4" else "an MLA model (DeepSeek-V2/V3/V3.2 style)"
+    return [Problem(f"backend '{name}' with model '{model['name']}'",
+                    f"{kind}; the backend computes {sorted(caps.model_families)} attention",
+                    f"a backend whose capabilities.model_families has '{family}': {serving}",
+                    f"use backend={serving[0]}" if serving else "no backend serves this model")]
 
 
 def _speculative_problems(cfg, name: str, caps: BackendCapabilities | None) -> list[Problem]:
