@@ -328,7 +328,8 @@ class Container(containers.DeclarativeContainer):
         dsa=_step(build_log, "backend:dsa", providers.Factory(
             DSABackend, req_to_token_pool, kv_pool, index_key_pool, hisparse_coordinator, model_spec,
             dsa_decode_workspace, dsa_indexer_workspace, config.backend, device)),
-        dsv4=_step(build_log, "backend:dsv4", providers.Factory(DSV4Backend, dsv4_pools, config.backend.compute_dtype)),
+        dsv4=_step(build_log, "backend:dsv4", providers.Factory(
+            DSV4Backend, dsv4_pools, config.backend.compute_dtype, config.backend.impl, device)),
         trtllm_mla=_step(build_log, "backend:trtllm_mla", providers.Factory(
             TrtllmMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, trtllm_kernel,
             config.backend, max_batch, device_info.provided.sm_count)),

@@ -73,10 +73,10 @@ def v4(tmp_path_factory):
     return _reference(tmp_path_factory.mktemp("v4_tiny"), seed=0)
 
 
-def _serve(ref, *overrides: str):
+def _serve(ref, *overrides: str, dtype: str = "float64"):
     folder, prompts, _ = ref
-    cfg = compose_config("model=hf", f"model.path={folder}", "backend=dsv4", "model.dtype=float64",
-                         "backend.compute_dtype=float64", "device=cpu", "check=off", "progress=false",
+    cfg = compose_config("model=hf", f"model.path={folder}", "backend=dsv4", f"model.dtype={dtype}",
+                         f"backend.compute_dtype={dtype}", "device=cpu", "check=off", "progress=false",
                          *prompt_overrides(folder, prompts, NEW), *overrides)
     rt = build(cfg)
     return rt, rt.engine.run()
@@ -103,6 +103,13 @@ def test_tiny_pool_retracts_and_loses_nothing(v4):
     pools = rt.container.dsv4_pools()
     assert pools.csa.pages.available == pools.csa.pages.capacity  # every entry page came back
     assert pools.hca.pages.available == pools.hca.pages.capacity
+
+
+def test_triton_decode_kernel_in_the_engine(v4):
+    """backend.impl=triton: decode through the Triton kernel (the CPU interpreter here), float32; same tokens."""
+    rt, res = _serve(v4, "backend.impl=triton", "kv.page_size=4", "kv.num_pages=10", dtype="float32")
+    assert rt.container.backend().impl == "triton" and res.retracted > 0
+    assert [res.outputs[i] for i in range(len(PROMPT_LENS))] == v4[2]
 
 
 def test_second_model_hca_first_and_sliding_layers(tmp_path):

@@ -59,7 +59,7 @@ def reference_config(plain: dict) -> dict:
     reference did no better: 4 flips, 4.7e-2)."""
     ref = copy.deepcopy(plain)
     if plain["model"].get("model_type") == DSV4_MODEL_TYPE:  # V4: the dsv4 backend's torch math in float32
-        ref["backend"] = {"name": "dsv4", "compute_dtype": "float32"}
+        ref["backend"] = {"name": "dsv4", "compute_dtype": "float32", "impl": "torch"}
     elif "sparse" in [str(k) for k in plain["model"]["layer_pattern"]]:
         ref["backend"] = {"name": "dsa", "impl": "torch", "max_splits": 1}
         if plain["hisparse"]["enabled"]:  # the reference keeps everything in its device pool: as many pages

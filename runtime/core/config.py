@@ -159,6 +159,7 @@ class DSV4BackendConfig(BackendConfig):
 
     name: str = "dsv4"
     compute_dtype: DType = DType.float32  # float64 on request: the strictest oracle
+    impl: str = "auto"  # decode: auto (triton on CUDA, torch on the CPU) | torch | triton (extend is torch)
 
 
 @dataclass
