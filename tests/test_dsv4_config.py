@@ -82,3 +82,11 @@ def test_v4_checkpoint_fields_cannot_be_overridden(tmp_path):
     tiny_hf_config().save_pretrained(tmp_path)
     msg = _refused("model=hf", f"model.path={tmp_path}", "backend=dsv4", "device=cpu", "model.v4.sliding_window=9")
     assert "model.v4.sliding_window: got 9; expected 5 (from" in msg
+
+
+def test_triton_impl_refuses_float64_and_unknown_impls():
+    msg = _refused("model=deepseek_v4_flash", "backend=dsv4", "device=cpu", "backend.impl=triton",
+                   "model.dtype=float64", "backend.compute_dtype=float64")
+    assert "compute_dtype=float64" in msg and "model.dtype=float64" in msg
+    assert "backend.impl: got 'fast'" in _refused("model=deepseek_v4_flash", "backend=dsv4", "device=cpu",
+                                                  "backend.impl=fast")
