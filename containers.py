@@ -1,6 +1,7 @@
 """The whole object graph of a runtime, in build order: read it top to bottom.
 
-device -> pools -> HiSparse coordinator (when enabled) -> workspace ledger and named workspaces -> backend
+device -> pools (DeepSeek-V4: window ring, compressed-entry pools, compressor state) -> HiSparse coordinator (when
+enabled) -> the engine's token allocator -> workspace ledger and named workspaces -> backend
 (chosen by ``config.backend.name``) -> model -> (speculative: draft KV pool, one draft backend per step,
 draft model) -> graphs -> engine. Every object receives its collaborators in ``__init__``. Only what the
 engine needs is built: the selected backend, and the workspaces that backend asks for.
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill, SparseDecode
 from backends.dsa import DSABackend, indexer_workspace_spec, sparse_decode_workspace_spec
+from backends.dsv4 import DSV4Backend
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
 from backends.kernels.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
@@ -33,6 +35,8 @@ from backends.trtllm_mla import load_kernel as load_trtllm_kernel
 from runtime.app.validation import validate
 from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo, probe_device
+from runtime.core.dsv4_pools import DSV4Pools
+from runtime.core.dsv4_slots import DSV4TokenSlots
 from runtime.core.errors import ConfigError
 from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.core.model_spec import ModelSpec
@@ -46,6 +50,9 @@ from runtime.engine.speculative import DraftSteps, SpeculativeDriver
 from runtime.model.deepseek.checkpoint import load_checkpoint, scan_checkpoint
 from runtime.model.deepseek.hf_config import resolve_model_config
 from runtime.model.deepseek.weights import ModelWeights, random_weights
+from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights, scan_dsv4_checkpoint
+from runtime.model.dsv4.hf_config import dsv4_config
+from runtime.model.dsv4.model import DSV4Model
 from runtime.model.dump import AttentionDumper
 from runtime.model.indexer import IndexKeyPool
 from runtime.model.mla_model import MLAModel
@@ -57,6 +64,7 @@ BACKENDS: dict[str, type] = {
     "triton_mla": TritonMLABackend,
     "flashinfer_mla": FlashInferMLABackend,
     "dsa": DSABackend,
+    "dsv4": DSV4Backend,
     "trtllm_mla": TrtllmMLABackend,
     "tokenspeed_mla": TokenSpeedMLABackend,
 }
@@ -104,8 +112,9 @@ def _sparse_hook(backend: Any) -> SparseDecode | None:
 
 
 def _weight_source(spec: ModelSpec) -> str:
-    """'checkpoint' when the model is a Hugging Face folder (model.path), else 'random' (a preset)."""
-    return "checkpoint" if spec.path else "random"
+    """'checkpoint' when the model is a Hugging Face folder (model.path), else 'random' (a preset); prefixed
+    'dsv4_' for a DeepSeek-V4 model (its own weight layout)."""
+    return ("dsv4_" if spec.is_dsv4 else "") + ("checkpoint" if spec.path else "random")
 
 
 def _draft_weights(model: MLAModel, n: int) -> ModelWeights:
@@ -138,8 +147,16 @@ def _index_key_slots(num_pages: int, page_size: int, hisparse: bool, ratio: floa
 
 
 def _model_kind(spec: ModelSpec) -> str:
-    """'hybrid' when the model has linear-attention layers (the wrapper routes them), else 'mla'."""
+    """'dsv4' for a DeepSeek-V4 model (V4 pools, the dsv4 backend, the V4 model); 'hybrid' when the model has
+    linear-attention layers (the wrapper routes them); else 'mla'."""
+    if spec.is_dsv4:
+        return "dsv4"
     return "hybrid" if spec.linear_layers else "mla"
+
+
+def _slots_kind(kind: str, hisparse: bool) -> str:
+    """Which token allocator the engine reserves through: the V4 one, the HiSparse coordinator, or plain."""
+    return "dsv4" if kind == "dsv4" else _on_off(hisparse)
 
 
 def _wrapper_mha(hybrid: HybridLinearBackend) -> MHAChunkPrefill | None:
@@ -214,7 +231,8 @@ class Container(containers.DeclarativeContainer):
     page_allocator = _step(build_log, "page_allocator", providers.Factory(
         PageAllocator, config.kv.num_pages, config.kv.page_size))
     token_slots = _step(build_log, "token_slots", providers.Factory(TokenSlots, req_to_token_pool, page_allocator))
-    kv_pool = _step(build_log, "kv_pool", providers.Factory(
+    model_kind = providers.Callable(_model_kind, model_spec)
+    mla_kv_pool = _step(build_log, "kv_pool", providers.Factory(
         MLAKVPool,
         layer_ids=model_spec.provided.kv_cache_layers,
         num_pages=config.kv.num_pages,
@@ -226,6 +244,16 @@ class Container(containers.DeclarativeContainer):
         kv_dtype=config.kv.dtype,
         scale=config.kv.scale,
     ))
+
+    kv_pool = providers.Selector(model_kind, mla=mla_kv_pool, hybrid=mla_kv_pool, dsv4=providers.Object(None))
+    # DeepSeek-V4: window ring, compressed-entry pools and compressor state, sized by the token pages
+    dsv4_cfg = providers.Singleton(dsv4_config, config.model)
+    dsv4_pools = providers.Selector(
+        model_kind, mla=providers.Object(None), hybrid=providers.Object(None),
+        dsv4=_step(build_log, "dsv4_pools", providers.Factory(
+            DSV4Pools.for_token_pages, dsv4_cfg.provided.attention, config.kv.max_requests,
+            model_spec.provided.max_context, config.kv.num_pages, config.kv.page_size, model_spec.provided.dtype,
+            device)))
 
     index_key_pool = providers.Selector(  # sparse models: the indexer's key cache
         providers.Callable(_has_sparse_layers, model_spec),
@@ -248,7 +276,10 @@ class Container(containers.DeclarativeContainer):
             config.hisparse.device_buffer_size, config.hisparse.host_to_device_ratio, device,
             kv_pool=kv_pool, layer_ids=model_spec.provided.sparse_layers)),
     )
-    engine_token_slots = providers.Selector(hisparse_on, off=token_slots, on=hisparse_coordinator)
+    dsv4_token_slots = _step(build_log, "dsv4_token_slots", providers.Factory(DSV4TokenSlots, token_slots, dsv4_pools))
+    engine_token_slots = providers.Selector(
+        providers.Callable(_slots_kind, model_kind, config.hisparse.enabled),
+        off=token_slots, on=hisparse_coordinator, dsv4=dsv4_token_slots)
 
     # 4. workspaces: the ledger, then one provider per named workspace (built only if consumed) -------
     workspace_ledger = _step(build_log, "workspace_ledger", providers.Factory(WorkspaceLedger, device, known=WORKSPACES))
@@ -297,6 +328,8 @@ class Container(containers.DeclarativeContainer):
         dsa=_step(build_log, "backend:dsa", providers.Factory(
             DSABackend, req_to_token_pool, kv_pool, index_key_pool, hisparse_coordinator, model_spec,
             dsa_decode_workspace, dsa_indexer_workspace, config.backend, device)),
+        dsv4=_step(build_log, "backend:dsv4", providers.Factory(
+            DSV4Backend, dsv4_pools, config.backend.compute_dtype, config.backend.impl, device)),
         trtllm_mla=_step(build_log, "backend:trtllm_mla", providers.Factory(
             TrtllmMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, trtllm_kernel,
             config.backend, max_batch, device_info.provided.sm_count)),
@@ -318,24 +351,33 @@ class Container(containers.DeclarativeContainer):
         HybridLinearBackend, backend, linear_backend, model_spec.provided.full_layers, backend_mha_prefill,
         backend_decode_graph, config.backend.name))
 
-    model_kind = providers.Callable(_model_kind, model_spec)
-    attention = providers.Selector(model_kind, mla=backend, hybrid=hybrid)
-    mha_prefill = providers.Selector(model_kind, mla=backend_mha_prefill, hybrid=providers.Callable(_wrapper_mha, hybrid))
+    attention = providers.Selector(model_kind, mla=backend, hybrid=hybrid, dsv4=backend)
+    mha_prefill = providers.Selector(model_kind, mla=backend_mha_prefill, hybrid=providers.Callable(_wrapper_mha, hybrid),
+                                     dsv4=providers.Object(None))
     decode_graph = providers.Selector(model_kind, mla=backend_decode_graph,
-                                      hybrid=providers.Callable(_wrapper_graph, hybrid))
+                                      hybrid=providers.Callable(_wrapper_graph, hybrid), dsv4=backend_decode_graph)
     target_backends = providers.Selector(model_kind, mla=providers.List(backend),
-                                         hybrid=providers.List(backend, linear_backend))
-    request_states = providers.Selector(model_kind, mla=providers.List(), hybrid=providers.List(linear_state_pool))
+                                         hybrid=providers.List(backend, linear_backend), dsv4=providers.List(backend))
+    # per-request state the engine resets on admission (V4's compressor state is reset by its token allocator)
+    request_states = providers.Selector(model_kind, mla=providers.List(), hybrid=providers.List(linear_state_pool),
+                                        dsv4=providers.List())
 
     # 6. weights (seeded random, or a Hugging Face folder read shard by shard) and model ---------------
     model_weights = providers.Selector(
         providers.Callable(_weight_source, model_spec),
         random=_step(build_log, "weights:random", providers.Factory(random_weights, model_spec, device)),
         checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(load_checkpoint, model_spec, device)),
+        dsv4_random=_step(build_log, "weights:random", providers.Factory(
+            random_dsv4_weights, dsv4_cfg, model_spec.provided.weight_seed, model_spec.provided.dtype, device)),
+        dsv4_checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(
+            load_dsv4_checkpoint, dsv4_cfg, model_spec.provided.path, model_spec.provided.dtype, device)),
     )
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
-    model = _step(build_log, "model", providers.Factory(
+    mla_model = _step(build_log, "model", providers.Factory(
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights))
+    dsv4_model = _step(build_log, "model", providers.Factory(
+        DSV4Model, model_spec, dsv4_cfg, model_weights, dsv4_pools, backend))
+    model = providers.Selector(model_kind, mla=mla_model, hybrid=mla_model, dsv4=dsv4_model)
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first
     #    draft_layers layers with its own KV pool (sharing the request table, so both use the same slots);
@@ -423,8 +465,8 @@ class Container(containers.DeclarativeContainer):
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
-    "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
-    "hisparse_coordinator", "workspace_ledger", "attention", "model_weights", "model", "graph_runner", "workload",
+    "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool", "dsv4_pools",
+    "hisparse_coordinator", "engine_token_slots", "workspace_ledger", "attention", "model_weights", "model", "graph_runner", "workload",
     "speculative", "engine",
 )
 
@@ -472,7 +514,9 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
     if not problems:  # a model config that resolved: everything else, and the checkpoint's headers
         problems = validate(plain, BACKENDS, info, linear_backend=LinearAttentionBackend)
         if not problems and plain["model"]["path"]:
-            problems = scan_checkpoint(ModelSpec.from_config(plain["model"]))[2]
+            spec = ModelSpec.from_config(plain["model"])
+            problems = (scan_dsv4_checkpoint(dsv4_config(plain["model"]), spec.path)[-1] if spec.is_dsv4
+                        else scan_checkpoint(spec)[2])
     if problems:
         raise ConfigError(problems)
     container.config.from_dict(plain)

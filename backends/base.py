@@ -67,6 +67,9 @@ class BackendCapabilities:
         Python modules the backend imports (checked at validation, with the install fix).
     install : str
         The install command validation prints when a package is missing.
+    model_families : frozenset of str
+        The attention the backend computes: "mla" (DeepSeek-V2/V3/V3.2 latent attention, also the full layers
+        of hybrid models) and/or "dsv4" (DeepSeek-V4: sliding window + compressed entries + sinks).
     emulation : bool
         ``backend.kernel=emulate`` replaces the kernel call with a torch emulation of its calling contract
         (same layouts, block tables, scales, workspace arguments). It lifts the hardware gate (devices, compute
@@ -92,6 +95,7 @@ class BackendCapabilities:
     install: str = "pip install 'mla-runtime[gpu]' (on a CUDA machine)"
     compute_capabilities: frozenset[tuple[int, int]] | None = None
     emulation: bool = False
+    model_families: frozenset[str] = frozenset({"mla"})
 
     def runs_on(self, kind: str, capability: tuple[int, int] | None) -> bool:
         """Whether the real kernels run on a device of this kind ("cpu" / "cuda") and compute capability."""

@@ -11,21 +11,26 @@ closed in this step into the compressed pools, and (2) computed q [T, H, D] and 
 * one joint softmax with a per-head sink (:func:`backends.kernels.dsv4_reference.sink_attention`);
 * finally the new rows go into the ring.
 
-This is the plain-torch implementation (float32 or float64 compute, CPU or GPU, a host loop per request): the
-oracle that a Triton kernel or FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` will be checked against.
+The plain-torch implementation (float32 or float64 compute, CPU or GPU, a host loop per request) is the oracle.
+``impl=triton`` (``auto`` on CUDA) runs decode through the Triton kernel of :mod:`backends.kernels.dsv4_decode`
+(indices planned once per step in :meth:`DSV4Backend.init_forward_metadata`, no loop per request); extend and
+the indexer stay torch. FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (Blackwell) is not wired.
 """
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from backends.base import BackendCapabilities
+from backends.kernels.dsv4_decode import dsv4_decode
 from backends.kernels.dsv4_reference import indexer_topk, sink_attention
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
+from runtime.core.errors import Problem
 from runtime.core.model_spec import TORCH_DTYPES
 
 
@@ -47,6 +52,16 @@ class DSV4AttentionBackend(Protocol):
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...
 
 
+IMPLS = ("auto", "torch", "triton")
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_impl(impl: str, device) -> str:
+    """``auto``: the Triton decode kernel on CUDA, torch on the CPU."""
+    impl = str(impl)
+    return ("triton" if torch.device(device).type == "cuda" else "torch") if impl == "auto" else impl
+
+
 class DSV4Backend:
     """V4 attention in plain torch over the V4 pools.
 
@@ -55,7 +70,12 @@ class DSV4Backend:
     pools : DSV4Pools
         Ring, compressed pools and compressor state (the spec rides on it).
     compute_dtype : str
-        "float32" or "float64": every product and softmax runs in it; outputs are cast back to q's dtype.
+        "float32" or "float64": every product and softmax of the torch path runs in it; outputs are cast back
+        to q's dtype.
+    impl : str
+        "torch", "triton" (decode through the Triton kernel) or "auto" (triton on CUDA).
+    device : torch.device
+        Where the pools live (resolves ``auto``).
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
@@ -70,23 +90,63 @@ class DSV4Backend:
         min_compute_capability=None,
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
         devices=frozenset({"cpu", "cuda"}),
+        model_families=frozenset({"dsv4"}),
     )
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:
-        return []  # the schema's enum restricts compute_dtype; model checks belong to the V4 model validation
+        """backend.impl: a known name; triton needs a GPU (or the interpreter), float32 compute (the kernel's
+        accumulation) and a model dtype and row width the kernel takes."""
+        impl, out = str(backend_cfg.get("impl", "auto")), []
+        if impl not in IMPLS:
+            return [Problem("backend.impl", repr(impl), f"one of {list(IMPLS)}", "set backend.impl=auto")]
+        if resolve_impl(impl, device.torch_device) != "triton":
+            return []
+        if device.kind != "cuda" and not _INTERPRET:
+            out.append(Problem("backend.impl=triton", f"device {device.kind}",
+                               "a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)", "use backend.impl=auto"))
+        if str(backend_cfg["compute_dtype"]) != "float32":
+            out.append(Problem("backend.impl=triton", f"compute_dtype={backend_cfg['compute_dtype']}",
+                               "compute_dtype=float32 (the kernel accumulates in float32)", "use backend.impl=torch"))
+        if str(model_cfg["dtype"]) not in ("float32", "bfloat16", "float16"):
+            out.append(Problem("backend.impl=triton", f"model.dtype={model_cfg['dtype']}",
+                               "float32, bfloat16 or float16", "use backend.impl=torch"))
+        d = (model_cfg.get("v4") or {}).get("head_dim") or 0
+        if d < 16 or d & (d - 1):
+            out.append(Problem("backend.impl=triton", f"model.v4.head_dim={d}", "a power of two >= 16",
+                               "use backend.impl=torch"))
+        return out
 
-    def __init__(self, pools: DSV4Pools, compute_dtype: str):
+    def __init__(self, pools: DSV4Pools, compute_dtype: str, impl: str = "torch", device=None):
         self.pools, self.spec = pools, pools.spec
         self.compute_dtype = TORCH_DTYPES[str(compute_dtype)]
+        self.impl = resolve_impl(impl, pools.window.device if device is None else device)
         self._rows: list[int] = []
         self._prefix: list[int] = []
         self._qo: list[int] = [0]
+        self._win_idx = self._hca_idx = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._rows = batch.req_pool_indices_cpu.tolist()
         self._prefix = batch.prefix_lens_cpu.tolist()
         self._qo = batch.qo_indptr_cpu.tolist()
+        if self.impl == "triton" and batch.mode == ForwardMode.DECODE:
+            self._plan_decode()
+
+    def _plan_decode(self) -> None:
+        """The kernel's indices for this decode step, shared by every layer: window rows (ring row ``r * W +
+        p % W`` of positions ``P - W + 1 .. P``, the new token's included) and the HCA entries' slots."""
+        w, dev = self.spec.sliding_window, self.pools.window.device
+        rows = torch.tensor(self._rows, dtype=torch.int64)
+        pos = torch.tensor(self._prefix, dtype=torch.int64)[:, None] - torch.arange(w - 1, -1, -1)[None, :]
+        self._win_idx = torch.where(pos >= 0, rows[:, None] * w + pos % w, -1).to(dev, torch.int32)
+        hca = self.pools.hca
+        if hca is not None:
+            counts = [(p + 1) // hca.rate for p in self._prefix]
+            width = max(1, max(counts, default=0))
+            idx = hca.table[torch.tensor(self._rows, device=dev), :width].to(torch.int32)
+            keep = torch.arange(width, device=dev)[None, :] < torch.tensor(counts, device=dev)[:, None]
+            self._hca_idx = torch.where(keep, idx, -1).contiguous()
 
     # ------------------------------------------------------------------------------------------ indexer
     def select_topk(self, index_q: torch.Tensor, index_weights: torch.Tensor, layer_id: int,
@@ -139,7 +199,24 @@ class DSV4Backend:
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """q [B, H, D], kv [B, D] (the new tokens' rows), sinks [H], topk [B, K] (CSA layers; else None)
         -> [B, H, D] in q's dtype; stores kv in the window ring."""
-        return self._attend(q, kv, sinks, topk, layer_id, batch)
+        if self.impl != "triton":
+            return self._attend(q, kv, sinks, topk, layer_id, batch)
+        spec, ring = self.spec, self.pools.window.ring(layer_id)
+        w = spec.sliding_window
+        rows = batch.req_pool_indices.long()
+        # the new row first: its ring slot held position P - W, which the query at P no longer sees
+        ring[rows, batch.positions % w] = kv.to(ring.dtype)
+        kind = spec.layer_types[layer_id]
+        if kind == DSV4LayerType.hca:
+            cmp_rows, cmp_idx = self.pools.hca.flat(layer_id, "kv"), self._hca_idx
+        elif kind == DSV4LayerType.csa:
+            pool = self.pools.csa
+            slots = pool.table[rows[:, None], topk.clamp_min(0)]
+            cmp_rows, cmp_idx = pool.flat(layer_id, "kv"), torch.where(topk >= 0, slots, -1).to(torch.int32)
+        else:
+            cmp_rows, cmp_idx = ring.view(-1, spec.head_dim), self._win_idx[:, :0]
+        return dsv4_decode(q.contiguous(), ring.view(-1, spec.head_dim), self._win_idx, cmp_rows,
+                           cmp_idx.contiguous(), sinks.to(q.dtype), spec.sm_scale)
 
     def forward_extend(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor:

@@ -36,6 +36,7 @@ BENCHES: dict[str, list[str]] = {
     "bench_speculative": ["--quick"],
     "profile_engine_step": ["--quick"],
     "decode_roofline": ["--quick", "--overlap", "off", "on"],
+    "dsv4_decode_bench": ["--quick"],
 }
 
 

@@ -9,6 +9,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from backends.dsv4 import DSV4Backend
 from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.dsv4_pools import DSV4Pools
+from runtime.core.model_spec import ModelSpec
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.model import DSV4Model
 from runtime.model.dsv4.weights import ModelWeights
@@ -75,7 +76,10 @@ class Driver:
         self.pools = DSV4Pools.build(cfg.attention, max_requests, max_context, entry_pages=64,
                                      entry_page_size=entry_page_size, dtype=dtype, device=torch.device("cpu"))
         self.backend = DSV4Backend(self.pools, "float64" if dtype == torch.float64 else "float32")
-        self.model = DSV4Model(cfg, weights, self.pools, self.backend)
+        spec = ModelSpec.from_config({"name": "tiny_v4", "num_layers": cfg.attention.num_layers,
+                                      "hidden_size": cfg.hidden_size, "num_heads": cfg.attention.num_heads,
+                                      "vocab_size": cfg.vocab_size, "dtype": str(dtype).removeprefix("torch.")})
+        self.model = DSV4Model(spec, cfg, weights, self.pools, self.backend)
         self.lens: dict[int, int] = {}
 
     def admit(self, row: int) -> None:

@@ -47,6 +47,7 @@ def explain(runtime, console: Console) -> None:
     rows = {"kv_pool": plan["kv_pool_bytes"], "draft_kv_pool": plan["draft_kv_pool_bytes"],
             "index_keys": plan["index_key_bytes"], "hisparse_device": plan["hisparse_device_bytes"],
             "request_states": plan["request_state_bytes"],
+            **{k.removesuffix("_bytes"): v for k, v in plan.items() if k.startswith("dsv4_")},
             "req_to_token": plan["req_to_token_bytes"],
             "weights": plan["weights_bytes"], **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
     for name, n in rows.items():

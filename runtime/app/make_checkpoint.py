@@ -40,6 +40,10 @@ NOT_FP8 = ("norm", "embed_tokens", "lm_head", "mlp.gate.", "e_score_correction_b
 def model_type_of(spec: ModelSpec) -> tuple[str, list[Problem]]:
     """The Hugging Face model_type that has ``spec``'s semantics, and why there is none."""
     problems = []
+    if spec.is_dsv4:
+        return "deepseek_v4", [Problem(f"model '{spec.name}'", "a DeepSeek-V4 preset", "an MLA preset (this writer "
+                                       "knows the V2/V3/V3.2 layout only)", "build a V4 folder with transformers' "
+                                       "DeepseekV4ForCausalLM.save_pretrained")]
     if spec.linear_layers or MLPLayer.none in spec.mlp_kinds:
         problems.append(Problem(f"model '{spec.name}'", "linear-attention or attention-only (mlp=none) layers",
                                 "DeepSeek decoder layers (model.mlp=deepseek, MLA layers)",

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from runtime.core.model_spec import DSV4_MODEL_TYPE
 from runtime.engine.engine import RunResult
 from runtime.engine.hisparse import host_page_count
 
@@ -49,14 +50,17 @@ def reference_config(plain: dict) -> dict:
     """The candidate's config with the float32 torch reference, no graphs, no dumps, and plain greedy
     decoding (speculation is lossless, so its tokens must equal plain greedy's).
 
-    A model with sparse layers gets the same sparse model on the dsa backend's torch impl, without HiSparse (its
+    A DeepSeek-V4 model gets the ``dsv4`` backend in float32 (its torch implementation is the oracle). A model
+    with sparse layers gets the same sparse model on the dsa backend's torch impl, without HiSparse (its
     KV all in the paged pool, as many pages as the candidate's host pool). Where contexts exceed top-k, the
     indexer's choice is discrete: rounding differences that move a score across the k-th one change which
     tokens are attended to. A float32 run then matches this reference to 1e-4; a bf16 run need not (measured on
     an H100, top-64 of up to 324 tokens: 2 of 170 tokens flipped beyond near-ties, max rel err 7.6e-2; a bf16
     reference did no better: 4 flips, 4.7e-2)."""
     ref = copy.deepcopy(plain)
-    if "sparse" in [str(k) for k in plain["model"]["layer_pattern"]]:
+    if plain["model"].get("model_type") == DSV4_MODEL_TYPE:  # V4: the dsv4 backend's torch math in float32
+        ref["backend"] = {"name": "dsv4", "compute_dtype": "float32", "impl": "torch"}
+    elif "sparse" in [str(k) for k in plain["model"]["layer_pattern"]]:
         ref["backend"] = {"name": "dsa", "impl": "torch", "max_splits": 1}
         if plain["hisparse"]["enabled"]:  # the reference keeps everything in its device pool: as many pages
             ref["kv"]["num_pages"] = host_page_count(plain["kv"]["num_pages"], plain["hisparse"]["host_to_device_ratio"])

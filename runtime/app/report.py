@@ -17,8 +17,11 @@ def memory_plan(container) -> dict:
     """Every device buffer the runtime built, in bytes."""
     ledger = container.workspace_ledger()
     index_keys, hisparse = container.index_key_pool(), container.hisparse_coordinator()
+    kv, v4 = container.kv_pool(), container.dsv4_pools()
     sizes = {
-        "kv_pool_bytes": container.kv_pool().nbytes,
+        "kv_pool_bytes": kv.nbytes if kv is not None else 0,
+        # DeepSeek-V4 (0 otherwise): window ring, compressed-entry pools, compressor state, each by name
+        **(v4.breakdown() if v4 is not None else {}),
         "index_key_bytes": index_keys.nbytes if index_keys is not None else 0,
         "hisparse_device_bytes": hisparse.device_bytes if hisparse is not None else 0,
         "request_state_bytes": sum(pool.nbytes for pool in container.request_states()),
@@ -148,6 +151,11 @@ def _kv_cache(container) -> dict:
     """Storage dtype and scale of the latent cache, bytes per token (all cached layers) and the tokens the
     pool holds, and (fp8) how many written values clipped at +-448 x scale: the device counters, read once."""
     kv = container.kv_pool()
+    if kv is None:  # DeepSeek-V4: no latent cache; its pools are in the memory plan
+        v4 = container.dsv4_pools()
+        return {"kv_dtype": "auto", "cache_dtype": str(v4.window.dtype).removeprefix("torch."), "scale": 1.0,
+                "values_written": 0, "values_clipped": 0, "clipped_fraction": 0.0, "pool_bytes": v4.nbytes,
+                "bytes_per_token": 0, "pool_tokens": 0, "dsv4_pools": v4.breakdown()}
     tokens = (len(kv.buffers[0]) - 1) * kv.page_size if kv.buffers else 0  # page 0 is the padding page
     return {**kv.quant_stats(), "pool_bytes": kv.nbytes, "bytes_per_token": kv.bytes_per_token,
             "pool_tokens": tokens}
@@ -265,7 +273,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
               f"weights {_mib(mem['weights_bytes'])}, "
               + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
     kvc = report.get("kv_cache")
-    if kvc:
+    if kvc and "dsv4_pools" in kvc:
+        t.add_row("dsv4 pools", ", ".join(f"{k.removeprefix('dsv4_')} {_mib(v)}" for k, v in kvc["dsv4_pools"].items()))
+    elif kvc:
         clip = (f"; {kvc['values_clipped']} of {kvc['values_written']} values clipped (scale {kvc['scale']:g})"
                 if kvc["kv_dtype"] != "auto" else "")
         t.add_row("kv cache", f"{kvc['cache_dtype']}, {kvc['bytes_per_token']} B/token, "

@@ -18,11 +18,12 @@ from backends.base import (
     SparseDecode,
     hook_signature_problems,
 )
+from runtime.app.dsv4_validation import dsv4_problems
 from runtime.core.batch import ForwardMode
 from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
-from runtime.core.model_spec import TORCH_DTYPES
+from runtime.core.model_spec import DSV4_MODEL_TYPE, TORCH_DTYPES
 from runtime.engine.prompts import capped, check_workload
 from runtime.engine.workload import RequestSpec
 
@@ -62,23 +63,34 @@ def validate(
         add(Problem("device", "device=cuda but torch sees no CUDA GPU", "a visible GPU",
                     "use device=cpu (or device=auto), or run on a GPU machine with a CUDA build of torch"))
 
-    # --- backend and its capabilities
+    # --- backend and its capabilities; the backends suggested as fixes are those that serve this model's
+    #     attention (DeepSeek-V4 or MLA: capabilities.model_families)
+    v4 = model.get("model_type") == DSV4_MODEL_TYPE
+    family = "dsv4" if v4 else "mla"
+    serving = {n: b for n, b in backends.items() if family in b.capabilities.model_families}
     caps: BackendCapabilities | None = None
     if name not in backends:
-        add(Problem("backend", f"'{name}'", f"one of {sorted(backends)}", f"pick one: backend={sorted(backends)[0]}"))
+        add(Problem("backend", f"'{name}'", f"one of {sorted(backends)}", f"pick one: backend={sorted(serving)[0]}"))
     else:
         caps = backends[name].capabilities
-        problems += _backend_problems(name, backends[name], cfg, device, package_present, backends)
+        problems += _backend_problems(name, backends[name], cfg, device, package_present, serving)
 
-    # --- model
-    problems += _model_problems(model, name, caps)
-    problems += _prefill_problems(cfg, name, caps, backends)
-    if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
-        problems += _linear_problems(cfg, linear_backend, device, package_present)
-
-    # --- hisparse
-    if cfg["hisparse"]["enabled"]:
-        problems += _hisparse_problems(cfg, name, caps, backends)
+    # --- model: DeepSeek-V4 (its own attention) or MLA; the backend must compute the model's attention
+    problems += _family_problems(model, name, caps, backends, family, device)
+    problems += _prefill_problems(cfg, name, caps, serving)
+    if v4:
+        problems += dsv4_problems(cfg)  # includes HiSparse, which V4 does not offer
+    else:
+        set_v4 = sorted(k for k, v in (model.get("v4") or {}).items() if v is not None)
+        if set_v4:
+            problems.append(Problem(f"model.v4 {set_v4}", f"set for model '{model['name']}' "
+                                    f"(model_type {model.get('model_type')})", "model.v4 only for a DeepSeek-V4 model",
+                                    "drop the model.v4 overrides"))
+        problems += _model_problems(model, name, caps)
+        if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
+            problems += _linear_problems(cfg, linear_backend, device, package_present)
+        if cfg["hisparse"]["enabled"]:
+            problems += _hisparse_problems(cfg, name, caps, serving)
 
     # --- speculative decoding
     if cfg["speculative"]["enabled"]:
@@ -105,13 +117,29 @@ def validate(
                         "impl=triton (auto on CUDA) for graphed decode", "use backend.impl=auto, or graph=off"))
 
     # --- KV cache and workload
-    problems += _kv_dtype_problems(cfg, name, caps, backends, device)
+    problems += _kv_dtype_problems(cfg, name, caps, serving, device)
     spec = cfg["speculative"]
     lookahead = spec["num_steps"] + 2 if spec["enabled"] and spec["num_steps"] >= 1 else 0
     source_problems, specs = check_workload(work, model, lookahead)  # reads the prompt file, if any
     problems += capped(source_problems)
     problems += _workload_problems(work, kv, model, lookahead, specs)
     return problems
+
+
+def _family_problems(model, name: str, caps: BackendCapabilities | None, backends: Mapping[str, type],
+                     family: str, device: DeviceInfo) -> list[Problem]:
+    """The backend computes the model's kind of attention (``capabilities.model_families``)."""
+    if caps is None or family in caps.model_families:
+        return []
+    cc = device.compute_capability
+    serving = sorted(n for n, b in backends.items() if family in b.capabilities.model_families)
+    here = [n for n in serving if backends[n].capabilities.runs_on(device.kind, cc) and not backends[n].capabilities.sparse]
+    serving_fix = (here or serving)[:1]
+    kind = "a DeepSeek-V4 model" if family == "dsv4" else "an MLA model (DeepSeek-V2/V3/V3.2 style)"
+    return [Problem(f"backend '{name}' with model '{model['name']}'",
+                    f"{kind}; the backend computes {sorted(caps.model_families)} attention",
+                    f"a backend whose capabilities.model_families has '{family}': {serving}",
+                    f"use backend={serving_fix[0]}" if serving else "no backend serves this model")]
 
 
 def _speculative_problems(cfg, name: str, caps: BackendCapabilities | None) -> list[Problem]:
@@ -386,7 +414,7 @@ def _kv_dtype_problems(cfg, name: str, caps: BackendCapabilities | None, backend
         got = f"model.dtype={cfg['model']['dtype']}" + (f", GPU {device.name}" if device.kind == "cuda" else "")
         out.append(Problem(f"kv.dtype={kv_dtype} with backend '{name}'", got,
                            f"a backend that reads an {kv_dtype} cache{need}: {working}",
-                           f"use backend={working[0] if working else 'torch_mla'}, or kv.dtype=auto"))
+                           f"use backend={working[0]}, or kv.dtype=auto" if working else "use kv.dtype=auto"))
     if cfg["hisparse"]["enabled"]:
         out.append(Problem(f"kv.dtype={kv_dtype} with hisparse.enabled=true",
                            "HiSparse host pool (copies rows in the model dtype)", "kv.dtype=auto with HiSparse",

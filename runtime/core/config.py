@@ -153,6 +153,16 @@ class TokenSpeedMLAConfig(BackendConfig):
 
 
 @dataclass
+class DSV4BackendConfig(BackendConfig):
+    """DeepSeek-V4 attention (sliding window + compressed entries + sinks) in plain torch: the float64-checked
+    oracle (backends/dsv4.py)."""
+
+    name: str = "dsv4"
+    compute_dtype: DType = DType.float32  # float64 on request: the strictest oracle
+    impl: str = "auto"  # decode: auto (triton on CUDA, torch on the CPU) | torch | triton (extend is torch)
+
+
+@dataclass
 class DSAConfig(BackendConfig):
     """DeepSeek sparse attention: dense prefill, indexer top-k + sparse decode (optionally over HiSparse)."""
 
@@ -162,6 +172,55 @@ class DSAConfig(BackendConfig):
 
 
 # ----------------------------------------------------------------------------------------------- model
+class DSV4AttentionKind(str, enum.Enum):
+    sliding_attention = "sliding_attention"  # the sliding window only
+    compressed_sparse_attention = "compressed_sparse_attention"  # CSA: window + indexer top-k of compressed entries
+    heavily_compressed_attention = "heavily_compressed_attention"  # HCA: window + every compressed entry
+
+
+class DSV4MlpKind(str, enum.Enum):
+    hash_moe = "hash_moe"  # experts from a frozen token-id -> expert-ids table
+    moe = "moe"  # top-k of the bias-corrected router scores
+
+
+class DSV4Scoring(str, enum.Enum):
+    sqrtsoftplus = "sqrtsoftplus"
+    softmax = "softmax"
+    sigmoid = "sigmoid"
+
+
+@dataclass
+class DSV4ModelConfig:
+    """The DeepSeek-V4 fields of the `model` config (``model.v4``; null for MLA models). Names follow
+    transformers' ``DeepseekV4Config``; with ``model.path`` they all come from config.json. The shared fields
+    (layers, hidden, heads, q_lora_rank, vocab, experts, routed_scaling_factor, rms_norm_eps, main ``rope_theta``)
+    are the `model` config's own."""
+
+    head_dim: int | None = None  # D: query heads and the one shared KV head (512)
+    rope_head_dim: int | None = None  # RoPE channels at the end of each head (64)
+    sliding_window: int | None = None  # W (128)
+    layer_types: list[DSV4AttentionKind] | None = None  # per layer (null: transformers' default schedule)
+    csa_rate: int | None = None  # tokens per CSA entry (4)
+    hca_rate: int | None = None  # tokens per HCA entry (128)
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None  # CSA entries each query keeps (512)
+    o_groups: int | None = None
+    o_lora_rank: int | None = None
+    hc_mult: int | None = None  # mHC streams
+    hc_sinkhorn_iters: int | None = None
+    hc_eps: float | None = None
+    scoring_func: DSV4Scoring | None = None
+    swiglu_limit: float | None = None
+    mlp_layer_types: list[DSV4MlpKind] | None = None  # per layer (null: 3 hash_moe, then moe)
+    compress_rope_theta: float | None = None
+    compress_rope_type: RopeType | None = None  # YaRN on the compressed layers' rope
+    compress_rope_factor: float | None = None
+    compress_rope_original_max_position: int | None = None
+    compress_rope_beta_fast: float | None = None
+    compress_rope_beta_slow: float | None = None
+
+
 @dataclass
 class ModelConfig:
     """DeepSeek MLA model dimensions. ``layer_pattern`` is repeated over ``num_layers``: ``[full]`` for DeepSeek-V3,
@@ -174,7 +233,7 @@ class ModelConfig:
 
     name: str = MISSING
     path: str | None = None  # a Hugging Face model folder (config.json, safetensors, tokenizer.json, generation_config.json)
-    model_type: str | None = None  # deepseek_v2 | deepseek_v3 | deepseek_v32 (from config.json; informative)
+    model_type: str | None = None  # deepseek_v2 | deepseek_v3 | deepseek_v32 | deepseek_v4 (from config.json)
     num_layers: int | None = None
     hidden_size: int | None = None
     num_heads: int | None = None
@@ -223,6 +282,7 @@ class ModelConfig:
     tie_word_embeddings: bool | None = None
     eos_token_id: list[int] | None = None
     weight_seed: int = 1234
+    v4: DSV4ModelConfig | None = None  # DeepSeek-V4 (model_type deepseek_v4): its own attention, mHC and MoE
 
 
 # Values of the optional model fields when neither the preset nor a checkpoint sets them.
@@ -364,6 +424,7 @@ BACKEND_SCHEMAS: dict[str, type[BackendConfig]] = {
     "triton_mla": TritonMLAConfig,
     "flashinfer_mla": FlashInferMLAConfig,
     "dsa": DSAConfig,
+    "dsv4": DSV4BackendConfig,
     "trtllm_mla": TrtllmMLAConfig,
     "tokenspeed_mla": TokenSpeedMLAConfig,
 }

@@ -230,13 +230,27 @@ class DSV4Pools:
     def build(cls, spec: DSV4AttentionSpec, max_requests: int, max_context: int, entry_pages: int,
               entry_page_size: int, dtype: torch.dtype, device: torch.device) -> DSV4Pools:
         """Pools for ``spec``; each compressed pool gets ``entry_pages`` pages of ``entry_page_size`` entries."""
+        return cls._build(spec, max_requests, max_context, lambda rate: (entry_pages, entry_page_size), dtype, device)
+
+    @classmethod
+    def for_token_pages(cls, spec: DSV4AttentionSpec, max_requests: int, max_context: int, num_pages: int,
+                        page_size: int, dtype: torch.dtype, device: torch.device) -> DSV4Pools:
+        """Pools sized by the engine's token pages (``kv.num_pages`` pages of ``kv.page_size`` tokens): each
+        compressed pool gets ``num_pages`` pages of ``ceil(page_size / rate)`` entries. A request of ``n``
+        tokens then needs at most ``ceil(n / page_size)`` pages of every pool, so whenever the token allocator
+        admits a step, every compressed pool has room for it (:class:`runtime.core.dsv4_slots.DSV4TokenSlots`)."""
+        return cls._build(spec, max_requests, max_context, lambda rate: (num_pages, -(-page_size // rate)), dtype,
+                          device)
+
+    @classmethod
+    def _build(cls, spec, max_requests, max_context, pages_of, dtype, device) -> DSV4Pools:
         all_layers = list(range(spec.num_layers))
         csa, hca = spec.layers_of(DSV4LayerType.csa), spec.layers_of(DSV4LayerType.hca)
         d, di = spec.head_dim, spec.index_head_dim
         state_dtype = torch.float64 if dtype == torch.float64 else STATE_DTYPE
 
         def pool(rate, layers, dims):
-            return CompressedKVPool(rate, layers, dims, entry_pages, entry_page_size, max_requests,
+            return CompressedKVPool(rate, layers, dims, *pages_of(rate), max_requests,
                                     max_context // rate, dtype, device) if layers else None
 
         def state(rate, layers, width, overlap):
@@ -277,3 +291,12 @@ class DSV4Pools:
     @property
     def nbytes(self) -> int:
         return self.window.nbytes + sum(p.nbytes for p in self._compressed()) + sum(s.nbytes for s in self._states())
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per pool, for the memory plan: the window ring, each compressed pool (entries, indexer keys
+        and the entry table), the compressors' partial-window state."""
+        out = {"dsv4_window_ring": self.window.nbytes}
+        for name, p in (("dsv4_csa_entries", self.csa), ("dsv4_hca_entries", self.hca)):
+            out[name] = p.nbytes if p is not None else 0
+        out["dsv4_compressor_state"] = sum(s.nbytes for s in self._states())
+        return out

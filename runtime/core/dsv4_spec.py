@@ -19,8 +19,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from runtime.core.config import BackendConfig, DType
-
 
 class DSV4LayerType(str, enum.Enum):
     sliding = "sliding_attention"
@@ -103,10 +101,3 @@ class DSV4AttentionSpec:
             index_topk=int(cfg["index_topk"]),
         )
 
-
-@dataclass
-class DSV4BackendConfig(BackendConfig):
-    """Schema of ``backend=dsv4`` (register it in runtime/core/config.py's ConfigStore when wiring)."""
-
-    name: str = "dsv4"
-    compute_dtype: DType = DType.float32  # float64 on request: the strictest oracle

@@ -21,6 +21,8 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for scale <= 1)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
+DSV4_MODEL_TYPE = "deepseek_v4"  # DeepSeek-V4: its own attention (runtime/model/dsv4), not MLA
+
 TORCH_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -141,6 +143,11 @@ class ModelSpec:
         """The spec of a draft model made of this model's first ``num_layers`` layers."""
         return replace(self, name=f"{self.name}:draft{num_layers}", num_layers=num_layers,
                        layer_kinds=self.layer_kinds[:num_layers], mlp_kinds=self.mlp_kinds[:num_layers])
+
+    @property
+    def is_dsv4(self) -> bool:
+        """A DeepSeek-V4 model: served by runtime/model/dsv4 over the V4 pools; the MLA fields do not apply."""
+        return self.model_type == DSV4_MODEL_TYPE
 
     @property
     def qk_head_dim(self) -> int:

@@ -168,13 +168,9 @@ def _fused_experts(index: dict[str, TensorInfo], expected: dict, spec: ModelSpec
     return out
 
 
-def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[Problem]]:
-    """Headers only: (index, expected name -> shape, every problem). See the module docstring."""
-    folder = Path(spec.path)
-    index, problems = checkpoint_index(folder)
-    if problems and not index:
-        return index, {}, problems
-    expected = _fused_experts(index, expected_tensors(spec), spec)
+def tensor_problems(folder: Path, index: dict[str, TensorInfo], expected: dict[str, tuple[int, ...]]) -> list[Problem]:
+    """Every expected tensor that is missing (the first 20, then a count) or has another shape, with its file."""
+    problems: list[Problem] = []
     missing = [n for n in expected if n not in index]
     for name in missing[:20]:
         problems.append(Problem(f"tensor {name}", "missing", f"shape {list(expected[name])} in {folder}",
@@ -184,12 +180,25 @@ def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[
                                 "use a complete checkpoint"))
     for name, shape in expected.items():
         info = index.get(name)
-        if info is None:
-            continue
-        if info.shape != shape:
+        if info is not None and info.shape != shape:
             problems.append(Problem(f"tensor {name} in {info.file.name}", f"shape {list(info.shape)}",
                                     f"shape {list(shape)} (from config.json)",
                                     "the config and the weights disagree: fix config.json or re-save the checkpoint"))
+    return problems
+
+
+def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[Problem]]:
+    """Headers only: (index, expected name -> shape, every problem). See the module docstring."""
+    folder = Path(spec.path)
+    index, problems = checkpoint_index(folder)
+    if problems and not index:
+        return index, {}, problems
+    expected = _fused_experts(index, expected_tensors(spec), spec)
+    problems += tensor_problems(folder, index, expected)
+    for name, shape in expected.items():
+        info = index.get(name)
+        if info is None:
+            continue
         if info.dtype not in DTYPES:
             problems.append(Problem(f"tensor {name} in {info.file.name}", f"dtype {info.dtype}",
                                     f"one of {sorted(DTYPES)}", "convert the checkpoint to bf16"))

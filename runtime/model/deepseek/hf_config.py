@@ -13,6 +13,7 @@ Semantics per ``model_type`` follow the reference modeling code:
   sum (noaux_tc); interleaved RoPE unless ``rope_interleave`` is false.
 * ``deepseek_v32``: DeepSeek-V3 plus a lightning indexer on every layer (all layers sparse); interleaved RoPE
   on the MLA rope dims, half-split RoPE in the indexer.
+* ``deepseek_v4``: not MLA; read by :mod:`runtime.model.dsv4.hf_config` (the V4 fields go to ``model.v4``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from typing import Any
 
 from runtime.core.config import MODEL_DEFAULTS
 from runtime.core.errors import Problem
+from runtime.model.dsv4.hf_config import read_dsv4_hf_config
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4")
 SUPPORTED_ROPE = ("default", "yarn")
 # Fields a user may set next to model.path (the rest come from config.json and must not disagree with it).
 USER_FIELDS = ("num_layers", "max_context", "mlp")
@@ -60,8 +62,10 @@ def read_hf_config(folder: str | Path) -> tuple[dict[str, Any], list[Problem]]:
     mtype = cfg.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         add(_problem(path, "model_type", repr(mtype), f"one of {list(SUPPORTED_MODEL_TYPES)}",
-                     "serve a DeepSeek-V2/V3/V3.2 checkpoint"))
+                     "serve a DeepSeek-V2/V3/V3.2/V4 checkpoint"))
         return {}, problems
+    if mtype == "deepseek_v4":  # its own attention, mHC and MoE: runtime/model/dsv4/hf_config.py
+        return read_dsv4_hf_config(path, cfg)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
                 "qk_rope_head_dim", "v_head_dim", "vocab_size", "intermediate_size"):
         if not isinstance(cfg.get(key), int):
@@ -179,6 +183,14 @@ def resolve_model_config(model: dict) -> tuple[dict, list[Problem]]:
             elif key == "num_layers" and not 1 <= mine <= value:
                 problems.append(Problem("model.num_layers", str(mine), f"1..{value} (the checkpoint's layers)",
                                         "drop model.num_layers, or lower it"))
+            elif isinstance(mine, dict) and isinstance(value, dict):  # model.v4: the user's values must agree
+                bad = [k for k, v in mine.items() if v is not None and _differs(v, value.get(k))]
+                for k in bad:
+                    problems.append(Problem(f"model.{key}.{k}", repr(mine[k]),
+                                            f"{value.get(k)!r} (from {out['path']}/config.json)",
+                                            f"drop model.{key}.{k}: it comes from the checkpoint's config.json"))
+                if not bad:  # kept as given otherwise, so that resolving again still sees the disagreement
+                    out[key] = value
             elif key not in USER_FIELDS and _differs(mine, value):
                 problems.append(Problem(f"model.{key}", repr(mine), f"{value!r} (from {out['path']}/config.json)",
                                         f"drop model.{key}: a checkpoint's dimensions come from its config.json"))

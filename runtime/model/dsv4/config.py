@@ -72,6 +72,7 @@ class DSV4Config:
     hc_eps: float
     rms_norm_eps: float
     n_routed_experts: int
+    moe_intermediate_size: int  # routed experts and the one shared expert
     num_experts_per_tok: int
     scoring_func: ScoringFunc
     routed_scaling_factor: float
@@ -103,6 +104,7 @@ class DSV4Config:
             hc_eps=float(cfg["hc_eps"]),
             rms_norm_eps=float(cfg["rms_norm_eps"]),
             n_routed_experts=int(cfg["n_routed_experts"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             num_experts_per_tok=int(cfg["num_experts_per_tok"]),
             scoring_func=ScoringFunc(cfg["scoring_func"]),
             routed_scaling_factor=float(cfg["routed_scaling_factor"]),

@@ -170,6 +170,9 @@ class ModelWeights(_Named):
     hc_head: HyperHeadWeights
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]
+    source: str = "random"  # where they came from: "random" (a preset) or the checkpoint folder
+    load_seconds: float = 0.0
+    peak_host_bytes: int = 0
 
     @classmethod
     def load(cls, state: dict, prefix: str = "", *, cfg: DSV4Config) -> ModelWeights:
@@ -189,3 +192,7 @@ class ModelWeights(_Named):
         for layer in self.layers:
             out += layer.tensors
         return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)

@@ -1,0 +1,114 @@
+"""DeepSeek-V4 decode attention at V4-Flash shapes (64 heads, one 512-wide KV head, window 128, CSA top-512, HCA
+every 128 tokens): the Triton kernel (backends/kernels/dsv4_decode.py) checked against the float64 reference at odd
+lengths, then timed at 8k-128k contexts against the copy bandwidth of the bytes it actually reads (the gathered
+window and compressed rows, q and the output), measured in the same run.
+
+Run: ``python bench/dsv4_decode_bench.py [--batch 64] [--quick] [--out FILE.json]`` (CUDA only; in bench/run_all.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from backends.kernels.dsv4_decode import dsv4_decode, dsv4_decode_torch  # noqa: E402
+from bench.harness import copy_bandwidth_gbs, eager_ms  # noqa: E402
+
+H, D, W, TOPK, CSA, HCA = 64, 512, 128, 512, 4, 128
+CONFIGS = [dict(block_h=16, block_n=32, num_warps=8, num_stages=2), dict(block_h=16, block_n=64, num_warps=8,
+           num_stages=2), dict(block_h=16, block_n=16, num_warps=4, num_stages=2), dict(block_h=32, block_n=32,
+           num_warps=8, num_stages=2)]
+
+
+def case(b, win_fill, cmp_valid, n_cmp, pool_rows, dtype, seed=0):
+    """Indices: request i sees win_fill[i] ring rows and cmp_valid[i] of n_cmp compressed slots (-1 padding)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, H, D, device="cuda", generator=g).to(dtype)
+    win = torch.randn(b * W, D, device="cuda", generator=g).to(dtype)
+    cmp_rows = torch.randn(pool_rows, D, device="cuda", generator=g).to(dtype)
+    win_idx = torch.full((b, W), -1, dtype=torch.int32, device="cuda")
+    cmp_idx = torch.full((b, max(n_cmp, 0)), -1, dtype=torch.int32, device="cuda")
+    for i in range(b):
+        f = win_fill[i % len(win_fill)]
+        win_idx[i, :f] = torch.arange(i * W, i * W + f, device="cuda", dtype=torch.int32)
+        c = cmp_valid[i % len(cmp_valid)]
+        cmp_idx[i, :c] = torch.randperm(pool_rows, device="cuda", generator=g)[:c].int()
+    sinks = torch.randn(H, device="cuda", generator=g)
+    return q, win, win_idx, cmp_rows, cmp_idx, sinks
+
+
+def check() -> list[dict]:
+    rows = []
+    for name, fills, valid, n_cmp in (("sliding", [1, 37, 128, 77, 128], [0], 0),
+                                      ("csa top-512", [128, 5, 128, 99, 128], [0, 3, 129, 512, 511], 512),
+                                      ("hca 131200 tok", [128, 128, 11, 128, 1], [1, 1025, 700, 0, 64], 1025)):
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            args = case(5, fills, valid, n_cmp, 4096, dtype)
+            want = dsv4_decode_torch(*(a.double() if a.is_floating_point() else a for a in args), D**-0.5)  # float64
+            errs = []
+            for cfg in CONFIGS:
+                got = dsv4_decode(*args, D**-0.5, **cfg)
+                errs.append(((got.double() - want).abs().max() / want.abs().max()).item())
+            rows.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "max_rel_err": max(errs),
+                         "tol": tol, "ok": max(errs) < tol})
+    return rows
+
+
+def timing(batch: int, copy_gbs: float, quick: bool = False) -> list[dict]:
+    rows = []
+    for ctx in (8192, 131072) if quick else (8192, 32768, 131072):
+        for kind, n_cmp in (("csa", TOPK), ("hca", ctx // HCA)):
+            pool = batch * ctx // (CSA if kind == "csa" else HCA)
+            args = case(batch, [W], [n_cmp], n_cmp, pool, torch.bfloat16)
+            read = batch * (W + n_cmp) * D * 2 + 2 * batch * H * D * 2 + (W + n_cmp) * 4 * batch
+            best = None
+            for cfg in CONFIGS[:2] if quick else CONFIGS:
+                out = torch.empty_like(args[0])
+                ms = eager_ms(lambda cfg=cfg, out=out, args=args: dsv4_decode(*args, D**-0.5, out=out, **cfg))
+                if best is None or ms < best[0]:
+                    best = (ms, cfg)
+            ms_torch = eager_ms(lambda args=args: dsv4_decode_torch(*args, D**-0.5, compute_dtype=torch.float32))
+            gbs = read / best[0] / 1e6
+            rows.append({"context": ctx, "layer": kind, "batch": batch, "rows_per_req": W + n_cmp,
+                         "bytes_read": read, "us": best[0] * 1e3, "GB/s": gbs, "of_copy": gbs / copy_gbs,
+                         "torch_fp32_us": ms_torch * 1e3,
+                         "config": f"h{best[1]['block_h']} n{best[1]['block_n']} w{best[1]['num_warps']}"})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--out", type=str, default=None)
+    ap.add_argument("--quick", action="store_true", help="2 contexts, 2 tile configs")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name())
+    checks = check()
+    for r in checks:
+        print(f"check {r['case']:<16} {r['dtype']:<9} max rel err {r['max_rel_err']:.2e} (tol {r['tol']:.0e}) "
+              f"{'ok' if r['ok'] else 'FAIL'}")
+    copy = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    rows = timing(a.batch, copy, a.quick)
+    print(f"{'ctx':>7} {'layer':>5} {'B':>3} {'rows':>5} {'MB read':>8} {'us':>8} {'GB/s':>7} {'of copy':>7} "
+          f"{'torch us':>9} config")
+    for r in rows:
+        print(f"{r['context']:>7} {r['layer']:>5} {r['batch']:>3} {r['rows_per_req']:>5} {r['bytes_read'] / 1e6:>8.2f} "
+              f"{r['us']:>8.1f} {r['GB/s']:>7.0f} {r['of_copy']:>7.1%} {r['torch_fp32_us']:>9.1f} {r['config']}")
+    result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy, "checks": checks, "rows": rows}
+    print("BENCH_JSON " + json.dumps(result))
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+    if not all(r["ok"] for r in checks):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Startup checks of a DeepSeek-V4 configuration (``model.model_type=deepseek_v4``), part of the one validation
+pass of :mod:`runtime.app.validation`: the ``model.v4`` fields, and the features the V4 path does not offer
+(HiSparse offload of the compressed pools, attention dumps, attention-only layers). Which backend serves V4, and
+speculative decoding or an fp8 cache with it, are decided from backend capabilities in the generic checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runtime.core.errors import Problem
+
+REQUIRED_V4 = ("head_dim", "rope_head_dim", "sliding_window", "csa_rate", "hca_rate", "index_n_heads",
+               "index_head_dim", "index_topk", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+               "scoring_func", "swiglu_limit", "compress_rope_theta", "compress_rope_type")
+
+
+def dsv4_problems(cfg: dict[str, Any]) -> list[Problem]:
+    """Every problem of a V4 config (a resolved plain dict of the root config)."""
+    model, out = cfg["model"], []
+    add = out.append
+    name = model["name"]
+    v4 = model.get("v4")
+    if not v4:
+        return [Problem(f"model '{name}' (model_type deepseek_v4)", "model.v4 = null",
+                        "the V4 fields (head_dim, sliding_window, compress rates, indexer, mHC, ...)",
+                        "use model=deepseek_v4_flash, or model=hf model.path=DIR with a V4 config.json")]
+    missing = [k for k in REQUIRED_V4 if v4.get(k) is None]
+    if missing:
+        add(Problem("model.v4", f"no value for {missing}", "every V4 field set", "set them, or use model=deepseek_v4_flash"))
+        return out
+    n = model["num_layers"]
+    for key in ("num_layers", "hidden_size", "num_heads", "vocab_size", "max_context", "n_routed_experts",
+                "num_experts_per_tok", "moe_intermediate_size"):
+        if (model.get(key) or 0) < 1:
+            add(Problem(f"model.{key}", str(model.get(key)), ">= 1", f"set model.{key}"))
+    if (model.get("q_lora_rank") or 0) < 1:
+        add(Problem("model.q_lora_rank", str(model.get("q_lora_rank")), ">= 1 (V4 queries go through a LoRA)",
+                    "set model.q_lora_rank=1024"))
+    for key in ("sliding_window", "csa_rate", "hca_rate", "index_n_heads", "index_head_dim", "index_topk",
+                "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters"):
+        if v4[key] < 1:
+            add(Problem(f"model.v4.{key}", str(v4[key]), ">= 1", f"set model.v4.{key}"))
+    d, r = v4["head_dim"], v4["rope_head_dim"]
+    if not (0 < r < d and r % 2 == 0):
+        add(Problem("model.v4.rope_head_dim", f"{r} (head_dim {d})", "an even number in 2..head_dim - 1",
+                    "set model.v4.rope_head_dim=64"))
+    if v4["o_groups"] >= 1 and model["num_heads"] % v4["o_groups"]:
+        add(Problem("model.v4.o_groups", f"{v4['o_groups']} ({model['num_heads']} heads)",
+                    "a divisor of model.num_heads (the output projection groups heads)", "set model.v4.o_groups=1"))
+    if model["num_experts_per_tok"] > model["n_routed_experts"]:
+        add(Problem("model.num_experts_per_tok", str(model["num_experts_per_tok"]),
+                    f"<= n_routed_experts ({model['n_routed_experts']})", "lower model.num_experts_per_tok"))
+    for key in ("layer_types", "mlp_layer_types"):
+        got = v4.get(key)
+        if got is not None and len(got) < n:
+            add(Problem(f"model.v4.{key}", f"{len(got)} entries", f"at least model.num_layers ({n})",
+                        f"list one per layer, or set model.v4.{key}=null (transformers' default schedule)"))
+    if str(v4["compress_rope_type"]) == "yarn":
+        if (v4.get("compress_rope_factor") or 0) < 1 or (v4.get("compress_rope_original_max_position") or 0) < 1:
+            add(Problem("model.v4.compress_rope_factor / compress_rope_original_max_position",
+                        f"{v4.get('compress_rope_factor')} / {v4.get('compress_rope_original_max_position')}",
+                        "factor >= 1 and original_max_position >= 1 for YaRN", "set both, or compress_rope_type=default"))
+    if str(model.get("mlp")) != "deepseek":
+        add(Problem("model.mlp", str(model.get("mlp")), "deepseek (V4 layers always have their MoE)",
+                    "drop model.mlp"))
+    if cfg["hisparse"]["enabled"]:
+        add(Problem("hisparse.enabled=true", f"DeepSeek-V4 model '{name}'",
+                    "an MLA model with sparse layers (HiSparse offload of V4's compressed pools is not implemented)",
+                    "use hisparse=off"))
+    if cfg.get("dump_dir"):
+        add(Problem("+dump_dir", f"DeepSeek-V4 model '{name}'", "an MLA model (dumps record MLA attention inputs)",
+                    "drop +dump_dir"))
+    return out

@@ -1,0 +1,196 @@
+"""DeepSeek-V4 weights: the tensors a :class:`DSV4Config` implies (names and shapes of transformers'
+``DeepseekV4ForCausalLM``), checked against a folder's safetensors headers, loaded shard by shard, or drawn at
+random for a preset. One table (:func:`expected_tensors`) drives all three.
+
+Tensor names: DeepSeek's release spelling (``layers.3.attn.wq_a.weight``, ``ffn.experts.7.w1.weight``,
+``attn_sink``, ``compressor.ape``, ``hc_attn_fn``, ``head.weight``; what transformers' ``save_pretrained`` writes)
+or transformers' own (``self_attn.q_a_proj``, fused ``experts.gate_up_proj``), mapped by :func:`hf_name`. Weights
+in bf16/fp16/fp32/fp64 (``tid2eid`` int32/int64); a config.json with a ``quantization_config`` (the release's
+fp8/fp4 weights) is refused. Layers past ``num_layers`` and the MTP layers are not read.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.core.dsv4_spec import DSV4LayerType
+from runtime.core.errors import CheckpointError, Problem
+from runtime.model.deepseek.checkpoint import TensorInfo, _Reader, checkpoint_index, tensor_problems
+from runtime.model.dsv4.config import DSV4Config, MlpType
+from runtime.model.dsv4.weights import ModelWeights
+
+FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
+INT_DTYPES = ("I64", "I32")
+INT_TENSORS = ("tid2eid",)
+
+
+def expected_tensors(cfg: DSV4Config) -> dict[str, tuple[int, ...]]:
+    """Hugging Face name -> shape of every tensor the model reads."""
+    a, d, v = cfg.attention, cfg.hidden_size, cfg.vocab_size
+    h, hd, n = a.num_heads, a.head_dim, cfg.hc_mult
+    e, im, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+    out: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, d), "model.norm.weight": (d,), "lm_head.weight": (v, d),
+        "model.hc_head.hc_fn": (n, n * d), "model.hc_head.hc_base": (n,), "model.hc_head.hc_scale": (1,)}
+    for i, kind in enumerate(a.layer_types):
+        p = f"model.layers.{i}."
+        s = p + "self_attn."
+        out.update({
+            s + "sinks": (h,), s + "q_a_proj.weight": (cfg.q_lora_rank, d), s + "q_a_norm.weight": (cfg.q_lora_rank,),
+            s + "q_b_proj.weight": (h * hd, cfg.q_lora_rank), s + "kv_proj.weight": (hd, d),
+            s + "kv_norm.weight": (hd,), s + "o_a_proj.weight": (cfg.o_groups * cfg.o_lora_rank, h * hd // cfg.o_groups),
+            s + "o_b_proj.weight": (d, cfg.o_groups * cfg.o_lora_rank)})
+        if kind != DSV4LayerType.sliding:
+            rate = a.rate_of(i)
+            width = 2 * hd if kind == DSV4LayerType.csa else hd
+            out.update(_compressor(s + "compressor.", rate, width, hd, d))
+        if kind == DSV4LayerType.csa:
+            x = s + "compressor.indexer."
+            di, hi = a.index_head_dim, a.index_n_heads
+            out.update(_compressor(x, a.csa_rate, 2 * di, di, d))
+            out.update({x + "q_b_proj.weight": (hi * di, cfg.q_lora_rank), x + "scorer.weights_proj.weight": (hi, d)})
+        m = p + "mlp."
+        out[m + "gate.weight"] = (e, d)
+        if cfg.mlp_types[i] == MlpType.hash_moe:
+            out[m + "gate.tid2eid"] = (v, k)
+        else:
+            out[m + "gate.e_score_correction_bias"] = (e,)
+        out.update({m + "experts.gate_up_proj": (e, 2 * im, d), m + "experts.down_proj": (e, d, im),
+                    m + "shared_experts.gate_proj.weight": (im, d), m + "shared_experts.up_proj.weight": (im, d),
+                    m + "shared_experts.down_proj.weight": (d, im)})
+        out.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+        for hc in ("attn_hc.", "ffn_hc."):
+            out.update({p + hc + "fn": ((2 + n) * n, n * d), p + hc + "base": ((2 + n) * n,), p + hc + "scale": (3,)})
+    return out
+
+
+def _compressor(prefix: str, rate: int, width: int, dim: int, d: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "position_bias": (rate, width), prefix + "kv_proj.weight": (width, d),
+            prefix + "gate_proj.weight": (width, d), prefix + "kv_norm.weight": (dim,)}
+
+
+def _is_int(name: str) -> bool:
+    return name.endswith(INT_TENSORS)
+
+
+# DeepSeek's release names (what transformers' save_pretrained writes back) -> transformers' names, applied in
+# order to a name without its "model." prefix. transformers' own names pass through unchanged.
+RENAMES = [(re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_attn_(fn|base|scale)$", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)$", r".ffn_hc.\1"), (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.wq_b\.", ".q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."), (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+    (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."), (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+)]
+
+
+def hf_name(name: str) -> str:
+    """A checkpoint tensor name (release or transformers spelling) -> transformers' name."""
+    n = name.removeprefix("model.")
+    for pattern, repl in RENAMES:
+        n = pattern.sub(repl, n)
+    return n if n == "lm_head.weight" else "model." + n
+
+
+def _per_expert(expected: dict, names: dict[str, str], cfg: DSV4Config) -> dict:
+    """Layers whose checkpoint holds one tensor per expert (the release layout) expect those instead of the
+    fused ``experts.gate_up_proj`` / ``experts.down_proj``."""
+    out = dict(expected)
+    e, im, d = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    for i in range(cfg.attention.num_layers):
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "gate_up_proj" not in names and p + "0.gate_proj.weight" in names:
+            del out[p + "gate_up_proj"], out[p + "down_proj"]
+            for x in range(e):
+                out.update({f"{p}{x}.gate_proj.weight": (im, d), f"{p}{x}.up_proj.weight": (im, d),
+                            f"{p}{x}.down_proj.weight": (d, im)})
+    return out
+
+
+def scan_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path
+                         ) -> tuple[dict[str, TensorInfo], dict[str, str], dict, list[Problem]]:
+    """Headers only: (index by checkpoint name, transformers name -> checkpoint name, expected transformers name
+    -> shape, every problem: missing or truncated shards, missing tensors, wrong shapes, dtypes we cannot serve),
+    each naming the tensor and its file, expected vs found."""
+    folder = Path(folder)
+    index, problems = checkpoint_index(folder)
+    if problems and not index:
+        return index, {}, {}, problems
+    names: dict[str, str] = {}
+    for orig in index:
+        names.setdefault(hf_name(orig), orig)
+    expected = _per_expert(expected_tensors(cfg), names, cfg)
+    problems += tensor_problems(folder, {}, {n: s for n, s in expected.items() if n not in names})
+    for name, shape in expected.items():
+        orig = names.get(name)
+        if orig is None:
+            continue
+        info = index[orig]
+        what = f"tensor {orig}" + (f" (transformers: {name})" if orig != name else "") + f" in {info.file.name}"
+        if info.shape != shape:
+            problems.append(Problem(what, f"shape {list(info.shape)}", f"shape {list(shape)} (from config.json)",
+                                    "the config and the weights disagree: fix config.json or re-save the checkpoint"))
+        allowed = INT_DTYPES if _is_int(name) else FLOAT_DTYPES
+        if info.dtype not in allowed:
+            problems.append(Problem(what, f"dtype {info.dtype}", f"one of {list(allowed)}",
+                                    "save the checkpoint with transformers in bf16 (tid2eid stays int64)"))
+    return index, names, expected, problems
+
+
+def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    """Every tensor of :func:`expected_tensors` from ``folder``, in file order, one on the host at a time, cast to
+    ``dtype`` (``tid2eid`` to int64); per-expert tensors are stacked. Raises :class:`CheckpointError` listing every
+    problem before reading."""
+    start = time.perf_counter()
+    index, names, expected, problems = scan_dsv4_checkpoint(cfg, folder)
+    if problems:
+        raise CheckpointError(problems)
+    reader = _Reader(index, torch.device(device), dtype)
+    state: dict[str, torch.Tensor] = {}
+    try:
+        for name in sorted(expected, key=lambda n: (str(index[names[n]].file), n)):
+            state[name] = reader.get(names[name], torch.int64 if _is_int(name) else dtype)
+    finally:
+        reader.close()
+    for i in range(cfg.attention.num_layers):  # the release layout: one tensor per expert
+        p = f"model.layers.{i}.mlp.experts."
+        if p + "0.gate_proj.weight" in state:
+            e = range(cfg.n_routed_experts)
+            state[p + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{p}{x}.gate_proj.weight"),
+                                                                state.pop(f"{p}{x}.up_proj.weight")]) for x in e])
+            state[p + "down_proj"] = torch.stack([state.pop(f"{p}{x}.down_proj.weight") for x in e])
+    weights = ModelWeights.load(state, cfg=cfg)
+    weights.source = str(folder)
+    weights.load_seconds = time.perf_counter() - start
+    weights.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return weights
+
+
+def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+    """Seeded random weights of the shapes :func:`expected_tensors` lists, drawn on ``device``: matrices with
+    std ``fan_in ** -0.5``, norms 1, sinks / position biases / mHC bases small, ``tid2eid`` uniform expert ids."""
+    g = torch.Generator(device=device).manual_seed(int(seed))
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in expected_tensors(cfg).items():
+        if _is_int(name):
+            state[name] = torch.randint(0, cfg.n_routed_experts, shape, generator=g, device=device)
+        elif name.endswith(("norm.weight", "layernorm.weight", "scale", "hc_scale")):
+            state[name] = torch.ones(shape, dtype=dtype, device=device)
+        elif name.endswith(("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias")):
+            state[name] = 0.1 * torch.randn(shape, generator=g, dtype=dtype, device=device)
+        else:
+            state[name] = torch.randn(shape, generator=g, dtype=dtype, device=device) * shape[-1] ** -0.5
+    return ModelWeights.load(state, cfg=cfg)
