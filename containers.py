@@ -45,6 +45,7 @@ from runtime.engine.prompts import load_workload
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
 from runtime.model.deepseek.checkpoint import load_checkpoint, scan_checkpoint
 from runtime.model.deepseek.hf_config import resolve_model_config
+from runtime.model.deepseek.ops import FusedOps, TorchOps, select_ops
 from runtime.model.deepseek.weights import ModelWeights, random_weights
 from runtime.model.dump import AttentionDumper
 from runtime.model.indexer import IndexKeyPool
@@ -334,8 +335,14 @@ class Container(containers.DeclarativeContainer):
         checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(load_checkpoint, model_spec, device)),
     )
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
+    decoder_ops = providers.Selector(  # model.fused (auto|on|off) against the ops classes' capabilities
+        providers.Callable(select_ops, config.model.fused, device_info, model_spec.provided.dtype),
+        torch=providers.Singleton(TorchOps),
+        fused=providers.Singleton(FusedOps),
+    )
     model = _step(build_log, "model", providers.Factory(
-        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights))
+        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,
+        decoder_ops))
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first
     #    draft_layers layers with its own KV pool (sharing the request table, so both use the same slots);
@@ -384,7 +391,7 @@ class Container(containers.DeclarativeContainer):
     draft_weights = providers.Callable(_draft_weights, model, config.speculative.draft_layers)
     draft_model = _step(build_log, "draft_model", providers.Factory(
         MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, None, draft_weights,
-        shares_weights=True))
+        decoder_ops, shares_weights=True))
     draft_steps = providers.Singleton(DraftSteps, draft_model, draft_attention)
 
     # every attention backend the engine runs: the graph decision takes the minimum level over them
