@@ -192,3 +192,32 @@ def test_fused_moe_matches_torch_gpu(t):
     x = torch.randn(t, d, device="cuda").to(BF)
     _close(FUSED.moe(spec, w, x, True), REF.moe(spec, w, x, True), 1e-2)
     _close(FUSED.dense_mlp(w.shared, x), REF.dense_mlp(w.shared, x), 1e-2)
+
+
+def _grouped_mm_emulated(x, w, offs):
+    """torch._grouped_mm's contract on the CPU: rows offs[e-1]:offs[e] of x times w[e] ([E, K, N])."""
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("scoring,e,groups,topk_group,k", [("sigmoid", 8, 4, 2, 2), ("sigmoid", 6, 1, 1, 3),
+                                                            ("softmax", 8, 1, 1, 3)])
+def test_fused_moe_glue_matches_torch_small(monkeypatch, scoring, e, groups, topk_group, k):
+    """The fused MoE's routing, grouping and combine around an emulated grouped GEMM, at the tiny checkpoint
+    cases' expert counts (the torch MoE runs on the same emulation)."""
+    monkeypatch.setattr(torch, "_grouped_mm", _grouped_mm_emulated, raising=False)
+    torch.manual_seed(e + k)
+    d, i, t = 24, 8, 5
+    spec = _spec(scoring_func=scoring, topk_method="noaux_tc" if scoring == "sigmoid" else "greedy", n_group=groups,
+                 topk_group=topk_group, num_experts_per_tok=k)
+    w = MoEWeights(gate=torch.randn(e, d, device=DEV) / d**0.5,
+                   bias=torch.randn(e, device=DEV) * 0.01 if scoring == "sigmoid" else None,
+                   gate_up=torch.randn(e, 2 * i, d, device=DEV) / d**0.5, down=torch.randn(e, d, i, device=DEV) / i**0.5,
+                   shared=DenseMLPWeights(torch.randn(2 * i, d, device=DEV) / d**0.5,
+                                          torch.randn(d, i, device=DEV) / i**0.5))
+    x = torch.randn(t, d, device=DEV)
+    _close(FUSED.moe(spec, w, x, True), REF.moe(spec, w, x, True), 1e-5)
