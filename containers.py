@@ -49,6 +49,7 @@ from runtime.engine.prompts import load_workload
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
 from runtime.model.deepseek.checkpoint import load_checkpoint, scan_checkpoint
 from runtime.model.deepseek.hf_config import resolve_model_config
+from runtime.model.deepseek.ops import FusedOps, TorchOps, select_ops
 from runtime.model.deepseek.weights import ModelWeights, random_weights
 from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights, scan_dsv4_checkpoint
 from runtime.model.dsv4.hf_config import dsv4_config
@@ -373,8 +374,14 @@ class Container(containers.DeclarativeContainer):
             load_dsv4_checkpoint, dsv4_cfg, model_spec.provided.path, model_spec.provided.dtype, device)),
     )
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
+    decoder_ops = providers.Selector(  # model.fused (auto|on|off) against the ops classes' capabilities
+        providers.Callable(select_ops, config.model.fused, device_info, model_spec.provided.dtype),
+        torch=providers.Singleton(TorchOps),
+        fused=providers.Singleton(FusedOps),
+    )
     mla_model = _step(build_log, "model", providers.Factory(
-        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights))
+        MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,
+        decoder_ops))
     dsv4_model = _step(build_log, "model", providers.Factory(
         DSV4Model, model_spec, dsv4_cfg, model_weights, dsv4_pools, backend))
     model = providers.Selector(model_kind, mla=mla_model, hybrid=mla_model, dsv4=dsv4_model)
@@ -426,7 +433,7 @@ class Container(containers.DeclarativeContainer):
     draft_weights = providers.Callable(_draft_weights, model, config.speculative.draft_layers)
     draft_model = _step(build_log, "draft_model", providers.Factory(
         MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, None, draft_weights,
-        shares_weights=True))
+        decoder_ops, shares_weights=True))
     draft_steps = providers.Singleton(DraftSteps, draft_model, draft_attention)
 
     # every attention backend the engine runs: the graph decision takes the minimum level over them

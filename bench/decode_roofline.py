@@ -1,7 +1,7 @@
 """Decode roofline: what a decode step must read, how long its kernels take, how long the GPU idles.
 
 ``python -m bench.decode_roofline [--preset h100_dsv3_tp8] [--batches 1 32 256] [--layers auto]
-[--overlap on off]``
+[--overlap on off] [--fused off auto] [--kernels]``
 
 Per (overlap mode, batch size), on a decode-heavy workload (every request prefilled at once, then decoded
 together under CUDA-graph replay):
@@ -15,7 +15,11 @@ together under CUDA-graph replay):
   final norm and LM head, one embedding row per request; with MoE the routed experts only, once the model
   reports them), KV read (every request's cached rows, every MLA layer) and KV written;
 * roofline us = bytes / copy bandwidth measured in the same run; ratio = roofline / kernel time;
-* kernels per layer: kernels in the window per step, divided by the layer count.
+* kernels per layer: kernels in the window per step, divided by the layer count;
+* ``--fused off auto``: ``model.fused`` values to measure (the unfused torch decoder and the fused kernels in
+  one run);
+* ``--kernels``: a per-kernel breakdown of the decode window (from the same profile's trace: kernel name,
+  launches per step and per layer, us per step, share of the kernel time), one table per row, top 40 by time.
 
 ``--layers auto`` fits the layer count to the GPU: weights and KV pool for the largest batch in 80% of the
 free memory, at most the model's full depth (DeepSeek-V3: 61). ``--quick``: batches 1 and 32, 8 layers,
@@ -46,7 +50,8 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 FULL_DEPTH = 61  # DeepSeek-V3
 
 
-def overrides(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str) -> list[str]:
+def overrides(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str,
+              fused: str = "auto") -> list[str]:
     pages = bs * -(-(prompt + out_len + 1) // 64) + 16
     fixed = lambda key, v: [f"{key}.dist=fixed", f"{key}.mean={v}", f"{key}.min={v}", f"{key}.max={v}"]  # noqa: E731
     return [
@@ -55,7 +60,7 @@ def overrides(preset: str, bs: int, layers: int, prompt: int, out_len: int, over
         *fixed("workload.prompt_len", prompt), *fixed("workload.output_len", out_len),
         "workload.chunked_prefill_size=8192", "workload.max_tokens_per_batch=16384",
         f"kv.num_pages={pages}", f"kv.max_requests={max(bs, 8)}", f"graph.batch_sizes=[{bs}]",
-        f"engine.overlap={overlap}",
+        f"engine.overlap={overlap}", f"model.fused={fused}",
     ]
 
 
@@ -119,14 +124,54 @@ def step_bytes(rt, bs: int, mean_len: float) -> dict:
             "kv_written": bs * row * mla_layers}
 
 
-def gpu_intervals(prof) -> list[tuple[float, float, str]]:
-    """(start us, end us, category) of every GPU activity in the profile, sorted."""
+def gpu_events(prof) -> list[tuple[float, float, str, str]]:
+    """(start us, end us, category, name) of every GPU activity in the profile, sorted."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.loads(Path(f.name).read_text())["traceEvents"]
-    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["cat"]) for e in events
+    out = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e["cat"], e.get("name", "?")) for e in events
            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     return sorted(out)
+
+
+def gpu_intervals(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, category) of every GPU activity in the profile, sorted."""
+    return [(s, e, c) for s, e, c, _ in gpu_events(prof)]
+
+
+def short_name(name: str, width: int = 70) -> str:
+    """A kernel's name without template arguments and parameter lists, clipped to ``width``."""
+    out, depth = [], 0
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    s = "".join(out).strip() or name
+    return s if len(s) <= width else s[: width - 1] + "~"
+
+
+def kernel_breakdown(events, lo: float, hi: float, steps: int, layers: int, top: int = 40) -> list[dict]:
+    """Kernels that start in [lo, hi), grouped by (short) name: launches per step and per layer, us per
+    step, share of the summed kernel time; the ``top`` by time, then one row for the rest."""
+    acc: dict[str, list[float]] = {}
+    for s, e, c, name in events:
+        if c == "kernel" and lo <= s < hi:
+            a = acc.setdefault(short_name(name), [0, 0.0])
+            a[0] += 1
+            a[1] += e - s
+    total = sum(t for _, t in acc.values()) or 1.0
+    rows = [{"kernel": k, "per_step": n / steps, "per_layer": n / steps / layers, "us_per_step": t / steps,
+             "share": t / total} for k, (n, t) in sorted(acc.items(), key=lambda kv: -kv[1][1])]
+    if len(rows) > top:
+        rest = rows[top:]
+        rows = rows[:top] + [{"kernel": f"({len(rest)} others)", "per_step": sum(r["per_step"] for r in rest),
+                              "per_layer": sum(r["per_layer"] for r in rest),
+                              "us_per_step": sum(r["us_per_step"] for r in rest),
+                              "share": sum(r["share"] for r in rest)}]
+    return rows
 
 
 def union_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> float:
@@ -143,15 +188,17 @@ def union_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> float:
     return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
 
-def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str) -> dict:
-    rt = build(compose_cfg(overrides(preset, bs, layers, prompt, out_len, overlap)))
+def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str, fused: str = "auto",
+            kernels: bool = False) -> dict:
+    rt = build(compose_cfg(overrides(preset, bs, layers, prompt, out_len, overlap, fused)))
     rt.engine.run(record_hidden=False)  # warm-up: capture, JIT, allocator caches
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         res = rt.engine.run(record_hidden=False)
     torch.cuda.synchronize()
     dec = [s for s in res.steps if s.phase == "decode" and s.batch_size == bs]
     span_us = dec[0].marks[0].elapsed_time(dec[-1].marks[1]) * 1e3
-    iv = gpu_intervals(prof)
+    ev = gpu_events(prof)
+    iv = [(s, e, c) for s, e, c, _ in ev]
     end = max(e for _, e, _ in iv)
     lo = end - span_us
     busy = union_us(iv, lo, end)
@@ -160,9 +207,11 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
     b = step_bytes(rt, bs, prompt + out_len / 2)
     total = sum(b.values())
     kernel_us = busy / n
-    out = {"overlap": overlap, "bs": bs, "layers": layers, "steps": n, "kernel_us": kernel_us,
+    out = {"overlap": overlap, "fused": fused, "bs": bs, "layers": layers, "steps": n, "kernel_us": kernel_us,
            "idle_us": (span_us - busy) / n, "period_us": span_us / n, **{f"{k}_bytes": v for k, v in b.items()},
            "bytes": total, "kernels_per_layer": kernels / n / layers, "graphed": sum(s.graphed for s in dec)}
+    if kernels:
+        out["breakdown"] = kernel_breakdown(ev, lo, end, n, layers)
     del rt, res, prof
     torch.cuda.empty_cache()
     return out
@@ -176,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--overlap", nargs="+", default=["on"], help="engine.overlap values to measure")
+    ap.add_argument("--fused", nargs="+", default=["auto"], help="model.fused values to measure (off auto on)")
+    ap.add_argument("--kernels", action="store_true", help="per-kernel breakdown of the decode window")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 32, 8 layers, 8 steps")
     return ap
 
@@ -187,20 +238,25 @@ def main(argv: list[str] | None = None) -> None:
     layers = (fit_layers(args.preset, max(args.batches), args.prompt, args.out_len) if args.layers == "auto"
               else int(args.layers))
     ceilings = measure_ceilings()
-    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov)
-            for ov in args.overlap for bs in args.batches]
+    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov, fu, args.kernels)
+            for fu in args.fused for ov in args.overlap for bs in args.batches]
+    breakdowns = [r.pop("breakdown") for r in rows if "breakdown" in r]
     for r in rows:
         r["roofline_us"] = r["bytes"] / (ceilings.copy_gbs * 1e3)
         r["ratio"] = r["roofline_us"] / r["kernel_us"]
         r["mb_per_step"] = r["bytes"] / 1e6
         r["idle_goal"] = "ok" if r["idle_us"] <= 30 else "MISS"
-    cols = ["overlap", "bs", "kernel_us", "idle_us", "mb_per_step", "roofline_us", "ratio", "kernels_per_layer",
+    cols = ["fused", "overlap", "bs", "kernel_us", "idle_us", "mb_per_step", "roofline_us", "ratio", "kernels_per_layer",
             "idle_goal"]
     fmt = {"kernel_us": ".1f", "idle_us": ".1f", "mb_per_step": ".1f", "roofline_us": ".1f", "ratio": ".2f",
            "kernels_per_layer": ".1f"}
     title = (f"decode roofline: {args.preset}, {layers} layers, prompt {args.prompt}, {args.out_len} steps, "
              "CUDA graphs; roofline = bytes / copy bandwidth")
-    report("decode_roofline", ceilings, Table(rows, title, cols, fmt),
+    tables = [Table(b, f"kernels of the decode window: fused={r['fused']} overlap={r['overlap']} bs={r['bs']}, "
+                       f"{layers} layers", ["kernel", "per_step", "per_layer", "us_per_step", "share"],
+                    {"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"}, name="kernels")
+              for r, b in zip(rows, breakdowns)]
+    report("decode_roofline", ceilings, tables + [Table(rows, title, cols, fmt, name="roofline")],
            meta={"preset": args.preset, "layers": layers, "prompt": args.prompt, "out_len": args.out_len})
 
 

@@ -26,6 +26,7 @@ from runtime.core.errors import Problem
 from runtime.core.model_spec import DSV4_MODEL_TYPE, TORCH_DTYPES
 from runtime.engine.prompts import capped, check_workload
 from runtime.engine.workload import RequestSpec
+from runtime.model.deepseek.ops import ops_problems
 
 FLASHINFER_WORKSPACE = "flashinfer_float"
 
@@ -87,6 +88,11 @@ def validate(
                                     f"(model_type {model.get('model_type')})", "model.v4 only for a DeepSeek-V4 model",
                                     "drop the model.v4 overrides"))
         problems += _model_problems(model, name, caps)
+        fused = str(model.get("fused", "auto"))
+        for reason in ops_problems(fused, device, TORCH_DTYPES[str(model["dtype"])]):
+            add(Problem(f"model.fused={fused}", f"device {device.kind} ({device.name}), model.dtype={model['dtype']}",
+                        f"the fused decoder kernels' requirement: {reason}",
+                        "use model.fused=auto (fused where supported, torch elsewhere) or model.fused=off"))
         if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
             problems += _linear_problems(cfg, linear_backend, device, package_present)
         if cfg["hisparse"]["enabled"]:

@@ -53,6 +53,14 @@ class TopkMethod(str, enum.Enum):
     noaux_tc = "noaux_tc"  # V3: top-k within the topk_group groups of highest top-2 sum (bias-corrected scores)
 
 
+class FusedMode(str, enum.Enum):
+    """Which decoder-layer ops a model runs (:mod:`runtime.model.deepseek.ops`)."""
+
+    auto = "auto"  # the fused Triton kernels where the device supports them (FusedOps.capabilities), else torch
+    on = "on"  # the fused kernels; a device without support is refused at validation
+    off = "off"  # the unfused torch ops (the reference path; the CPU always takes it under auto)
+
+
 class RopeType(str, enum.Enum):
     default = "default"
     yarn = "yarn"
@@ -283,6 +291,7 @@ class ModelConfig:
     eos_token_id: list[int] | None = None
     weight_seed: int = 1234
     v4: DSV4ModelConfig | None = None  # DeepSeek-V4 (model_type deepseek_v4): its own attention, mHC and MoE
+    fused: FusedMode = FusedMode.auto  # decoder ops: fused Triton kernels (auto: where the device supports them)
 
 
 # Values of the optional model fields when neither the preset nor a checkpoint sets them.

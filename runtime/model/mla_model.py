@@ -2,8 +2,11 @@
 
 Each layer: ``x + attn(norm(x))`` (MLA, :mod:`runtime.model.deepseek.attention`; or a linear-attention layer
 in hybrid models), then, unless the layer is attention-only (``model.mlp=none``), ``x + mlp(norm(x))`` with
-the dense SwiGLU MLP or the MoE (:mod:`runtime.model.deepseek.moe`). The weights are injected: seeded random
-(presets) or loaded from a Hugging Face folder (:mod:`runtime.model.deepseek.checkpoint`).
+the dense SwiGLU MLP or the MoE (:mod:`runtime.model.deepseek.moe`). Each residual add is done together with
+the norm that follows it (``ops.add_rms_norm``: the next sublayer's input norm, or the final norm). The weights
+are injected: seeded random (presets) or loaded from a Hugging Face folder
+(:mod:`runtime.model.deepseek.checkpoint`); so are the small ops (:mod:`runtime.model.deepseek.ops`: fused
+Triton kernels or torch, by ``model.fused``).
 """
 
 from __future__ import annotations
@@ -17,12 +20,11 @@ from runtime.core.config import LayerKind
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.model.deepseek.attention import MLAAttention, linear_attention
-from runtime.model.deepseek.mlp import dense_mlp
-from runtime.model.deepseek.moe import grouped_mm_usable, moe
+from runtime.model.deepseek.moe import grouped_mm_usable
+from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.rope import rope_tables
 from runtime.model.deepseek.weights import ModelWeights
 from runtime.model.dump import AttentionDumper
-from runtime.model.layers import rms_norm
 
 
 class MLAModel:
@@ -41,6 +43,8 @@ class MLAModel:
         The sparse backend's hooks, for sparse layers (stores their indexer keys, runs their decode).
     weights : ModelWeights
         ``spec.num_layers`` layers of weights (seeded random, loaded, or the target's first layers for a draft).
+    ops : TorchOps or FusedOps
+        The decoder's small ops (``model.fused`` and the device's capabilities chose the class).
     shares_weights : bool
         True for the speculative draft, whose weights are the target's (its weight bytes count 0).
     """
@@ -55,6 +59,7 @@ class MLAModel:
         dumper: AttentionDumper | None,
         sparse: SparseDecode | None,
         weights: ModelWeights,
+        ops: TorchOps | FusedOps,
         shares_weights: bool = False,
     ):
         if len(weights.layers) != spec.num_layers:
@@ -62,11 +67,11 @@ class MLAModel:
                              "layers. Fix: derive a draft's weights with ModelWeights.first(n).")
         self.spec, self.device, self.kv_pool = spec, device, kv_pool
         self.backend, self.mha_prefill, self.dumper, self.sparse = backend, mha_prefill, dumper, sparse
-        self.weights, self.shares_weights = weights, shares_weights
+        self.weights, self.shares_weights, self.ops = weights, shares_weights, ops
         self.layers = weights.layers
         dump_layer = spec.full_layers[0] if spec.full_layers and dumper is not None else -1
         self.dump_layer = dump_layer
-        self.attention = MLAAttention(spec, kv_pool, backend, mha_prefill, dumper, sparse, dump_layer)
+        self.attention = MLAAttention(spec, kv_pool, backend, mha_prefill, dumper, sparse, dump_layer, ops)
         self.rope_cos, self.rope_sin = rope_tables(spec, device)
         self.grouped_mm = spec.has_moe and grouped_mm_usable(
             device, spec.dtype, (spec.hidden_size, spec.moe_intermediate_size))
@@ -79,21 +84,25 @@ class MLAModel:
     # -------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] int64 -> final-normed hidden states [T, hidden] in the model dtype."""
-        s = self.spec
+        s, ops, eps = self.spec, self.ops, self.spec.rms_norm_eps
         x = self.weights.embed[input_ids]
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         use_mha = batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None
+        delta = None  # the last sublayer's output, added to the residual stream x by the next add_rms_norm
         for layer_id, (kind, mkind, lw) in enumerate(zip(s.layer_kinds, s.mlp_kinds, self.layers)):
             if kind == LayerKind.linear:
-                x = x + linear_attention(s, self.backend, layer_id, lw.attn, x, batch)
+                x = x if delta is None else x + delta
+                delta = linear_attention(s, self.backend, layer_id, lw.attn, x, batch)
             else:
-                xn = rms_norm(x, lw.attn.attn_norm, s.rms_norm_eps)
-                x = x + self.attention.forward(layer_id, lw.attn, xn, cos, sin, batch, use_mha)
+                x, xn = ops.add_rms_norm(x, delta, lw.attn.attn_norm, eps)
+                delta = self.attention.forward(layer_id, lw.attn, xn, cos, sin, batch, use_mha)
             if mkind == MLPLayer.dense:
-                x = x + dense_mlp(lw.mlp, rms_norm(x, lw.mlp_norm, s.rms_norm_eps))
+                x, xn = ops.add_rms_norm(x, delta, lw.mlp_norm, eps)
+                delta = ops.dense_mlp(lw.mlp, xn)
             elif mkind == MLPLayer.moe:
-                x = x + moe(s, lw.mlp, rms_norm(x, lw.mlp_norm, s.rms_norm_eps), self.grouped_mm)
-        return rms_norm(x, self.weights.final_norm, s.rms_norm_eps)
+                x, xn = ops.add_rms_norm(x, delta, lw.mlp_norm, eps)
+                delta = ops.moe(s, lw.mlp, xn, self.grouped_mm)
+        return ops.add_rms_norm(x, delta, self.weights.final_norm, eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""

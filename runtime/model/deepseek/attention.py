@@ -1,9 +1,11 @@
 """MLA attention of one DeepSeek layer over the injected backend, and the linear-attention layer of hybrids.
 
-MLA per layer: q from the normed hidden state (``q_proj``, or q LoRA ``q_a_proj`` -> RMSNorm -> ``q_b_proj``),
-``kv_a_proj_with_mqa`` to the latent (kv_lora_rank) plus the rope key, RMSNorm on the latent, RoPE on the rope
-dims (interleaved or half-split, :mod:`runtime.model.deepseek.rope`), the latent row written to the KV pool.
-Decode takes the absorbed path (``W_UK`` of ``kv_b_proj`` folded into q; ``W_UV`` applied to the latent output);
+MLA per layer: one GEMM of the normed hidden state with ``qkv_a`` (``q_a_proj`` and ``kv_a_proj_with_mqa``
+concatenated), then q (q LoRA: RMSNorm -> ``q_b_proj``; else ``q_proj``), RMSNorm on the latent (kv_lora_rank),
+RoPE on the rope dims (interleaved or half-split, :mod:`runtime.model.deepseek.rope`), the latent row written to
+the KV pool; the small ops come from the injected :mod:`runtime.model.deepseek.ops` (fused kernels or torch).
+Decode takes the absorbed path (``W_UK`` of ``kv_b_proj`` folded into q; ``W_UV`` applied to the latent output,
+each one batched matmul over the heads, written where the next op reads it);
 prefill takes the MHA chunked-prefix path when a :class:`MHAChunkPrefill` hook is injected, the absorbed path
 otherwise. Sparse layers (V3.2) also compute the indexer's q, k and head weights and hand them to the sparse
 backend's hooks.
@@ -18,7 +20,7 @@ from backends.base import AttentionBackend, MHAChunkPrefill, SparseDecode
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import ModelSpec
-from runtime.model.deepseek.rope import apply_rope
+from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.weights import AttentionWeights, LinearLayerWeights
 from runtime.model.dump import AttentionDumper
 from runtime.model.indexer import indexer_projections
@@ -40,36 +42,27 @@ class MLAAttention:
         The sparse backend's hooks, for sparse layers.
     dump_layer : int
         The layer whose attention inputs/outputs the dumper saves (-1: none).
+    ops : TorchOps or FusedOps
+        The small ops (norms, RoPE, the latent write).
     """
 
     def __init__(self, spec: ModelSpec, kv_pool: MLAKVPool, backend: AttentionBackend,
                  mha_prefill: MHAChunkPrefill | None, dumper: AttentionDumper | None, sparse: SparseDecode | None,
-                 dump_layer: int):
+                 dump_layer: int, ops: TorchOps | FusedOps):
         self.spec, self.kv_pool, self.backend = spec, kv_pool, backend
         self.mha_prefill, self.dumper, self.sparse, self.dump_layer = mha_prefill, dumper, sparse, dump_layer
-
-    def queries(self, lw: AttentionWeights, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """xn [T, D] -> (q_in [T, q_lora or D] the query latent, q [T, H, qk_head] before RoPE)."""
-        s = self.spec
-        q_in = rms_norm(F.linear(xn, lw.q_a), lw.q_a_norm, s.rms_norm_eps) if lw.q_a is not None else xn
-        return q_in, F.linear(q_in, lw.q_b).view(xn.shape[0], s.num_heads, s.qk_head_dim)
-
-    def latent(self, lw: AttentionWeights, xn: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-        """xn [T, D] -> (ckv [T, kv_lora] normed latent, kpe [T, rope] rotated rope key)."""
-        s = self.spec
-        kv = F.linear(xn, lw.kv_a)
-        ckv = rms_norm(kv[:, : s.kv_lora_rank], lw.kv_a_norm, s.rms_norm_eps)
-        return ckv, apply_rope(s, kv[:, s.kv_lora_rank :], cos, sin)
+        self.ops = ops
 
     def forward(self, layer_id: int, lw: AttentionWeights, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, use_mha: bool) -> torch.Tensor:
         """xn [T, D] normed hidden states -> attention output [T, D] (before the residual add)."""
-        s = self.spec
-        t, h = xn.shape[0], s.num_heads
-        q_in, q = self.queries(lw, xn)
-        q_nope, q_pe = q[..., : s.qk_nope_head_dim], apply_rope(s, q[..., s.qk_nope_head_dim :], cos, sin)
-        ckv, kpe = self.latent(lw, xn, cos, sin)
-        self.kv_pool.write(layer_id, batch.out_cache_loc, ckv, kpe)
+        s, ops = self.spec, self.ops
+        t, h, ql = xn.shape[0], s.num_heads, lw.q_lora
+        qkv = F.linear(xn, lw.qkv_a)  # [T, q_lora + kv_lora + rope]
+        q_in = ops.rms_norm(qkv[:, :ql], lw.q_a_norm, s.rms_norm_eps) if ql else xn
+        q = F.linear(q_in, lw.q_b).view(t, h, s.qk_head_dim)
+        q_nope, q_pe = ops.rope_q(s, q, cos, sin)
+        ckv, kpe = ops.latent(s, self.kv_pool, layer_id, batch.out_cache_loc, qkv[:, ql:], lw.kv_a_norm, cos, sin)
         index = None
         if lw.indexer is not None:  # sparse layer: the backend keeps its indexer keys (and, with HiSparse, its KV)
             index = indexer_projections(lw.indexer, s, xn, q_in, cos, sin)
@@ -79,7 +72,8 @@ class MLAAttention:
         if use_mha:
             o = self._mha_prefill(layer_id, lw, q_nope, q_pe, ckv, kpe, batch)
         else:
-            q_abs = torch.einsum("thd,hdc->thc", q_nope, lw.w_uk)
+            q_abs = torch.empty(t, h, s.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
+            torch.bmm(q_nope.transpose(0, 1), lw.w_uk, out=q_abs.transpose(0, 1))
             fwd = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
             if sparse_decode:
                 o_lat = self.sparse.forward_sparse_decode(q_abs, q_pe, index[0], index[2], layer_id, batch)
@@ -87,7 +81,8 @@ class MLAAttention:
                 o_lat = fwd(q_abs, q_pe, layer_id, batch)
             if not sparse_decode and layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
                 self.dumper.save_absorbed(layer_id, batch, self.kv_pool, q_abs, q_pe, o_lat, s.kv_lora_rank, s.sm_scale)
-            o = torch.einsum("thc,hcd->thd", o_lat, lw.w_uv)
+            o = torch.empty(t, h, s.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
+            torch.bmm(o_lat.transpose(0, 1), lw.w_uv, out=o.transpose(0, 1))
         return F.linear(o.reshape(t, h * s.v_head_dim), lw.o)
 
     def decompress(self, lw: AttentionWeights, ckv: torch.Tensor, kpe: torch.Tensor):

@@ -304,7 +304,7 @@ def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, tor
             indexer = IndexerWeights(wq_b=g[f"{x}.wq_b.weight"], wk=g[f"{x}.wk.weight"],
                                      k_norm_weight=g[f"{x}.k_norm.weight"], k_norm_bias=g[f"{x}.k_norm.bias"],
                                      weights_proj=g[f"{x}.weights_proj.weight"])
-        attn = AttentionWeights(
+        attn = AttentionWeights.of(
             attn_norm=g[f"{p}.input_layernorm.weight"],
             q_a=g.get(f"{a}.q_a_proj.weight"), q_a_norm=g.get(f"{a}.q_a_layernorm.weight"),
             q_b=g[f"{a}.q_b_proj.weight"] if s.q_lora_rank else g[f"{a}.q_proj.weight"],

@@ -2,7 +2,9 @@
 
 Linear weights keep the Hugging Face layout ``[out, in]`` (applied with ``F.linear``), so a checkpoint's
 tensors are used as they are stored. ``kv_b_proj`` is split at load into ``w_uk`` [H, qk_nope, kv_lora] and
-``w_uv`` [H, kv_lora, v_head] for the absorbed path.
+``w_uv`` [H, kv_lora, v_head] for the absorbed path. ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both read the
+normed hidden state) are concatenated once, at load or random init, into ``qkv_a``: one GEMM per layer
+(:meth:`AttentionWeights.of`); ``q_a`` and ``kv_a`` are views of it.
 
 Random initialisation: normal weights scaled by 1/sqrt(fan_in); the projections that write into the residual
 stream (attention output, MLP down) are scaled by a further 1/sqrt(2 * num_layers) (the GPT-2 / Megatron
@@ -35,18 +37,40 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 @dataclass
 class AttentionWeights:
-    """One MLA layer (attention half of a decoder layer)."""
+    """One MLA layer (attention half of a decoder layer). Build it with :meth:`of` (which fuses q_a and kv_a)."""
 
     attn_norm: torch.Tensor  # [D]
-    q_a: torch.Tensor | None  # [q_lora, D] (q LoRA) or None
+    qkv_a: torch.Tensor  # [q_lora + kv_lora + rope, D]: q_a_proj rows (q LoRA only), then kv_a_proj_with_mqa rows
     q_a_norm: torch.Tensor | None  # [q_lora]
     q_b: torch.Tensor  # [H * qk_head, q_in]   (q_in = q_lora or D; q_proj without q LoRA)
-    kv_a: torch.Tensor  # [kv_lora + rope, D]   (kv_a_proj_with_mqa)
     kv_a_norm: torch.Tensor  # [kv_lora]
     w_uk: torch.Tensor  # [H, qk_nope, kv_lora]   (kv_b's key half)
     w_uv: torch.Tensor  # [H, kv_lora, v_head]    (kv_b's value half, transposed)
     o: torch.Tensor  # [D, H * v_head]
     indexer: IndexerWeights | None = None  # sparse layers (DeepSeek-V3.2)
+
+    @classmethod
+    def of(cls, attn_norm, q_a: torch.Tensor | None, q_a_norm, q_b, kv_a: torch.Tensor, kv_a_norm, w_uk, w_uv, o,
+           indexer: IndexerWeights | None = None) -> AttentionWeights:
+        """The layer's weights from the checkpoint's separate projections: q_a [q_lora, D] (None without q
+        LoRA) and kv_a [kv_lora + rope, D] concatenated once into ``qkv_a``."""
+        qkv_a = kv_a if q_a is None else torch.cat([q_a, kv_a], dim=0)
+        return cls(attn_norm, qkv_a, q_a_norm, q_b, kv_a_norm, w_uk, w_uv, o, indexer)
+
+    @property
+    def q_lora(self) -> int:
+        """q LoRA rank (0 without q LoRA): the rows of ``qkv_a`` that are q_a_proj."""
+        return 0 if self.q_a_norm is None else self.q_a_norm.shape[0]
+
+    @property
+    def q_a(self) -> torch.Tensor | None:
+        """[q_lora, D] view of ``qkv_a`` (None without q LoRA)."""
+        return self.qkv_a[: self.q_lora] if self.q_lora else None
+
+    @property
+    def kv_a(self) -> torch.Tensor:
+        """[kv_lora + rope, D] view of ``qkv_a`` (kv_a_proj_with_mqa)."""
+        return self.qkv_a[self.q_lora :]
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -169,7 +193,7 @@ def random_weights(spec: ModelSpec, device: torch.device) -> ModelWeights:
         else:
             q_in = s.q_lora_rank or d
             w_uk, w_uv = split_kv_b(w(h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, fan_in=s.kv_lora_rank), s)
-            attn = AttentionWeights(
+            attn = AttentionWeights.of(
                 attn_norm=ones(d),
                 q_a=w(s.q_lora_rank, d, fan_in=d) if s.q_lora_rank else None,
                 q_a_norm=ones(s.q_lora_rank) if s.q_lora_rank else None,

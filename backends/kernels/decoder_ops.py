@@ -1,0 +1,157 @@
+"""Launchers of the fused decoder-layer kernels (:mod:`backends.kernels.decoder_kernels`).
+
+CUDA-graph safe: outputs are allocated with ``torch.empty`` (the graph's pool), grids come from shapes, no host
+sync. Each launcher's torch equivalent is the unfused path in :mod:`runtime.model.deepseek.ops` (``TorchOps``),
+which the GPU tests compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from backends.kernels import decoder_kernels as k
+from backends.kernels.checks import require
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta) * weight) in one pass; delta None: (x, RMSNorm(x) * weight).
+
+    x, delta [T, D] (rows may be strided, the last dim contiguous), weight [D], all in one dtype ->
+    (residual [T, D] (x itself when delta is None), normed [T, D]) contiguous, in x's dtype.
+    """
+    t, d = x.shape
+    require(x.stride(-1) == 1 and weight.shape == (d,) and weight.dtype == x.dtype,
+            f"x [T, D] with a contiguous last dim and weight [D] of x's dtype; got x {tuple(x.shape)} "
+            f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if delta is None:
+        r, dd, has = x, x, False
+    else:
+        require(delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(-1) == 1,
+                f"delta of x's shape and dtype; got {tuple(delta.shape)} {delta.dtype}")
+        r, dd, has = torch.empty_like(y), delta, True
+    if t:
+        block = _pow2(d)
+        k._rms_norm_kernel[(t,)](x, dd, weight, r, y, x.stride(0), dd.stride(0), r.stride(0), y.stride(0), d,
+                                 float(eps), HAS_DELTA=has, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return r, y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight: x [T, D] (rows may be strided) -> [T, D] contiguous."""
+    return add_rms_norm(x, None, weight, eps)[1]
+
+
+def latent_rope_write(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      slots: torch.Tensor | None, cache: torch.Tensor | None, eps: float, interleave: bool) -> None:
+    """The new latent rows, in place: RMSNorm of ``kv[:, :C]`` (times weight), RoPE of ``kv[:, C:]``, each row
+    also stored at its slot of the cache.
+
+    kv [T, C + R] (the kv_a_proj_with_mqa output; rows may be strided); weight [C]; cos, sin [T, R/2] float32;
+    slots [T] int64; cache [num_slots, C + R] (contiguous rows) or None (no write).
+    """
+    t, row = kv.shape
+    c = weight.shape[0]
+    half = (row - c) // 2
+    require(kv.stride(-1) == 1 and weight.dtype == kv.dtype and cos.shape == (t, half) and sin.shape == (t, half)
+            and cos.stride(0) == sin.stride(0) and cos.stride(-1) == 1,
+            f"kv [T, C + R], weight [C] of kv's dtype, cos/sin [T, R/2]; got kv {tuple(kv.shape)} {kv.dtype}, "
+            f"weight {tuple(weight.shape)} {weight.dtype}, cos {tuple(cos.shape)}")
+    write = cache is not None
+    if write:
+        require(cache.shape[-1] == row and cache.stride(-1) == 1 and slots.shape == (t,),
+                f"cache [slots, {row}] and slots [T]; got cache {tuple(cache.shape)}, slots {tuple(slots.shape)}")
+    if t:
+        k._latent_kernel[(t,)](kv, weight, cos, sin, slots if write else kv, cache if write else kv, kv.stride(0),
+                               cos.stride(0), cache.stride(0) if write else 0, float(eps), C=c, HALF=half,
+                               BLOCK_C=_pow2(c), BLOCK_J=_pow2(half), INTERLEAVE=bool(interleave),
+                               WRITE_CACHE=write, num_warps=4)
+
+
+def rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int, interleave: bool) -> None:
+    """RoPE on ``q[..., nope:]`` in place. q [T, H, nope + R] (last dim contiguous); cos, sin [T, R/2] float32."""
+    t, h, dim = q.shape
+    half = (dim - nope) // 2
+    require(q.stride(-1) == 1 and cos.shape == (t, half) and cos.stride(0) == sin.stride(0),
+            f"q [T, H, nope + R] with a contiguous last dim and cos/sin [T, R/2]; got q {tuple(q.shape)}, "
+            f"cos {tuple(cos.shape)}")
+    if t:
+        k._rope_q_kernel[(t,)](q, cos, sin, q.stride(0), q.stride(1), cos.stride(0), h, NOPE=nope, HALF=half,
+                               BLOCK_H=_pow2(h), BLOCK_J=_pow2(half), INTERLEAVE=bool(interleave), num_warps=4)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] (gate, then up; rows may be strided) -> silu(gate) * up [N, I]."""
+    n, two_i = x.shape
+    inter = two_i // 2
+    require(x.stride(-1) == 1 and two_i % 2 == 0, f"x [N, 2I] with a contiguous last dim; got {tuple(x.shape)}")
+    y = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    if n:
+        block = min(1024, _pow2(inter))
+        k._silu_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
+                                                           num_warps=4)
+    return y
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, n_group: int, topk_group: int, top_k: int,
+                  norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 noaux_tc routing in one kernel: logits [T, E] float32, bias [E] float32 or None ->
+    (weights [T, k] float32, expert ids [T, k] int64), as ``runtime.model.deepseek.moe.route``."""
+    t, e = logits.shape
+    per = e // n_group
+    require(logits.dtype == torch.float32 and logits.stride(-1) == 1 and e % n_group == 0 and top_k <= e,
+            f"float32 logits [T, E] with E divisible by n_group and top_k <= E; got {tuple(logits.shape)} "
+            f"{logits.dtype}, n_group {n_group}, top_k {top_k}")
+    w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        k._route_sigmoid_kernel[(t,)](logits, bias if bias is not None else logits, w, ids, logits.stride(0),
+                                      float(scale), G=n_group, PER=per, TOPK_GROUP=topk_group, K=top_k,
+                                      BLOCK_G=_pow2(n_group), BLOCK_P=_pow2(per), BLOCK_K=_pow2(top_k),
+                                      HAS_BIAS=bias is not None, NORM=bool(norm), TOP2=per >= 2,
+                                      num_warps=1)  # one warp: the 2K reductions stay in registers (shuffles)
+    return w, ids
+
+
+def moe_dispatch(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert, stably: ids [T, k] int64 ->
+    (tokens [T*k] int64: the token of each sorted position, inv [T*k] int64: each pair's sorted position,
+    offsets [E] int32: inclusive cumulative rows per expert)."""
+    t, top_k = ids.shape
+    n = t * top_k
+    require(ids.is_contiguous(), f"contiguous ids [T, k]; got strides {ids.stride()}")
+    tokens = torch.empty(n, dtype=torch.int64, device=ids.device)
+    inv = torch.empty(n, dtype=torch.int64, device=ids.device)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    block_i = 64 if n <= 1024 else 128
+    k._moe_dispatch_kernel[(max(1, triton.cdiv(n, block_i)),)](ids, tokens, inv, offs, n, num_experts, K=top_k,
+                                                                BLOCK_I=block_i, BLOCK_J=64,
+                                                                BLOCK_E=_pow2(num_experts), num_warps=4)
+    return tokens, inv, offs
+
+
+def moe_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """Per token the weighted sum of its k expert rows (float32, slot order), rounded to ``dtype``, plus the
+    shared experts' output. y [T*k, D] (sorted by expert); inv [T*k]; weights [T, k] float32; shared [T, D] or
+    None -> [T, D] in ``dtype``."""
+    t, top_k = weights.shape
+    d = y.shape[1]
+    require(y.stride(-1) == 1 and weights.is_contiguous() and inv.shape == (t * top_k,)
+            and (shared is None or (shared.shape == (t, d) and shared.stride(-1) == 1)),
+            f"y [T*k, D], inv [T*k], weights [T, k], shared [T, D]; got y {tuple(y.shape)}, inv "
+            f"{tuple(inv.shape)}, weights {tuple(weights.shape)}")
+    out = torch.empty(t, d, dtype=dtype, device=y.device)
+    if t:
+        block = min(1024, _pow2(d))
+        k._moe_combine_kernel[(t, triton.cdiv(d, block))](
+            y, inv, weights, shared if shared is not None else y, out, d, y.stride(0),
+            shared.stride(0) if shared is not None else 0, out.stride(0), K=top_k, HAS_SHARED=shared is not None,
+            BLOCK_D=block, num_warps=4)
+    return out

@@ -1,0 +1,179 @@
+"""The decoder layer's small ops in two implementations, chosen by ``model.fused`` and the device's capabilities.
+
+* :class:`TorchOps`: the unfused torch ops (the reference: the CPU, and ``model.fused=off``).
+* :class:`FusedOps`: one Triton kernel per op (:mod:`backends.kernels.decoder_ops`): residual add + RMSNorm
+  (two outputs), RMSNorm, kv_a_layernorm + RoPE of the rope key + the paged KV-cache write, RoPE of the query's
+  rope dims in place, SiLU * up, and for the MoE: V3 (sigmoid, noaux_tc) routing, the expert grouping (a stable
+  counting sort with the grouped GEMM's offsets) and the weighted combine plus the shared experts.
+  Where a kernel does not apply (an fp8 KV cache: the torch write counts clipped values; softmax routing; MoE
+  without ``torch._grouped_mm``) the op takes the torch path for that case.
+
+Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
+``model.fused`` (``auto|on|off``) and the classes' :class:`OpsCapabilities`, never from a type check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from runtime.core.device import DeviceInfo
+from runtime.core.kv_pool import MLAKVPool
+from runtime.core.model_spec import ModelSpec
+from runtime.model.deepseek.mlp import swiglu
+from runtime.model.deepseek.moe import moe as torch_moe
+from runtime.model.deepseek.moe import route
+from runtime.model.deepseek.rope import apply_rope
+from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
+from runtime.model.layers import rms_norm
+
+
+@dataclass(frozen=True)
+class OpsCapabilities:
+    """Where an ops implementation runs: device kinds, the least CUDA compute capability, model dtypes."""
+
+    devices: tuple[str, ...]
+    min_compute_capability: tuple[int, int] | None
+    dtypes: tuple[torch.dtype, ...]
+
+    def problems(self, device: DeviceInfo, dtype: torch.dtype) -> list[str]:
+        """Why this implementation cannot run on ``device`` with ``dtype`` (empty: it can)."""
+        out = []
+        if device.kind not in self.devices:
+            out.append(f"a device in {list(self.devices)} (got {device.kind})")
+        elif device.kind == "cuda" and self.min_compute_capability is not None and device.compute_capability \
+                is not None and device.compute_capability < self.min_compute_capability:
+            cc, need = device.compute_capability, self.min_compute_capability
+            out.append(f"compute capability >= {need[0]}.{need[1]} (got {cc[0]}.{cc[1]} on {device.name})")
+        if dtype not in self.dtypes:
+            out.append(f"model.dtype in {[str(d).removeprefix('torch.') for d in self.dtypes]} (got "
+                       f"{str(dtype).removeprefix('torch.')})")
+        return out
+
+
+class TorchOps:
+    """The unfused torch ops (the reference path)."""
+
+    name: ClassVar[str] = "torch"
+    capabilities: ClassVar[OpsCapabilities] = OpsCapabilities(
+        ("cpu", "cuda"), None, (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm(x + delta) * weight); delta None: (x, RMSNorm(x) * weight). [T, D] each."""
+        if delta is not None:
+            x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def rope_q(self, spec: ModelSpec, q: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, qk_head] -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated)."""
+        n = spec.qk_nope_head_dim
+        return q[..., :n], apply_rope(spec, q[..., n:], cos, sin)
+
+    def latent(self, spec: ModelSpec, kv_pool: MLAKVPool, layer_id: int, slots: torch.Tensor, kv: torch.Tensor,
+               weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv [T, kv_lora + rope] (kv_a_proj_with_mqa output) -> (ckv [T, kv_lora] normed, kpe [T, rope]
+        rotated), both written to the pool at ``slots`` [T]."""
+        c = spec.kv_lora_rank
+        ckv = rms_norm(kv[:, :c], weight, spec.rms_norm_eps)
+        kpe = apply_rope(spec, kv[:, c:], cos, sin)
+        kv_pool.write(layer_id, slots, ckv, kpe)
+        return ckv, kpe
+
+    def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
+        """[N, 2I] (gate, up) -> silu(gate) * up [N, I]."""
+        return swiglu(h)
+
+    def dense_mlp(self, w: DenseMLPWeights, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> down(silu(gate x) * up x) [T, D]."""
+        return F.linear(self.silu_mul(F.linear(x, w.gate_up)), w.down)
+
+    def moe(self, spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
+        """x [T, D] -> routed + shared experts [T, D] in x's dtype."""
+        return torch_moe(spec, w, x, grouped_mm)
+
+
+class FusedOps:
+    """The same ops as fused Triton kernels (CUDA); see the module docstring for the cases that stay torch."""
+
+    name: ClassVar[str] = "fused"
+    capabilities: ClassVar[OpsCapabilities] = OpsCapabilities(
+        ("cuda",), (8, 0), (torch.float32, torch.bfloat16, torch.float16))
+
+    def __init__(self):
+        from backends.kernels import decoder_ops  # imports triton: only where the fused ops are built
+
+        self.k = decoder_ops
+        self.torch = TorchOps()
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        return self.k.add_rms_norm(x, delta, weight, eps)
+
+    def rms_norm(self, x, weight, eps):
+        return self.k.rms_norm(x, weight, eps)
+
+    def rope_q(self, spec, q, cos, sin):
+        n = spec.qk_nope_head_dim
+        self.k.rope_q_(q, cos, sin, n, spec.rope_interleave)
+        return q[..., :n], q[..., n:]
+
+    def latent(self, spec, kv_pool, layer_id, slots, kv, weight, cos, sin):
+        if kv_pool.quantized:  # the torch write quantizes and counts clipped values
+            return self.torch.latent(spec, kv_pool, layer_id, slots, kv, weight, cos, sin)
+        c = spec.kv_lora_rank
+        self.k.latent_rope_write(kv, weight, cos, sin, slots, kv_pool.flat(layer_id), spec.rms_norm_eps,
+                                 spec.rope_interleave)
+        return kv[:, :c], kv[:, c:]
+
+    def silu_mul(self, h):
+        return self.k.silu_mul(h)
+
+    def dense_mlp(self, w, x):
+        return F.linear(self.silu_mul(F.linear(x, w.gate_up)), w.down)
+
+    def moe(self, spec, w, x, grouped_mm):
+        if not grouped_mm:  # the per-expert loop (host sync) stays torch
+            return self.torch.moe(spec, w, x, grouped_mm)
+        if spec.scoring_func == "sigmoid":
+            logits = F.linear(x.float(), w.gate.float())
+            weights, ids = self.k.route_sigmoid(logits, w.bias, spec.n_group, spec.topk_group,
+                                                spec.num_experts_per_tok, spec.norm_topk_prob,
+                                                spec.routed_scaling_factor)
+        else:
+            weights, ids = route(spec, w, x)
+        tokens, inv, offsets = self.k.moe_dispatch(ids, w.gate_up.shape[0])
+        xs = x[tokens]
+        h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
+        y = torch._grouped_mm(self.silu_mul(h), w.down.transpose(1, 2), offs=offsets)
+        shared = self.dense_mlp(w.shared, x) if w.shared is not None else None
+        return self.k.moe_combine(y, inv, weights, shared, x.dtype)
+
+
+#: ``model.fused`` -> the implementations it may pick, in order of preference.
+_CANDIDATES = {"auto": (FusedOps, TorchOps), "on": (FusedOps,), "off": (TorchOps,)}
+
+
+def ops_problems(mode: str, device: DeviceInfo, dtype: torch.dtype) -> list[str]:
+    """Why ``model.fused=mode`` cannot run here (empty: it can): the reasons of its only candidate."""
+    cands = _CANDIDATES[str(mode)]
+    return cands[0].capabilities.problems(device, dtype) if len(cands) == 1 else []
+
+
+def select_ops(mode: str, device: DeviceInfo, dtype: torch.dtype) -> str:
+    """The name of the ops class ``model.fused=mode`` takes on ``device`` with ``dtype``: the first candidate
+    whose capabilities allow it (validation refused a mode with none)."""
+    for cls in _CANDIDATES[str(mode)]:
+        if not cls.capabilities.problems(device, dtype):
+            return cls.name
+    raise ValueError(f"model.fused={mode}: got {device.kind} / {dtype}; expected "
+                     f"{'; '.join(ops_problems(mode, device, dtype))}. Fix: model.fused=auto")
+
+
+OPS = {cls.name: cls for cls in (TorchOps, FusedOps)}

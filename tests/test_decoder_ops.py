@@ -1,0 +1,223 @@
+"""The fused decoder kernels (FusedOps, backends/kernels/decoder_ops.py) against the unfused torch ops (TorchOps).
+
+On the CPU the kernels run in Triton's interpreter at tiny sizes (float32); the ``gpu`` tests run them compiled
+at DeepSeek-V3 TP8 sizes in bfloat16 on odd row counts (1, 7, 63): relative error <= 1e-2, no NaN.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from triton_env import DEV, needs_gpu
+
+from runtime.core.kv_pool import MLAKVPool
+from runtime.model.deepseek.moe import route
+from runtime.model.deepseek.ops import FusedOps, TorchOps
+from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
+
+REF, FUSED = TorchOps(), FusedOps()
+
+
+def _spec(**kw):
+    base = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, rms_norm_eps=1e-6, rope_interleave=True,
+                num_experts_per_tok=3, n_group=4, topk_group=2, scoring_func="sigmoid", topk_method="noaux_tc",
+                norm_topk_prob=True, routed_scaling_factor=2.5)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _close(a, b, tol):
+    assert not torch.isnan(a).any(), "NaN in the fused output"
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert _rel(a, b) <= tol, f"relative error {_rel(a, b):.3e} > {tol}"
+
+
+def _cos_sin(t, half, dev):
+    ang = torch.rand(t, half, device=dev) * 6.28
+    return ang.cos(), ang.sin()
+
+
+# ---------------------------------------------------------------------------------------- one case per op
+def check_add_rms_norm(t, d, dtype, dev, tol):
+    x = torch.randn(t, d + 8, dtype=dtype, device=dev)[:, :d]  # strided rows
+    delta = torch.randn(t, d, dtype=dtype, device=dev)
+    w = (torch.rand(d, device=dev) + 0.5).to(dtype)
+    r_ref, y_ref = REF.add_rms_norm(x, delta, w, 1e-6)
+    r, y = FUSED.add_rms_norm(x, delta, w, 1e-6)
+    _close(r, r_ref, tol)
+    _close(y, y_ref, tol)
+    r0, y0 = FUSED.add_rms_norm(x, None, w, 1e-6)
+    assert r0 is x
+    _close(y0, REF.rms_norm(x, w, 1e-6), tol)
+
+
+def check_latent(t, c, r, interleave, dtype, dev, tol):
+    spec = _spec(kv_lora_rank=c, qk_rope_head_dim=r, rope_interleave=interleave)
+    pools = [MLAKVPool([0], 8, 16, c, r, dtype, dev) for _ in range(2)]
+    slots = torch.randperm(8 * 16 - 16, device=dev)[:t] + 16  # distinct, off the padding page
+    kv = torch.randn(t, 24 + c + r, dtype=dtype, device=dev)[:, 24:]  # a slice of the fused GEMM output
+    w = (torch.rand(c, device=dev) + 0.5).to(dtype)
+    cos, sin = _cos_sin(t, r // 2, dev)
+    ckv_ref, kpe_ref = REF.latent(spec, pools[0], 0, slots, kv.clone(), w, cos, sin)
+    ckv, kpe = FUSED.latent(spec, pools[1], 0, slots, kv, w, cos, sin)
+    _close(ckv, ckv_ref, tol)
+    _close(kpe, kpe_ref, tol)
+    _close(pools[1].flat(0)[slots], pools[0].flat(0)[slots], tol)
+    assert ckv.data_ptr() == kv.data_ptr()  # in place
+
+
+def check_rope_q(t, h, nope, r, interleave, dtype, dev, tol):
+    spec = _spec(qk_nope_head_dim=nope, qk_rope_head_dim=r, rope_interleave=interleave)
+    q = torch.randn(t, h, nope + r, dtype=dtype, device=dev)
+    cos, sin = _cos_sin(t, r // 2, dev)
+    n_ref, pe_ref = REF.rope_q(spec, q.clone(), cos, sin)
+    n, pe = FUSED.rope_q(spec, q, cos, sin)
+    _close(n, n_ref, tol)
+    _close(pe, pe_ref, tol)
+
+
+def check_silu_mul(t, inter, dtype, dev, tol):
+    h = torch.randn(t, 2 * inter + 4, dtype=dtype, device=dev)[:, : 2 * inter]
+    _close(FUSED.silu_mul(h), REF.silu_mul(h), tol)
+
+
+def check_route(t, e, d, spec, dev):
+    x = torch.randn(t, d, device=dev)
+    w = MoEWeights(gate=torch.randn(e, d, device=dev) / d**0.5, bias=torch.randn(e, device=dev) * 0.01,
+                   gate_up=None, down=None, shared=None)
+    wr, ir = route(spec, w, x)
+    from backends.kernels.decoder_ops import route_sigmoid
+
+    wf, idf = route_sigmoid(torch.nn.functional.linear(x, w.gate), w.bias, spec.n_group, spec.topk_group, spec.num_experts_per_tok,
+                            spec.norm_topk_prob, spec.routed_scaling_factor)
+    assert torch.equal(idf, ir), "expert ids differ from the torch routing"
+    _close(wf, wr, 1e-5)
+
+
+def check_dispatch_combine(t, k, e, d, dtype, dev, tol):
+    from backends.kernels.decoder_ops import moe_combine, moe_dispatch
+
+    ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
+    tokens, inv, offs = moe_dispatch(ids, e)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    assert torch.equal(tokens, order // k)
+    assert torch.equal(inv[order], torch.arange(t * k, device=dev))
+    assert torch.equal(offs, torch.bincount(ids.reshape(-1), minlength=e).cumsum(0).to(torch.int32))
+    y = torch.randn(t * k, d, dtype=dtype, device=dev)
+    wts = torch.rand(t, k, device=dev)
+    shared = torch.randn(t, d, dtype=dtype, device=dev)
+    unsorted = torch.empty(t * k, d, device=dev)
+    unsorted[order] = y.float()
+    ref = (unsorted.view(t, k, d) * wts[:, :, None]).sum(dim=1).to(dtype) + shared
+    _close(moe_combine(y, inv, wts, shared, dtype), ref, tol)
+
+
+# ---------------------------------------------------------------------------------------- CPU (interpreter)
+def test_add_rms_norm_small():
+    check_add_rms_norm(3, 40, torch.float32, DEV, 1e-5)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_latent_norm_rope_write_small(interleave):
+    check_latent(3, 32, 8, interleave, torch.float32, DEV, 1e-5)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_q_in_place_small(interleave):
+    check_rope_q(2, 3, 16, 8, interleave, torch.float32, DEV, 1e-5)
+
+
+def test_silu_mul_small():
+    check_silu_mul(3, 24, torch.float32, DEV, 1e-5)
+
+
+@pytest.mark.parametrize("e,groups,topk_group,k", [(16, 4, 2, 3), (6, 1, 1, 3), (8, 2, 1, 2)])
+def test_route_sigmoid_small(e, groups, topk_group, k):
+    torch.manual_seed(0)
+    check_route(5, e, 24, _spec(n_group=groups, topk_group=topk_group, num_experts_per_tok=k), DEV)
+
+
+def test_dispatch_combine_small():
+    torch.manual_seed(0)
+    check_dispatch_combine(5, 3, 8, 24, torch.float32, DEV, 1e-5)
+
+
+def test_torch_ops_without_delta_return_x():
+    x = torch.randn(2, 8)
+    r, y = REF.add_rms_norm(x, None, torch.ones(8), 1e-6)
+    assert r is x and torch.allclose(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+# ---------------------------------------------------------------------------------------- GPU, real sizes
+ROWS = [1, 7, 63]
+BF = torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", ROWS)
+def test_fused_ops_match_torch_gpu(t):
+    needs_gpu()
+    torch.manual_seed(t)
+    check_add_rms_norm(t, 7168, BF, "cuda", 1e-2)
+    check_add_rms_norm(t, 1536, BF, "cuda", 1e-2)
+    for interleave in (True, False):
+        check_latent(t, 512, 64, interleave, BF, "cuda", 1e-2)
+        check_rope_q(t, 16, 128, 64, interleave, BF, "cuda", 1e-2)
+    check_silu_mul(t, 2304, BF, "cuda", 1e-2)
+    check_silu_mul(t, 256, BF, "cuda", 1e-2)
+    check_dispatch_combine(t, 8, 256, 7168, BF, "cuda", 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", ROWS)
+def test_fused_moe_matches_torch_gpu(t):
+    """The whole fused MoE (V3 routing, grouping, grouped GEMMs, combine + shared) against the torch MoE at
+    the TP8 expert shapes (256 experts, intermediate 256)."""
+    needs_gpu()
+    torch.manual_seed(100 + t)
+    e, d, i = 256, 7168, 256
+    spec = _spec(num_experts_per_tok=8, n_group=8, topk_group=4)
+    check_route(t, e, d, spec, "cuda")
+    w = MoEWeights(gate=torch.randn(e, d, device="cuda") / d**0.5, bias=torch.randn(e, device="cuda") * 0.01,
+                   gate_up=(torch.randn(e, 2 * i, d, device="cuda") / d**0.5).to(BF),
+                   down=(torch.randn(e, d, i, device="cuda") / i**0.5).to(BF),
+                   shared=DenseMLPWeights((torch.randn(2 * i, d, device="cuda") / d**0.5).to(BF),
+                                          (torch.randn(d, i, device="cuda") / i**0.5).to(BF)))
+    x = torch.randn(t, d, device="cuda").to(BF)
+    _close(FUSED.moe(spec, w, x, True), REF.moe(spec, w, x, True), 1e-2)
+    _close(FUSED.dense_mlp(w.shared, x), REF.dense_mlp(w.shared, x), 1e-2)
+
+
+def _grouped_mm_emulated(x, w, offs):
+    """torch._grouped_mm's contract on the CPU: rows offs[e-1]:offs[e] of x times w[e] ([E, K, N])."""
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("scoring,e,groups,topk_group,k", [("sigmoid", 8, 4, 2, 2), ("sigmoid", 6, 1, 1, 3),
+                                                            ("softmax", 8, 1, 1, 3)])
+def test_fused_moe_glue_matches_torch_small(monkeypatch, scoring, e, groups, topk_group, k):
+    """The fused MoE's routing, grouping and combine around an emulated grouped GEMM, at the tiny checkpoint
+    cases' expert counts (the torch MoE runs on the same emulation)."""
+    monkeypatch.setattr(torch, "_grouped_mm", _grouped_mm_emulated, raising=False)
+    torch.manual_seed(e + k)
+    d, i, t = 24, 8, 5
+    spec = _spec(scoring_func=scoring, topk_method="noaux_tc" if scoring == "sigmoid" else "greedy", n_group=groups,
+                 topk_group=topk_group, num_experts_per_tok=k)
+    w = MoEWeights(gate=torch.randn(e, d, device=DEV) / d**0.5,
+                   bias=torch.randn(e, device=DEV) * 0.01 if scoring == "sigmoid" else None,
+                   gate_up=torch.randn(e, 2 * i, d, device=DEV) / d**0.5, down=torch.randn(e, d, i, device=DEV) / i**0.5,
+                   shared=DenseMLPWeights(torch.randn(2 * i, d, device=DEV) / d**0.5,
+                                          torch.randn(d, i, device=DEV) / i**0.5))
+    x = torch.randn(t, d, device=DEV)
+    _close(FUSED.moe(spec, w, x, True), REF.moe(spec, w, x, True), 1e-5)
