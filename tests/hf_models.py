@@ -3,6 +3,9 @@
 Each case names a model class, its config and the prompts; :func:`make_case` saves the model to a folder and
 returns transformers' greedy tokens and last-prompt-token logits for every prompt, plus the smallest top-2 logit
 gap over every position it generated (a test requires it well above the tolerance: no near-ties).
+
+:func:`bf16_parity` judges a 16-bit run against the float32 reference (see there); the bf16 cases use
+``BF16_INIT_STD`` weights.
 """
 
 from __future__ import annotations
@@ -12,6 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+# Weight scale of the bf16 comparisons (``Case.init_std``). At the default 0.25 every linear has gain ~2 and the
+# tiny models are chaotic: transformers' own bf16 run moves logits by 3-9% (median per position; up to 5 absolute
+# on a max logit of 8) and flips greedy tokens at top-2 gaps up to 3.5, so a 10% softmax-scale error only raises
+# that error 1.5-3x. At 0.125 (gain ~1) transformers' bf16 error is 1.5-3.5% and the same scale error multiplies
+# it by 5-7 (H100 and CPU, every case): a sharp test.
+BF16_INIT_STD = 0.125
+# Our median per-position logit error may be at most this multiple of transformers' own bf16 error (measured
+# 0.80-1.03 on an H100 with flashinfer_mla, triton_mla and dsa, 0.78-1.0 with torch_mla on the CPU; a 10%
+# softmax-scale error gives 5.2-7.2 on the H100, 4.9 in the CPU test).
+BF16_ERROR_RATIO = 2.0
 
 # Lengths 1..40 (odd ones, a page boundary at 16/17), served together as one batch.
 PROMPT_LENS = (1, 2, 7, 16, 17, 24, 33, 40)
@@ -105,6 +119,20 @@ def build_model(case: Case):
     return model
 
 
+def build_bf16_model(case: Case):
+    """The model of ``case`` in bfloat16 as transformers loads it in bf16: the modules its class keeps in float32
+    (``_keep_in_fp32_modules[_strict]``: DeepSeek-V3's ``e_score_correction_bias``, V3.2's indexer
+    ``weights_proj``) stay float32."""
+    model = build_model(case)
+    keep = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+    model = model.to(torch.bfloat16)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if any(k in name for k in keep):
+            t.data = t.data.float()
+    return model
+
+
 def prompts_of(case: Case) -> list[list[int]]:
     gen = torch.Generator().manual_seed(100 + case.seed)
     return [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in case.prompt_lens]
@@ -153,3 +181,60 @@ def prompt_overrides(folder: Path, prompts: list[list[int]], max_new_tokens: int
     path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": max_new_tokens}) + "\n" for p in prompts))
     return ("workload=prompts", f"workload.path={path}", "workload.eos_token_ids=[]",
             f"workload.max_new_tokens={max_new_tokens}")
+
+
+@dataclass
+class Bf16Parity:
+    """A 16-bit run judged against the float32 reference, teacher forced on the run's own tokens (the references
+    read prompt + our tokens, so one flip never cascades into the positions after it).
+
+    ``flips``: (prompt, position, regret, resolution) where our token is not the float32 reference's greedy choice;
+    regret = the reference's top logit minus its logit of our token; resolution = twice transformers' own bf16
+    logit error at that position (max over the vocabulary of |bf16 - float32|): the most bf16 moves a logit
+    difference there. A flip whose regret is below it is a near-tie at bf16 resolution."""
+
+    positions: int
+    flips: list[tuple[int, int, float, float]]
+    median_err: float  # median over positions of |ours - float32| / |float32| (logit vectors)
+    median_err_bf16: float  # the same for transformers' own bf16 run
+
+    @property
+    def beyond(self) -> list[tuple[int, int, float, float]]:
+        return [f for f in self.flips if f[2] > f[3]]
+
+    def summary(self) -> str:
+        return (f"{len(self.flips)}/{self.positions} tokens differ from float32, {len(self.flips) - len(self.beyond)} "
+                f"at bf16 near-ties, {len(self.beyond)} beyond; median logit error {self.median_err:.4f} vs "
+                f"transformers bf16 {self.median_err_bf16:.4f}")
+
+
+def bf16_parity(case: Case, ref: Reference, tokens: list[list[int]], logits: list[torch.Tensor],
+                device: str | torch.device) -> Bf16Parity:
+    """Compare our 16-bit run (``tokens`` and our float32 ``logits`` [new_tokens, vocab] at every generated position
+    of each prompt) with transformers' float32 and bfloat16 runs of ``case`` over the same sequences."""
+    m32, m16 = build_model(case).to(device), build_bf16_model(case).to(device)
+    flips, err, err16 = [], [], []
+    with torch.no_grad():
+        for i, (prompt, ours, lo) in enumerate(zip(ref.prompts, tokens, logits)):
+            seq = torch.tensor([prompt + ours], device=device)
+            span = slice(len(prompt) - 1, len(prompt) - 1 + len(ours))
+            l32 = m32(seq).logits[0, span].float()
+            l16 = m16(seq).logits[0, span].float()
+            lo = lo.to(device).float()
+            norm = torch.linalg.vector_norm(l32, dim=-1)
+            err += (torch.linalg.vector_norm(lo - l32, dim=-1) / norm).tolist()
+            err16 += (torch.linalg.vector_norm(l16 - l32, dim=-1) / norm).tolist()
+            regret = l32.max(dim=-1).values - l32.gather(1, torch.tensor(ours, device=device)[:, None])[:, 0]
+            resolution = 2 * (l16 - l32).abs().max(dim=-1).values
+            flips += [(i, j, r, q) for j, (r, q) in enumerate(zip(regret.tolist(), resolution.tolist())) if r > 0]
+    return Bf16Parity(len(err), flips, float(torch.tensor(err).median()), float(torch.tensor(err16).median()))
+
+
+def assert_bf16_parity(p: Bf16Parity, flip_budget: int) -> None:
+    """Our logit error no worse than ``BF16_ERROR_RATIO`` x transformers' own bf16 error (a wrong scale or an op in
+    the wrong precision fails here), and at most ``flip_budget`` flips beyond bf16 resolution (expert routing and
+    top-k selection are discrete: bf16 rounding moves a token to another expert or out of the top-k, and its logits
+    with it; see runtime.app.parity.ROUTING_FLIP_FRACTION)."""
+    assert p.median_err == p.median_err and p.median_err <= BF16_ERROR_RATIO * p.median_err_bf16, p.summary()
+    beyond = [f"prompt {i} position {j}: regret {r:.3f} > resolution {q:.3f}" for i, j, r, q in p.beyond]
+    assert len(beyond) <= flip_budget, f"{p.summary()}; budget {flip_budget}: " + "; ".join(beyond)

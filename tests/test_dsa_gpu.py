@@ -51,16 +51,32 @@ def test_dsa_end_to_end_with_parity_and_graphs(extra, tmp_path):
     assert rep["parity"]["ok"] is True, rep["parity"]
 
 
+@pytest.fixture(scope="module")
+def bf16_floor(tmp_path_factory) -> dict:
+    """Parity of the same bf16 model on the dsa backend's torch impl (float32 scoring and attention math over bf16
+    tensors, eager, no HiSparse): what bf16 rounding alone does to the tokens, against the same float32 reference."""
+    rep = run_cli(tmp_path_factory.mktemp("floor"), "+deploy=h100_dsa_hisparse", *SMALL, "hisparse=off", *SELECTING,
+                  "backend.impl=torch", "graph=off", parity_may_fail=True)
+    return rep["parity"]
+
+
 @pytest.mark.parametrize("extra", [SELECTING, ["hisparse=off", *SELECTING]], ids=["top64_bf16", "no_hisparse_bf16"])
-def test_bf16_selection_stays_close_to_the_reference(extra, tmp_path):
-    """bf16 with contexts past top-k: rounding can move an indexer score across the k-th one, so a few tokens
-    may differ from the float32 reference beyond near-ties (measured: 2 of 170, max rel err 7.6e-2, the same
-    with and without HiSparse). Bounded here at twice what was measured; NaN never passes."""
+def test_bf16_selection_stays_close_to_the_reference(extra, tmp_path, bf16_floor):
+    """bf16 with contexts past top-k: rounding can move an indexer score across the k-th one, so some tokens differ
+    from the float32 reference beyond near-ties. What bf16 does by itself is measured in the same session: the
+    torch impl in bf16 (``bf16_floor``). Measured on an H100 (182 tokens, two weight seeds): Triton kernels 6 and 2
+    flips beyond near-ties, the torch impl 4 and 0; both at margins 0.05-0.10 where the logit error vs float32 has
+    median 0.031 and 90th percentile 0.19-0.21 in either impl (max rel err 4.5e-2 vs 4.8e-2), identical with and
+    without HiSparse. So the Triton indexer, sparse decode and HiSparse may add at most the parity report's routing
+    budget (max(4, tokens / 40)) of such flips to the floor's, and no more hidden-state error than 1.5x its; NaN
+    never passes."""
     rep = run_cli(tmp_path, "+deploy=h100_dsa_hisparse", *SMALL, *extra, parity_may_fail=True)
     _check_run(rep, hisparse="hisparse=off" not in extra)
-    par, generated = rep["parity"], rep["requests"]["generated_tokens"]
-    assert par["max_rel_err"] < 0.15, par
-    assert par["mismatches"] - par["near_tie_mismatches"] <= max(4, generated // 40), par
+    par, floor = rep["parity"], bf16_floor
+    beyond, floor_beyond = (p["mismatches"] - p["near_tie_mismatches"] for p in (par, floor))
+    print(f"\nparity {par}\nbf16 floor (torch impl) {floor}")
+    assert par["max_rel_err"] <= 1.5 * floor["max_rel_err"], (par, floor)
+    assert beyond <= floor_beyond + par["routing_flip_budget"], (par, floor)
 
 
 def test_graph_replay_equals_eager_with_hisparse(tmp_path):
