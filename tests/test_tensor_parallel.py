@@ -6,7 +6,7 @@ message gives the tp=1 margin at the first differing position).
 Cases: the synthetic preset (tiny_mla with a small seeded MoE stack, experts split by moe=ep, and the parity
 reference rerun under tp); a tiny transformers DeepSeek-V3 checkpoint (q LoRA, YaRN, grouped noaux_tc routing,
 a shared expert) with moe=tp and moe=ep, also against transformers' own greedy tokens; DeepSeek sparse attention
-with HiSparse (every rank's coordinator must make the same swap-in decisions).
+with HiSparse (every rank's coordinator must make the same swap-in decisions); speculative decoding.
 """
 
 from __future__ import annotations
@@ -90,6 +90,14 @@ def test_hisparse_ranks_agree_and_equal_tp1(tmp_path):
     want, margins = tp1("+deploy=cpu_dsa_hisparse")
     assert_same_tokens(got, want, margins)
     assert rep["hisparse"]["swap_ins"] > 0  # the buffer evicted and swapped in, and every rank agreed
+
+
+def test_speculative_tp2_equals_tp1(tmp_path):
+    """EAGLE chain speculation: the draft model shares the target's sharded weights and its group."""
+    rep, got = run_tp2(tmp_path, "+deploy=cpu_speculative", "check=off", "speculative.baseline=false")
+    want, margins = tp1("+deploy=cpu_speculative", "speculative.baseline=false")
+    assert_same_tokens(got, want, margins)
+    assert rep["speculative"]["rounds"] > 0 and rep["parallel"]["collectives"]["target_verify"]["count_per_step"] > 0
 
 
 def test_tp1_run_is_unchanged_by_the_parallel_code():

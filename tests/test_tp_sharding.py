@@ -123,3 +123,24 @@ def test_cuts_name_the_megatron_split():
         ((slice(None), slice(20, 40)),)
     fused = tensor_cut("model.layers.1.mlp.experts.gate_up_proj", (4, 80, 256), spec, r1)
     assert local_shape((4, 80, 256), fused) == (4, 40, 256)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_routed_experts_of_two_ranks_sum_to_one_ranks(moe, grouped):
+    """Each rank's partial MoE output (its experts, or its slice of every expert), summed as the all-reduce does,
+    is the whole layer's; also through torch._grouped_mm (the CUDA bf16 path; the CPU has it too), whose rows of
+    other ranks' experts lie past the last group offset and must not leak in."""
+    from runtime.model.deepseek.moe import route, routed_experts
+
+    spec = spec_of("model.dtype=bfloat16", "model.moe_intermediate_size=64")
+    full = random_weights(spec, CPU).layers[1].mlp
+    ranks = [random_weights(spec, CPU, Sharding(r, 2, moe)).layers[1].mlp for r in range(2)]
+    x = torch.randn(13, spec.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    weights, ids = route(spec, full, x)
+    want = routed_experts(full, x, weights, ids, grouped)
+    got = sum(routed_experts(w, x, weights, ids, grouped) for w in ranks)
+    # ep: every (token, expert) pair is computed whole by one rank, only the float32 sum is reassociated;
+    # tp: each rank's down projection sums half the intermediate dim in bf16
+    tol = 1e-5 if moe == "ep" else 2e-2
+    assert torch.isfinite(got).all() and (got - want).abs().max() <= tol * want.abs().max()

@@ -51,7 +51,7 @@ def _rank_memory(runtime) -> dict:
             "total_bytes": plan["total_bytes"], "cuda_peak_allocated_bytes": peak}
 
 
-def _phase(steps: list, probes: dict[tuple, float]) -> dict:
+def phase_collectives(steps: list, probes: dict[tuple, float]) -> dict:
     samples = [s.collectives for s in steps if s.collectives is not None]
     n = len(samples)
     eager = [c.seconds() for c in samples if c.timed]
@@ -68,7 +68,7 @@ def _phase(steps: list, probes: dict[tuple, float]) -> dict:
     }
 
 
-def _probes(group, steps: list) -> dict[tuple, float]:
+def probe_graphed(group, steps: list) -> dict[tuple, float]:
     """Seconds per graphed step's collectives, by probe, for the most frequent distinct graphed samples (every
     rank has the same samples, so every rank probes the same ones in the same order)."""
     counts: dict[tuple, list[CollectiveSample]] = {}
@@ -82,10 +82,10 @@ def _probes(group, steps: list) -> dict[tuple, float]:
 def parallel_section(runtime, res: RunResult) -> dict:
     """The report's ``parallel`` section (see the module docstring); a collective call."""
     cfg, group = runtime.config, runtime.container.tp_group()
-    probes = _probes(group, res.steps)
+    probes = probe_graphed(group, res.steps)
     phases = {}
     for phase in dict.fromkeys(s.phase for s in res.steps):
-        phases[phase] = _phase([s for s in res.steps if s.phase == phase], probes)
+        phases[phase] = phase_collectives([s for s in res.steps if s.phase == phase], probes)
     return {
         "tp": cfg["parallel"]["tp"], "moe": cfg["parallel"]["moe"], "world_size": group.size,
         "backend": group.backend,
