@@ -161,6 +161,7 @@ def table(files: list[str]) -> int:
             row[f"coll ms/step b{b}"] = x["coll_ms_per_step"] if r["tp"] > 1 else None
             row[f"coll KiB/step b{b}"] = x["coll_bytes_per_step"] / KiB if r["tp"] > 1 else None
         row["busbw GB/s (peak)"] = max((s["busbw_gbs"] for s in r["sweep"]), default=None)
+        row["peak GiB/rank"] = max(r.get("peak_gib_per_rank") or [float("nan")])
         same_dtype = r["dtype"] == ref["dtype"] and r is not ref
         row["tokens vs first"] = parity(ref, r) if same_dtype else "-"
         row["ranks agree"] = r["ranks_agree"]

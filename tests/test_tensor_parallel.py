@@ -11,12 +11,18 @@ with HiSparse (every rank's coordinator must make the same swap-in decisions); s
 
 from __future__ import annotations
 
+import copy
+from types import SimpleNamespace
+
 import pytest
+import torch
 from conftest import compose_config
 from hf_models import YARN, Case, make_case, prompt_overrides
 from tp_launch import report_outputs, torchrun
 
 from containers import build
+from runtime.app.parallel_report import disagreements
+from runtime.core.parallel import SingleRank
 
 SYNTH_MOE = ("model.mlp=deepseek", "model.intermediate_size=128", "model.moe_intermediate_size=64",
              "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_shared_experts=1",
@@ -106,3 +112,42 @@ def test_tp1_run_is_unchanged_by_the_parallel_code():
     res = rt.engine.run()
     assert rt.container.tp_group().size == 1 and rt.build_order[0] == "tp_group"
     assert all(s.collectives.count == 0 for s in res.steps)
+
+
+class SplitBrain(SingleRank):
+    """A group of two ranks whose second rank reports a changed copy of what it gathers."""
+
+    size = 2
+
+    def __init__(self, change):
+        super().__init__(torch.device("cpu"))
+        self.change = change
+
+    def gather_objects(self, obj) -> list:
+        return [obj, self.change(copy.deepcopy(obj))]
+
+
+def test_ranks_that_disagree_fail_the_run_loudly():
+    rt = build(compose_config("device=cpu", "check=off"))
+    res = rt.engine.run()
+
+    def flip(outputs):
+        outputs[1] = (outputs[1][0], [t + 1 for t in outputs[1][1]])
+        return outputs
+
+    stub = SimpleNamespace(container=SimpleNamespace(tp_group=lambda: SplitBrain(flip),
+                                                     hisparse_coordinator=lambda: None))
+    found = disagreements(stub, res)
+    assert len(found) == 1 and "rank 1 generated different tokens than rank 0 for 1 request(s), first request 1" \
+        in found[0]
+    assert disagreements(SimpleNamespace(container=SimpleNamespace(
+        tp_group=lambda: SplitBrain(lambda o: o), hisparse_coordinator=lambda: None)), res) == []
+
+
+def test_hisparse_coordinators_that_disagree_are_reported():
+    rt = build(compose_config("+deploy=cpu_dsa_hisparse", "check=off"))
+    rt.engine.run()
+    c = rt.container.hisparse_coordinator()
+    assert c.disagreement() is None  # one rank agrees with itself
+    c.group = SplitBrain(lambda d: (d[0] + 1, *d[1:]))  # the other rank counted one more hit
+    assert "ranks [1] made different HiSparse swap-in decisions" in c.disagreement()

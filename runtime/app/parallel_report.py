@@ -6,7 +6,8 @@ Every rank runs these (they are collectives: each rank calls them in the same or
   gathered and compared. Every rank schedules on its own from the same inputs (no per-step broadcast), so the
   run is only right if they all produced the same tokens; any difference fails the run, loudly.
 * :func:`parallel_section`: tp, moe, world size; memory per rank (gathered); the collectives per step by phase:
-  count, bytes each rank sent into all-reduces / all-gathers, time of the eager (timed) steps, and for steps
+  count, bytes each rank sent into all-reduces and all-gathers (and into all-reduces alone), time of the eager
+  (timed) steps, and for steps
   that replayed a CUDA graph the time of the same collectives run by the probe (runtime/core/parallel.py).
 """
 
@@ -25,22 +26,18 @@ PROBE_SIZES = 4  # distinct graphed steps (by their collectives) probed at most,
 def disagreements(runtime, res: RunResult) -> list[str]:
     """What differs between the ranks (empty when they agree, and always for one rank)."""
     group = runtime.container.tp_group()
-    coordinator = runtime.container.hisparse_coordinator()
-    mine = {"outputs": sorted(res.outputs.items()),
-            "hisparse": coordinator.agreement_digest() if coordinator is not None else None}
-    every = group.gather_objects(mine)
+    every = group.gather_objects(sorted(res.outputs.items()))
     out = []
     for rank, other in enumerate(every[1:], 1):
-        ref, got = dict(every[0]["outputs"]), dict(other["outputs"])
+        ref, got = dict(every[0]), dict(other)
         differ = sorted(rid for rid in ref.keys() | got.keys() if ref.get(rid) != got.get(rid))
         if differ:
             rid = differ[0]
             out.append(f"rank {rank} generated different tokens than rank 0 for {len(differ)} request(s), first "
                        f"request {rid}: rank 0 {ref.get(rid)} vs rank {rank} {got.get(rid)}")
-        if other["hisparse"] != every[0]["hisparse"]:
-            out.append(f"rank {rank} made different HiSparse swap-in decisions than rank 0 (digest "
-                       f"{other['hisparse']} vs {every[0]['hisparse']})")
-    return out
+    coordinator = runtime.container.hisparse_coordinator()
+    hisparse = coordinator.disagreement() if coordinator is not None else None
+    return out + ([hisparse] if hisparse else [])
 
 
 def _rank_memory(runtime) -> dict:
@@ -57,10 +54,12 @@ def phase_collectives(steps: list, probes: dict[tuple, float]) -> dict:
     eager = [c.seconds() for c in samples if c.timed]
     graphed = [c for c in samples if not c.timed]
     probe = [probes[c.signature()] for c in graphed if c.signature() in probes]
+    reduced = [sum(k * dt.itemsize for op, k, dt in c.ops if op == "all_reduce") for c in samples]
     return {
         "steps": n,
         "count_per_step": float(np.mean([c.count for c in samples])) if n else 0.0,
         "bytes_per_step": float(np.mean([c.nbytes for c in samples])) if n else 0.0,
+        "all_reduce_bytes_per_step": float(np.mean(reduced)) if n else 0.0,
         "eager_steps": len(eager),
         "ms_per_eager_step": float(np.mean(eager) * 1e3) if eager else None,
         "graphed_steps": len(graphed),

@@ -82,8 +82,8 @@ class HiSparseCoordinator:
         for every head, so every rank holds all of it) and makes the same swap-in decisions without exchanging
         anything: the indexer is replicated and its inputs (hidden states after an all-reduce, which gives every
         rank the same bits) are equal, so its top-k, and with it every hit, miss and eviction, are equal. Nothing
-        is sent per step; :meth:`agreement_digest` condenses the decisions (counters and the buffers' position
-        and LRU tables) so that the run checks, once at its end, that every rank agrees, and fails loudly if not.
+        is sent per step; :meth:`disagreement` gathers every rank's :meth:`agreement_digest` (counters and
+        checksums of the buffers' position and LRU tables) once, at the end of the run, which fails if they differ.
     kv_pool : MLAKVPool
         Row width and dtype of the latent KV (the host rows match them).
     layer_ids : list of int
@@ -337,6 +337,14 @@ class HiSparseCoordinator:
         weights = torch.arange(1, pos[0].numel() + 1, device=pos.device).view(pos.shape[1:])
         sums = torch.stack([(pos * weights).sum(), (self.buf_stamp * weights).sum()])
         return tuple(int(v) for v in torch.cat([self._counters, sums]).tolist())
+
+    def disagreement(self) -> str | None:
+        """None when every tensor-parallel rank made the same swap-in decisions, else what differs (a collective:
+        every rank calls it)."""
+        digests = self.group.gather_objects(self.agreement_digest())
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        return None if not bad else (f"ranks {bad} made different HiSparse swap-in decisions than rank 0 "
+                                     f"(hits, misses, position and LRU checksums: {digests})")
 
     def free_counts(self) -> dict:
         """Free host pages, device pages and request rows, and the buffer slots still holding a token (for
