@@ -12,14 +12,15 @@
 #   3. float32, torch_mla, no graphs: tp=1, tp=2 moe=tp, tp=2 moe=ep: tokens must be equal (the ranks' partial
 #      sums are added in another order, so only a near-tie could flip a token);
 #   4. the two tables (bench/tp_decode.py --table), results also under $OUT.
+# On the device machine, from the repository root:  OUT=$OUT/tp scripts/tp_device.sh
 # Each launch is capped at T seconds and the script skips what would start after DEADLINE seconds (540), so the
 # tables always print within one 10-minute device call. A graphed tp run that fails is retried once without graphs.
 # SMOKE=1: the same steps on the CPU (gloo) with a tiny model of the same structure, to check the script runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/tp_device}
+OUT=${OUT:-/tmp/tp_device}            # the run files (JSON); the checkpoint stays out of it (CKPT)
 mkdir -p "$OUT"
-CKPT=$OUT/ckpt
+CKPT=${CKPT:-/tmp/tp_ckpt}
 NPROC=${NPROC:-2}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 port=$((29500 + RANDOM % 1000))
