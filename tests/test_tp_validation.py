@@ -60,6 +60,8 @@ def test_world_size_must_equal_tp_and_the_fix_is_the_torchrun_command():
      "parallel.tp in"),
     (("parallel.tp=2", "model=ring_hybrid_tiny"), "linear-attention layers", "use parallel.tp=1 for hybrid models"),
     (("parallel.tp=2", "+dump_dir=/tmp/x"), "+dump_dir", "drop +dump_dir"),
+    (("parallel.tp=2", "model=deepseek_v4_flash", "backend=dsv4"), "a DeepSeek-V4 model",
+     "use parallel.tp=1 for DeepSeek-V4"),
     (("parallel.tp=0",), "parallel.tp: got 0", "set parallel.tp=1"),
 ])
 def test_each_refusal_names_the_fix(overrides, fragment, fix):

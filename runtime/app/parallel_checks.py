@@ -4,7 +4,7 @@ process group is started.
 * the launch: ``WORLD_SIZE`` (torchrun) equal to ``parallel.tp``; on CUDA a GPU for every local rank;
 * the model: heads, vocabulary, the dense MLP's and every expert's intermediate sizes (moe=tp) or the number of
   routed experts (moe=ep), and the shared experts' intermediate size, divisible by tp;
-* what is not supported with tp > 1, each with its fix: hybrid models (linear-attention layers are not
+* what is not supported with tp > 1, each with its fix: DeepSeek-V4 and hybrid models (their attention is not
   sharded) and attention dumps.
 
 The other checks (:func:`runtime.app.validation.validate`) see :func:`rank_view` of the config: the model with
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
-from runtime.core.model_spec import ModelSpec
+from runtime.core.model_spec import DSV4_MODEL_TYPE, ModelSpec
 from runtime.core.parallel import LaunchEnv, torchrun_command
 
 
@@ -67,6 +67,11 @@ def parallel_problems(cfg: Mapping, launch: LaunchEnv, device: DeviceInfo) -> li
                         "one GPU per process on each node", f"use --nproc-per-node {n} or fewer per node "
                         "(several nodes: --nnodes), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"))
     if tp == 1:
+        return out
+    if model.get("model_type") == DSV4_MODEL_TYPE:  # its own attention and pools, not sharded
+        out.append(Problem(f"parallel.tp={tp} with model '{model['name']}'", "a DeepSeek-V4 model",
+                           "an MLA model (DeepSeek-V2/V3/V3.2: the V4 attention, pools and weights are not sharded)",
+                           "use parallel.tp=1 for DeepSeek-V4"))
         return out
     spec = ModelSpec.from_config(model)
     fix_tp = _tp_choices(spec.num_heads, tp)
