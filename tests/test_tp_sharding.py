@@ -99,9 +99,9 @@ def test_fp8_slice_reads_only_the_covering_blocks_and_equals_the_full_dequant(tm
     reader = _Reader(index, CPU, torch.float32)
     full = dequantize_fp8(q, s, torch.float32)
     for rows, cols in [(slice(37, 211), slice(5, 259)), (slice(128, 256), slice(None)), (slice(0, 1), slice(259, 260))]:
-        got = reader.get("w", Cut(((rows, cols),)))
+        got = reader.get("w", cut=Cut(((rows, cols),)))
         assert torch.equal(got, full[rows, cols]), (rows, cols)
-    gate_up = reader.get("w", Cut(((slice(0, 10),), (slice(150, 160),)), dim=0))  # two pieces, concatenated
+    gate_up = reader.get("w", cut=Cut(((slice(0, 10),), (slice(150, 160),)), dim=0))  # two pieces, concatenated
     assert torch.equal(gate_up, torch.cat([full[0:10], full[150:160]]))
     reader.close()
 

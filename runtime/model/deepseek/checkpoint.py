@@ -257,7 +257,7 @@ class _Reader:
             self._handle.__exit__(None, None, None)
             self._handle, self._file = None, None
 
-    def get(self, name: str, cut: Cut = FULL, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None, cut: Cut = FULL) -> torch.Tensor:
         """Tensor ``name`` (this rank's ``cut`` of it: only those bytes are read) on the device, in ``dtype``."""
         info = self.index[name]
         want = dtype or (torch.float32 if name.endswith(FLOAT32_TENSORS) else self.dtype)
@@ -310,9 +310,9 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
                     shape = (len(mine), 2 * im, d) if key.endswith("gate_up") else (len(mine), d, im)
                     stacks[key] = torch.empty(shape, dtype=spec.dtype, device=device)
                 rows = {"gate_proj": slice(0, im), "up_proj": slice(im, 2 * im), "down_proj": slice(None)}[part]
-                stacks[key][int(x) - mine.start, rows] = r.get(name, cuts[name])
+                stacks[key][int(x) - mine.start, rows] = r.get(name, cut=cuts[name])
             else:
-                got[name] = r.get(name, cuts[name])
+                got[name] = r.get(name, cut=cuts[name])
     finally:
         r.close()
     for i in range(spec.num_layers):  # transformers' fused layout
