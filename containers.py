@@ -1,7 +1,7 @@
 """The whole object graph of a runtime, in build order: read it top to bottom.
 
-device -> pools (DeepSeek-V4: window ring, compressed-entry pools, compressor state) -> HiSparse coordinator (when
-enabled) -> the engine's token allocator -> workspace ledger and named workspaces -> backend
+tensor-parallel group -> device -> pools (DeepSeek-V4: window ring, compressed-entry pools, compressor state) ->
+HiSparse coordinator (when enabled) -> the engine's token allocator -> workspace ledger and named workspaces -> backend
 (chosen by ``config.backend.name``) -> model -> (speculative: draft KV pool, one draft backend per step,
 draft model) -> graphs -> engine. Every object receives its collaborators in ``__init__``. Only what the
 engine needs is built: the selected backend, and the workspaces that backend asks for.
@@ -32,6 +32,7 @@ from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
 from backends.trtllm_mla import TrtllmMLABackend
 from backends.trtllm_mla import load_kernel as load_trtllm_kernel
+from runtime.app.parallel_checks import parallel_problems, rank_view
 from runtime.app.validation import validate
 from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo, probe_device
@@ -40,6 +41,7 @@ from runtime.core.dsv4_slots import DSV4TokenSlots
 from runtime.core.errors import ConfigError
 from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.core.model_spec import ModelSpec
+from runtime.core.parallel import LaunchEnv, Sharding, device_for, make_group
 from runtime.core.state_pool import LinearStatePool
 from runtime.core.workspace import WorkspaceLedger
 from runtime.engine.engine import Engine
@@ -116,6 +118,15 @@ def _weight_source(spec: ModelSpec) -> str:
     """'checkpoint' when the model is a Hugging Face folder (model.path), else 'random' (a preset); prefixed
     'dsv4_' for a DeepSeek-V4 model (its own weight layout)."""
     return ("dsv4_" if spec.is_dsv4 else "") + ("checkpoint" if spec.path else "random")
+
+
+def _rank_device_index(group, configured: int) -> int:
+    """The GPU index this rank runs on: the group's (LOCAL_RANK with tp > 1), else ``device.index``."""
+    return group.device.index if group.device.index is not None else configured
+
+
+def _rank_spec(spec: ModelSpec, group) -> ModelSpec:
+    return spec.for_rank(group.size)
 
 
 def _draft_weights(model: MLAModel, n: int) -> ModelWeights:
@@ -198,22 +209,22 @@ def _emulated_sm_count(info: DeviceInfo, emulated: int) -> int:
 
 
 def _plain_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None, padding_row: int,
-                  device, copies: int) -> list[ModeGraphs]:
+                  device, copies: int, stats) -> list[ModeGraphs]:
     return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device,
-                       copies)]
+                       copies, stats)]
 
 
 def _spec_graphs(decisions: dict, model: MLAModel, target_hooks: GraphHooks, draft_model: MLAModel,
                  draft_attention: MultiStepDraftBackend, draft_steps: DraftSteps, num_steps: int, padding_row: int,
-                 device, copies: int) -> list[ModeGraphs]:
+                 device, copies: int, stats) -> list[ModeGraphs]:
     t = num_steps + 1
     return [
         ModeGraphs(decisions["draft_decode"], ForwardMode.DECODE, draft_steps, draft_attention, 1, 1, padding_row,
-                   device, copies),
+                   device, copies, stats),
         ModeGraphs(decisions["target_verify"], ForwardMode.TARGET_VERIFY, model.forward, target_hooks, t, t,
-                   padding_row, device, copies),
+                   padding_row, device, copies, stats),
         ModeGraphs(decisions["draft_extend"], ForwardMode.DRAFT_EXTEND, draft_model.forward, draft_attention, t, t,
-                   padding_row, device, copies),
+                   padding_row, device, copies, stats),
     ]
 
 
@@ -221,10 +232,19 @@ class Container(containers.DeclarativeContainer):
     config = providers.Configuration(strict=True)
     build_log = providers.Singleton(BuildLog)
 
+    # 0. the tensor-parallel group (torch.distributed; a no-op group for tp=1), first: it picks this rank's GPU
+    launch = providers.Singleton(LaunchEnv.from_environ)
+    tp_group = _step(build_log, "tp_group", providers.Factory(
+        make_group, config.parallel.tp, config.device.kind, config.device.index, launch))
+    sharding = providers.Singleton(Sharding, tp_group.provided.rank, tp_group.provided.size, config.parallel.moe)
+
     # 1. device --------------------------------------------------------------------------------------
-    device_info = _step(build_log, "device", providers.Factory(probe_device, config.device.kind, config.device.index))
+    device_info = _step(build_log, "device", providers.Factory(
+        probe_device, config.device.kind, providers.Callable(_rank_device_index, tp_group, config.device.index)))
     device = providers.Callable(lambda info: info.torch_device, device_info)
-    model_spec = providers.Singleton(ModelSpec.from_config, config.model)
+    # the full model (what checkpoints hold) and what this rank computes with (its share of the heads)
+    full_model_spec = providers.Singleton(ModelSpec.from_config, config.model)
+    model_spec = providers.Singleton(_rank_spec, full_model_spec, tp_group)
 
     # 2. pools ---------------------------------------------------------------------------------------
     req_to_token_pool = _step(build_log, "req_to_token_pool", providers.Factory(
@@ -274,7 +294,7 @@ class Container(containers.DeclarativeContainer):
         off=providers.Object(None),
         on=_step(build_log, "hisparse_coordinator", providers.Factory(
             HiSparseCoordinator, req_to_token_pool, token_slots, config.hisparse.top_k,
-            config.hisparse.device_buffer_size, config.hisparse.host_to_device_ratio, device,
+            config.hisparse.device_buffer_size, config.hisparse.host_to_device_ratio, device, tp_group,
             kv_pool=kv_pool, layer_ids=model_spec.provided.sparse_layers)),
     )
     dsv4_token_slots = _step(build_log, "dsv4_token_slots", providers.Factory(DSV4TokenSlots, token_slots, dsv4_pools))
@@ -366,8 +386,10 @@ class Container(containers.DeclarativeContainer):
     # 6. weights (seeded random, or a Hugging Face folder read shard by shard) and model ---------------
     model_weights = providers.Selector(
         providers.Callable(_weight_source, model_spec),
-        random=_step(build_log, "weights:random", providers.Factory(random_weights, model_spec, device)),
-        checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(load_checkpoint, model_spec, device)),
+        random=_step(build_log, "weights:random", providers.Factory(random_weights, full_model_spec, device,
+                                                                    sharding)),
+        checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(load_checkpoint, full_model_spec, device,
+                                                                            sharding)),
         dsv4_random=_step(build_log, "weights:random", providers.Factory(
             random_dsv4_weights, dsv4_cfg, model_spec.provided.weight_seed, model_spec.provided.dtype, device)),
         dsv4_checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(
@@ -381,7 +403,7 @@ class Container(containers.DeclarativeContainer):
     )
     mla_model = _step(build_log, "model", providers.Factory(
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,
-        decoder_ops))
+        decoder_ops, tp_group))
     dsv4_model = _step(build_log, "model", providers.Factory(
         DSV4Model, model_spec, dsv4_cfg, model_weights, dsv4_pools, backend))
     model = providers.Selector(model_kind, mla=mla_model, hybrid=mla_model, dsv4=dsv4_model)
@@ -433,7 +455,7 @@ class Container(containers.DeclarativeContainer):
     draft_weights = providers.Callable(_draft_weights, model, config.speculative.draft_layers)
     draft_model = _step(build_log, "draft_model", providers.Factory(
         MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, None, draft_weights,
-        decoder_ops, shares_weights=True))
+        decoder_ops, tp_group, shares_weights=True))
     draft_steps = providers.Singleton(DraftSteps, draft_model, draft_attention)
 
     # every attention backend the engine runs: the graph decision takes the minimum level over them
@@ -452,9 +474,10 @@ class Container(containers.DeclarativeContainer):
     graph_modes = providers.Selector(
         spec_mode,
         off=providers.Callable(_plain_graphs, graph_decisions, model, decode_graph, padding_row, device,
-                               graph_copies),
+                               graph_copies, tp_group.provided.stats),
         on=providers.Callable(_spec_graphs, graph_decisions, model, attention, draft_model, draft_attention,
-                              draft_steps, config.speculative.num_steps, padding_row, device, graph_copies),
+                              draft_steps, config.speculative.num_steps, padding_row, device, graph_copies,
+                              tp_group.provided.stats),
     )
     graph_runner = _step(build_log, "graph_runner", providers.Factory(GraphRunner, graph_modes, device, dumper))
     # the requests (synthetic, or a prompt file's), their stop ids and the tokenizer that decodes outputs
@@ -466,14 +489,15 @@ class Container(containers.DeclarativeContainer):
             config.speculative.num_steps, config.kv.max_requests, device)))
     engine = _step(build_log, "engine", providers.Factory(
         Engine, model, attention, mha_prefill, graph_runner, engine_token_slots, request_states, config.workload,
-        workload, device, speculative, overlap, dumper))
+        workload, device, speculative, overlap, dumper, tp_group))
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
 # selected backend consumes it.
 BUILD_STAGES = (
-    "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool", "dsv4_pools",
-    "hisparse_coordinator", "engine_token_slots", "workspace_ledger", "attention", "model_weights", "model", "graph_runner", "workload",
+    "tp_group", "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
+    "dsv4_pools", "hisparse_coordinator", "engine_token_slots", "workspace_ledger", "attention", "model_weights", "model",
+    "graph_runner", "workload",
     "speculative", "engine",
 )
 
@@ -516,10 +540,12 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
     """
     plain = to_plain(cfg)
     container = container or Container()
-    info = probe_device(plain["device"]["kind"], plain["device"]["index"])
+    launch = container.launch()
+    info = probe_device(*device_for(plain["device"]["kind"], plain["device"]["index"], launch, plain["parallel"]["tp"]))
     plain["model"], problems = resolve_model_config(plain["model"])
     if not problems:  # a model config that resolved: everything else, and the checkpoint's headers
-        problems = validate(plain, BACKENDS, info, linear_backend=LinearAttentionBackend)
+        problems = validate(rank_view(plain), BACKENDS, info, linear_backend=LinearAttentionBackend)
+        problems += parallel_problems(plain, launch, info)
         if not problems and plain["model"]["path"]:
             spec = ModelSpec.from_config(plain["model"])
             problems = (scan_dsv4_checkpoint(dsv4_config(plain["model"]), spec.path)[-1] if spec.is_dsv4

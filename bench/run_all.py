@@ -37,6 +37,7 @@ BENCHES: dict[str, list[str]] = {
     "profile_engine_step": ["--quick"],
     "decode_roofline": ["--quick", "--overlap", "off", "on"],
     "dsv4_decode_bench": ["--quick"],
+    "tp_decode": ["--quick"],  # tp=1 here; tensor parallelism needs torchrun (scripts/tp_device.sh)
 }
 
 

@@ -221,3 +221,32 @@ def test_fused_moe_glue_matches_torch_small(monkeypatch, scoring, e, groups, top
                                           torch.randn(d, i, device=DEV) / i**0.5))
     x = torch.randn(t, d, device=DEV)
     _close(FUSED.moe(spec, w, x, True), REF.moe(spec, w, x, True), 1e-5)
+
+
+def _grouped_mm_nan_tail(x, w, offs):
+    """The emulation, with NaN in the rows past the last offset (the real kernel leaves them unwritten)."""
+    out = _grouped_mm_emulated(x, w, offs)
+    out[int(offs[-1]):] = float("nan")
+    return out
+
+
+@pytest.mark.parametrize("e,groups,k", [(8, 2, 2), (8, 4, 3), (4, 1, 3)])
+def test_fused_moe_expert_parallel_partials_sum_to_the_whole(monkeypatch, e, groups, k):
+    """Expert parallelism (parallel.moe=ep): each of two ranks holds half the experts (``first_expert``) and
+    its fused MoE output counts only its own (token, expert) pairs; other ranks' pairs fall in a group past the
+    last grouped-GEMM offset, whose unwritten rows (NaN here) must not leak. The two partial outputs sum (as the
+    all-reduce does) to the whole MoE's."""
+    monkeypatch.setattr(torch, "_grouped_mm", _grouped_mm_nan_tail, raising=False)
+    torch.manual_seed(10 * e + k)
+    d, i, t, half = 24, 8, 7, e // 2
+    spec = _spec(n_group=groups, topk_group=max(1, groups // 2), num_experts_per_tok=k)
+    w = MoEWeights(gate=torch.randn(e, d, device=DEV) / d**0.5, bias=torch.randn(e, device=DEV) * 0.01,
+                   gate_up=torch.randn(e, 2 * i, d, device=DEV) / d**0.5, down=torch.randn(e, d, i, device=DEV) / i**0.5,
+                   shared=DenseMLPWeights(torch.randn(2 * i, d, device=DEV) / d**0.5,
+                                          torch.randn(d, i, device=DEV) / i**0.5))
+    ranks = [MoEWeights(w.gate, w.bias, w.gate_up[r * half:(r + 1) * half], w.down[r * half:(r + 1) * half],
+                        w.shared if r == 0 else None, first_expert=r * half) for r in range(2)]
+    x = torch.randn(t, d, device=DEV)
+    want = REF.moe(spec, w, x, True)
+    for ops in (FUSED, REF):
+        _close(sum(ops.moe(spec, r, x, True) for r in ranks), want, 1e-5)

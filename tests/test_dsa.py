@@ -119,8 +119,8 @@ def test_dense_prefill_equals_the_oracle():
 def test_coordinator_is_built_before_the_backend():
     rt = containers.build(compose_config("+deploy=cpu_dsa_hisparse"))
     order = rt.build_order
-    assert order[:7] == ["device", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
-                         "hisparse_coordinator"]
+    assert order[:8] == ["tp_group", "device", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool",
+                         "index_key_pool", "hisparse_coordinator"]
     assert order.index("hisparse_coordinator") < order.index("backend:dsa") < order.index("model")
     assert rt.container.backend().coordinator is rt.container.hisparse_coordinator()
     off = containers.build(compose_config("+deploy=cpu_dsa_hisparse", "hisparse=off"))
@@ -149,7 +149,7 @@ def test_backend_uses_the_coordinator_it_was_given():
     hs = containers.to_plain(cfg)["hisparse"]
     real = HiSparseCoordinator(container.req_to_token_pool(), container.token_slots(), hs["top_k"],
                                hs["device_buffer_size"], hs["host_to_device_ratio"], container.device(),
-                               kv_pool=container.kv_pool(), layer_ids=container.model_spec().sparse_layers)
+                               container.tp_group(), kv_pool=container.kv_pool(), layer_ids=container.model_spec().sparse_layers)
     fake = RecordingCoordinator(real)
     container.hisparse_coordinator.override(providers.Object(fake))
     rt = containers.build(cfg, container=container)

@@ -12,6 +12,7 @@ import containers
 from runtime.app.parity import compare
 from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.parallel import SingleRank
 from runtime.engine.hisparse import HiSparseCoordinator
 
 W = KV_LORA + ROPE
@@ -24,7 +25,8 @@ def make_coordinator(top_k: int, buf: int, page_size: int = 4, num_pages: int = 
     r2t = ReqToTokenPool(max_requests, max_context, torch.device("cpu"))
     slots = TokenSlots(r2t, PageAllocator(num_pages, page_size))
     kv = MLAKVPool(LAYERS, num_pages, page_size, KV_LORA, ROPE, torch.float32, torch.device("cpu"))
-    c = HiSparseCoordinator(r2t, slots, top_k, buf, ratio, torch.device("cpu"), kv_pool=kv, layer_ids=LAYERS)
+    c = HiSparseCoordinator(r2t, slots, top_k, buf, ratio, torch.device("cpu"), SingleRank(torch.device("cpu")),
+                            kv_pool=kv, layer_ids=LAYERS)
     return c, kv
 
 

@@ -1,4 +1,8 @@
-"""What `python -m runtime` does: compose, validate, build, run, check parity, report."""
+"""What `python -m runtime` does: compose, validate, build, run, check parity, report.
+
+Under ``torchrun`` (``parallel.tp`` > 1) every rank runs all of this in lockstep (the builds, the workload, the
+parity reference, the end-of-run checks are the same on every rank); only rank 0 prints and writes the report.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from containers import build, to_plain
+from runtime.app.parallel_report import disagreements, parallel_section
 from runtime.app.parity import compare, quantization_effect, reference_config, unquantized_config
 from runtime.app.plot import write_step_plot
 from runtime.app.report import (
@@ -23,6 +28,7 @@ from runtime.app.report import (
 )
 from runtime.core.config import Config
 from runtime.core.errors import ConfigError, Problem
+from runtime.core.parallel import LaunchEnv, shutdown
 
 EXTRA_KEYS = {"dump_dir": "a directory path (+dump_dir=DIR)", "explain": "true or false (+explain=true)"}
 
@@ -60,7 +66,15 @@ def explain(runtime, console: Console) -> None:
 
 
 def run(cfg: DictConfig, output_dir: Path) -> int:
-    console = Console()
+    try:
+        return _run(cfg, output_dir, LaunchEnv.from_environ())
+    finally:
+        shutdown()  # the process group, if this run started one
+
+
+def _run(cfg: DictConfig, output_dir: Path, launch: LaunchEnv) -> int:
+    lead = launch.rank == 0  # only rank 0 prints and writes
+    console = Console(quiet=not lead)
     plain = to_plain(cfg)
     try:
         problems = _extras(plain)
@@ -68,12 +82,13 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
             raise ConfigError(problems)
         runtime = build(plain)
     except ConfigError as e:
-        print(str(e), file=sys.stderr)
+        if lead:
+            print(str(e), file=sys.stderr)
         return 2
     if plain.get("explain"):
         explain(runtime, console)
         return 0
-    res = runtime.engine.run(progress=plain["progress"], record_hidden=plain["check"] != "off")
+    res = runtime.engine.run(progress=plain["progress"] and lead, record_hidden=plain["check"] != "off")
     speculative = None
     spec = plain["speculative"]
     if spec["enabled"]:  # the same workload on the same backend without speculation, for tokens/s
@@ -97,8 +112,17 @@ def run(cfg: DictConfig, output_dir: Path) -> int:
         model = runtime.container.model()
         parity["quantization"] = quantization_effect(
             res, unq, lambda h: model.logits(h.to(model.device, model.spec.dtype)))
+    differ = disagreements(runtime, res)
+    if differ:
+        print(f"rank {launch.rank}: tensor-parallel ranks DISAGREE (each rank schedules on its own and must produce "
+              "the same tokens):\n  " + "\n  ".join(differ), file=sys.stderr)
+        return 3
+    parallel = parallel_section(runtime, res)
+    if not lead:
+        return 0 if parity is None or parity["ok"] else 1
     dumps = {m: str(p) for m, p in runtime.container.dumper().saved.items()}
     report = make_report(runtime, res, parity, dumps, speculative)
+    report["parallel"] = parallel
     print_report(report, console)
     path = write_report(report, output_dir)
     console.print(f"report: {path}")

@@ -246,6 +246,20 @@ def _output_lines(outputs: list[dict], shown: int = 3, width: int = 60) -> str:
     return "\n".join(lines)
 
 
+def _parallel_line(pl: dict) -> str:
+    """tp, moe, backend; per phase: collectives per step, KiB per step, ms per step (eager, or the probe's for
+    graphed steps); weights per rank."""
+    parts = [f"tp {pl['tp']} (moe {pl['moe']}, {pl['backend']})"]
+    for phase, c in pl["collectives"].items():
+        ms = [f"{c['ms_per_eager_step']:.3f} ms eager" if c["ms_per_eager_step"] is not None else "",
+              f"{c['probe_ms_per_graphed_step']:.3f} ms graphed (probe)" if c["probe_ms_per_graphed_step"] is not None
+              else ""]
+        parts.append(f"{phase}: {c['count_per_step']:.1f} collectives, {c['bytes_per_step'] / 1024:.1f} KiB per step"
+                     + "".join(f", {m}" for m in ms if m))
+    parts.append("weights per rank " + ", ".join(_mib(m["weights_bytes"]) for m in pl["memory_per_rank"]))
+    return "; ".join(parts)
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"mla-runtime: {report['backend']} on {report['device']['name']}", show_header=False)
@@ -303,6 +317,9 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"buffers {_mib(hs['device_buffer_bytes'])}) vs host KV {_mib(hs['host_kv_bytes'])}; "
                   f"{hs['device_over_dense']:.2f}x of dense; {hs['swap_ins']} swap-ins, hit rate "
                   f"{hs['hit_rate']:.1%}, {hs['bytes_copied_per_decode_step'] / 1024:.1f} KiB copied per decode step")
+    pl = report.get("parallel")
+    if pl and pl["tp"] > 1:
+        t.add_row("tensor parallel", _parallel_line(pl))
     par = report["parity"]
     if par.get("reference"):
         verdict = "[green]ok[/green]" if par["ok"] else "[red]FAILED[/red]"

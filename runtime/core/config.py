@@ -403,6 +403,20 @@ class EngineConfig:
     overlap: OverlapMode = OverlapMode.auto
 
 
+class MoEParallel(str, enum.Enum):
+    tp = "tp"  # every routed expert's intermediate dim split over the ranks
+    ep = "ep"  # expert parallelism: each rank owns n_routed_experts / tp whole experts
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor parallelism over ``torchrun`` processes (runtime/core/parallel.py): ``tp`` ranks, one per GPU
+    (``WORLD_SIZE`` must equal it), and how the routed experts are split."""
+
+    tp: int = 1
+    moe: MoEParallel = MoEParallel.tp
+
+
 @dataclass
 class DeviceConfig:
     kind: DeviceKind = DeviceKind.auto
@@ -420,6 +434,7 @@ class Config:
     graph: GraphConfig = MISSING
     workload: WorkloadConfig = MISSING
     device: DeviceConfig = MISSING
+    parallel: ParallelConfig = MISSING
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -446,6 +461,7 @@ _GROUP_SCHEMAS: dict[str, Any] = {
     "graph": GraphConfig,
     "workload": WorkloadConfig,
     "device": DeviceConfig,
+    "parallel": ParallelConfig,
 }
 
 

@@ -80,6 +80,7 @@ class ModelSpec:
     rope_truncate: bool = True
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = ()
+    tp_size: int = 1  # tensor-parallel ranks: num_heads is this rank's share of the model's heads
 
     @classmethod
     def from_config(cls, model: dict) -> ModelSpec:
@@ -143,6 +144,12 @@ class ModelSpec:
         """The spec of a draft model made of this model's first ``num_layers`` layers."""
         return replace(self, name=f"{self.name}:draft{num_layers}", num_layers=num_layers,
                        layer_kinds=self.layer_kinds[:num_layers], mlp_kinds=self.mlp_kinds[:num_layers])
+
+    def for_rank(self, tp_size: int) -> ModelSpec:
+        """The spec one of ``tp_size`` tensor-parallel ranks computes with: ``num_heads / tp_size`` heads (what its
+        attention backend and KV reads see); every other field is the model's (the weights carry their own
+        sharded shapes). Loading always reads the full model's spec."""
+        return replace(self, num_heads=self.num_heads // tp_size, tp_size=self.tp_size * tp_size)
 
     @property
     def is_dsv4(self) -> bool:

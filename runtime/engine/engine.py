@@ -19,6 +19,7 @@ from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.device import to_device
 from runtime.core.errors import PoolExhausted
 from runtime.core.kv_pool import TokenSlots
+from runtime.core.parallel import CollectiveSample, SingleRank, TPGroup
 from runtime.core.prefix_chunks import plan_prefix_chunks
 from runtime.engine.graph_runner import GraphRunner
 from runtime.engine.progress import Progress
@@ -47,6 +48,7 @@ class StepRecord:
     marks: tuple = ()
     phase: str = ""
     graphed: bool = False
+    collectives: CollectiveSample | None = None  # tensor parallelism: the step's collectives (with sampling)
 
 
 @dataclass
@@ -109,6 +111,12 @@ class Engine:
     dumper : AttentionDumper or None
         The target model's dumper: a graphed step whose mode it still wants to dump runs eagerly, so the
         dump holds that step's values (a replay would not run the dump's Python code).
+    group : SingleRank or TPGroup
+        The tensor-parallel group; each step record takes the collectives it issued (or replayed).
+
+    Tensor parallelism: every rank runs this same loop on the same workload and schedules the same steps (the
+    schedule is a function of the config, the workload and the sampled tokens, and the tokens are the same on
+    every rank because the greedy choice is taken on the all-gathered logits); nothing is broadcast per step.
     """
 
     def __init__(
@@ -125,6 +133,7 @@ class Engine:
         spec: SpeculativeDriver | None = None,
         overlap: bool = False,
         dumper: AttentionDumper | None = None,
+        group: SingleRank | TPGroup | None = None,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
         self.slots, self.workload, self.requests, self.device = token_slots, workload, requests, device
@@ -133,6 +142,7 @@ class Engine:
         self._lookahead = spec.lookahead if spec is not None else 0
         self.clock = StepClock(device)
         self.overlap, self.dumper = overlap, dumper
+        self.group = group if group is not None else SingleRank(device)
         self._fence = None  # event after the previous step's metadata copies (see _forward)
 
     # -------------------------------------------------------------------------------------------- run
@@ -173,6 +183,7 @@ class Engine:
         self._res = res
         self._timed: list[tuple[StepRecord, object, object]] = []  # speculative phases awaiting their times
         self.graphs.capture()
+        self.group.stats.take()  # graph warm-ups are no step's
         with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
             while waiting or running:
                 if self.overlap:  # an EOS is learned one step late, never later
@@ -199,6 +210,7 @@ class Engine:
                 h, record.graphed = self._forward(ids, batch)
                 sel = h if sample_rows is None else h[sample_rows]
                 pending = self._sample(reqs, req_rows, sel, forced, record, start)
+                record.collectives = self.group.stats.take()
                 if self.spec is not None and batch.mode == ForwardMode.EXTEND:
                     starting = [r for r in reqs if len(r.output) + 1 < r.max_new_tokens]
                     self.spec.after_prefill(ids, batch, [r.row for r in starting], [r.cached for r in starting],
@@ -281,6 +293,7 @@ class Engine:
         self._res.steps.append(record)
         start = self.clock.mark()
         out, record.graphed = self._launch(phase, fn, planner, ids, batch)
+        record.collectives = self.group.stats.take()
         self._timed.append((record, start, self.clock.mark()))
         return out
 

@@ -32,6 +32,7 @@ import torch
 
 from backends.base import CudaGraphLevel, GraphHooks
 from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.parallel import CollectiveSample, CollectiveStats
 from runtime.model.dump import AttentionDumper
 
 # name -> (forward mode of its batches, graph level every backend in use must reach)
@@ -98,11 +99,14 @@ class ModeGraphs:
     padding_row : the request table's padding row
     device : torch.device
     copies : executable graphs captured per size (2 with the overlap scheduler: replays alternate)
+    stats : CollectiveStats
+        The tensor-parallel group's statistics: the collectives captured in each size's graph are recorded and
+        added to the step of every replay (untimed; see runtime/core/parallel.py).
     """
 
     def __init__(self, decision: GraphDecision, forward_mode: ForwardMode, fn: Callable, hooks: GraphHooks,
                  tokens_per_request: int, rows_per_request: int, padding_row: int, device: torch.device,
-                 copies: int = 1):
+                 copies: int = 1, stats: CollectiveStats | None = None):
         self.decision, self.mode, self.fn, self.hooks = decision, forward_mode, fn, hooks
         self.t, self.rows, self.padding_row, self.device = tokens_per_request, rows_per_request, padding_row, device
         self.copies = copies
@@ -111,6 +115,8 @@ class ModeGraphs:
         self.max_bs = max(decision.sizes) if decision.graphed else 0
         self.replays = 0
         self._bufs: dict[str, torch.Tensor] = {}
+        self.stats = stats if stats is not None else CollectiveStats(device)
+        self.collectives: dict[int, CollectiveSample] = {}  # size -> the collectives its graph captured
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (self.decision.graphed and batch.mode == self.mode and 0 < batch.batch_size <= self.max_bs
@@ -155,12 +161,14 @@ class ModeGraphs:
                     self.fn(ids, batch)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self.graphs[bs] = []
+            self.stats.take()  # the warm-ups' (eager) collectives
             for _ in range(self.copies):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.fn(ids, batch)
                 pool = graph.pool()
                 self.graphs[bs].append((graph, out, batch))
+                self.collectives[bs] = self.stats.take()  # captured, untimed (each copy captures the same)
         return pool
 
     def prepare(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
@@ -189,6 +197,7 @@ class ModeGraphs:
         bs, n = self._prepared
         graph, out, _ = self.graphs[bs][self.replays % len(self.graphs[bs])]
         graph.replay()
+        self.stats.add(self.collectives[bs])  # the step ran these collectives (inside the graph)
         self.replays += 1
         return out[: n * self.rows]
 

@@ -35,6 +35,7 @@ from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.device import to_device
 from runtime.core.errors import PoolExhausted
 from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.parallel import SingleRank, TPGroup
 
 PADDING_SLOT = 0  # slot 0 is on the padding page of both pools
 
@@ -76,9 +77,13 @@ class HiSparseCoordinator:
     host_to_device_ratio : float
         Host pool pages / device pool pages (>= 1).
     device : torch.device
-    tp_group : None
-        Accepted for the engines' signature; this runtime runs one rank (each TP rank would own a coordinator
-        over its own heads' KV, which MLA shares, so nothing would be exchanged). Anything else is refused.
+    tp_group : SingleRank or TPGroup
+        The tensor-parallel group. Each rank owns a coordinator over the full latent KV (MLA's cache is the same
+        for every head, so every rank holds all of it) and makes the same swap-in decisions without exchanging
+        anything: the indexer is replicated and its inputs (hidden states after an all-reduce, which gives every
+        rank the same bits) are equal, so its top-k, and with it every hit, miss and eviction, are equal. Nothing
+        is sent per step; :meth:`disagreement` gathers every rank's :meth:`agreement_digest` (counters and
+        checksums of the buffers' position and LRU tables) once, at the end of the run, which fails if they differ.
     kv_pool : MLAKVPool
         Row width and dtype of the latent KV (the host rows match them).
     layer_ids : list of int
@@ -110,14 +115,12 @@ class HiSparseCoordinator:
         device_buffer_size: int,
         host_to_device_ratio: float,
         device: torch.device,
-        tp_group=None,
+        tp_group: SingleRank | TPGroup,
         *,
         kv_pool: MLAKVPool,
         layer_ids: list[int],
     ):
         problems = []
-        if tp_group is not None:
-            problems.append(f"tp_group={tp_group!r}: this runtime runs one rank; expected None. Fix: drop tp_group")
         if not 1 <= top_k <= device_buffer_size:
             problems.append(f"top_k={top_k}, device_buffer_size={device_buffer_size}: expected 1 <= top_k <= "
                             "device_buffer_size. Fix: set hisparse.device_buffer_size >= hisparse.top_k")
@@ -125,7 +128,7 @@ class HiSparseCoordinator:
             problems.append(f"host_to_device_ratio={host_to_device_ratio}: expected >= 1. Fix: set it to 4")
         if problems:
             raise ValueError("HiSparseCoordinator: " + "; ".join(problems))
-        self.req_to_token_pool, self.kv_allocator = req_to_token_pool, kv_allocator
+        self.req_to_token_pool, self.kv_allocator, self.group = req_to_token_pool, kv_allocator, tp_group
         self.top_k, self.buf = int(top_k), int(device_buffer_size)
         self.device, self.layer_ids = torch.device(device), list(layer_ids)
         self._layer = {layer: i for i, layer in enumerate(self.layer_ids)}
@@ -326,6 +329,22 @@ class HiSparseCoordinator:
             "bytes_copied_per_decode_step": misses * self.row_bytes / self.decode_steps if self.decode_steps else 0.0,
             "host_bytes_written": self.host_rows_written * self.row_bytes,
         }
+
+    def agreement_digest(self) -> tuple[int, ...]:
+        """Hits, misses, and checksums of every buffer's positions and LRU stamps (one device read): equal on
+        every tensor-parallel rank iff they made the same swap-in decisions (checked at the end of a run)."""
+        pos = self.buf_pos.long()
+        weights = torch.arange(1, pos[0].numel() + 1, device=pos.device).view(pos.shape[1:])
+        sums = torch.stack([(pos * weights).sum(), (self.buf_stamp * weights).sum()])
+        return tuple(int(v) for v in torch.cat([self._counters, sums]).tolist())
+
+    def disagreement(self) -> str | None:
+        """None when every tensor-parallel rank made the same swap-in decisions, else what differs (a collective:
+        every rank calls it)."""
+        digests = self.group.gather_objects(self.agreement_digest())
+        bad = [r for r, d in enumerate(digests) if d != digests[0]]
+        return None if not bad else (f"ranks {bad} made different HiSparse swap-in decisions than rank 0 "
+                                     f"(hits, misses, position and LRU checksums: {digests})")
 
     def free_counts(self) -> dict:
         """Free host pages, device pages and request rows, and the buffer slots still holding a token (for

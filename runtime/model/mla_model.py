@@ -7,6 +7,13 @@ the norm that follows it (``ops.add_rms_norm``: the next sublayer's input norm, 
 are injected: seeded random (presets) or loaded from a Hugging Face folder
 (:mod:`runtime.model.deepseek.checkpoint`); so are the small ops (:mod:`runtime.model.deepseek.ops`: fused
 Triton kernels or torch, by ``model.fused``).
+
+Tensor parallelism (:mod:`runtime.model.deepseek.sharding` says who holds what): the injected group sums the
+row-parallel outputs (attention ``o_proj``; the dense MLP, or the MoE layer's routed and shared experts together:
+one all-reduce each) before they are added to the residual stream, so the hidden states are the same on every
+rank after each layer. The embedding is vocabulary-parallel (each rank looks up its own rows, zeros elsewhere,
+all-reduce) and the LM head gives each rank its slice of the logits, all-gathered into the full vocabulary on
+every rank. With one rank the group does nothing and the embedding is a plain lookup.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.config import LayerKind
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import MLPLayer, ModelSpec
+from runtime.core.parallel import SingleRank, TPGroup
 from runtime.model.deepseek.attention import MLAAttention, linear_attention
 from runtime.model.deepseek.moe import grouped_mm_usable
 from runtime.model.deepseek.ops import FusedOps, TorchOps
@@ -45,6 +53,8 @@ class MLAModel:
         ``spec.num_layers`` layers of weights (seeded random, loaded, or the target's first layers for a draft).
     ops : TorchOps or FusedOps
         The decoder's small ops (``model.fused`` and the device's capabilities chose the class).
+    group : SingleRank or TPGroup
+        The tensor-parallel group (``spec.num_heads`` is this rank's share of the heads).
     shares_weights : bool
         True for the speculative draft, whose weights are the target's (its weight bytes count 0).
     """
@@ -60,6 +70,7 @@ class MLAModel:
         sparse: SparseDecode | None,
         weights: ModelWeights,
         ops: TorchOps | FusedOps,
+        group: SingleRank | TPGroup,
         shares_weights: bool = False,
     ):
         if len(weights.layers) != spec.num_layers:
@@ -67,14 +78,15 @@ class MLAModel:
                              "layers. Fix: derive a draft's weights with ModelWeights.first(n).")
         self.spec, self.device, self.kv_pool = spec, device, kv_pool
         self.backend, self.mha_prefill, self.dumper, self.sparse = backend, mha_prefill, dumper, sparse
-        self.weights, self.shares_weights, self.ops = weights, shares_weights, ops
+        self.weights, self.shares_weights, self.ops, self.group = weights, shares_weights, ops, group
         self.layers = weights.layers
+        self._embed = self._embed_full if weights.embed.shape[0] == spec.vocab_size else self._embed_vocab_parallel
         dump_layer = spec.full_layers[0] if spec.full_layers and dumper is not None else -1
         self.dump_layer = dump_layer
         self.attention = MLAAttention(spec, kv_pool, backend, mha_prefill, dumper, sparse, dump_layer, ops)
         self.rope_cos, self.rope_sin = rope_tables(spec, device)
-        self.grouped_mm = spec.has_moe and grouped_mm_usable(
-            device, spec.dtype, (spec.hidden_size, spec.moe_intermediate_size))
+        moe_dims = [d for k, lw in zip(spec.mlp_kinds, self.layers) if k == MLPLayer.moe for d in lw.mlp.down.shape[1:]]
+        self.grouped_mm = spec.has_moe and grouped_mm_usable(device, spec.dtype, tuple(moe_dims))
 
     @property
     def weight_bytes(self) -> int:
@@ -85,7 +97,7 @@ class MLAModel:
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [T] int64 -> final-normed hidden states [T, hidden] in the model dtype."""
         s, ops, eps = self.spec, self.ops, self.spec.rms_norm_eps
-        x = self.weights.embed[input_ids]
+        x = self._embed(input_ids)
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         use_mha = batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None
         delta = None  # the last sublayer's output, added to the residual stream x by the next add_rms_norm
@@ -95,15 +107,25 @@ class MLAModel:
                 delta = linear_attention(s, self.backend, layer_id, lw.attn, x, batch)
             else:
                 x, xn = ops.add_rms_norm(x, delta, lw.attn.attn_norm, eps)
-                delta = self.attention.forward(layer_id, lw.attn, xn, cos, sin, batch, use_mha)
+                delta = self.group.all_reduce(self.attention.forward(layer_id, lw.attn, xn, cos, sin, batch, use_mha))
             if mkind == MLPLayer.dense:
                 x, xn = ops.add_rms_norm(x, delta, lw.mlp_norm, eps)
-                delta = ops.dense_mlp(lw.mlp, xn)
+                delta = self.group.all_reduce(ops.dense_mlp(lw.mlp, xn))
             elif mkind == MLPLayer.moe:
                 x, xn = ops.add_rms_norm(x, delta, lw.mlp_norm, eps)
-                delta = ops.moe(s, lw.mlp, xn, self.grouped_mm)
+                delta = self.group.all_reduce(ops.moe(s, lw.mlp, xn, self.grouped_mm))
         return ops.add_rms_norm(x, delta, self.weights.final_norm, eps)[1]
 
+    def _embed_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weights.embed[input_ids]
+
+    def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the embedding, zeros for ids outside its slice, summed over the ranks."""
+        local = input_ids - self.weights.vocab_start
+        mine = (local >= 0) & (local < self.weights.embed.shape[0])
+        x = self.weights.embed[torch.where(mine, local, 0)]
+        return self.group.all_reduce(torch.where(mine[:, None], x, 0.0).to(x.dtype))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return F.linear(hidden.to(self.weights.lm_head.dtype), self.weights.lm_head).float()
+        """[N, hidden] -> [N, vocab] float32 (this rank's vocabulary slice, all-gathered: the same on every rank)."""
+        return self.group.all_gather(F.linear(hidden.to(self.weights.lm_head.dtype), self.weights.lm_head)).float()

@@ -10,6 +10,10 @@ in the compute dtype as it is read, so at most one tensor of the checkpoint is o
 weights (the official V3/V3.2 release) carry ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)] float32 block
 scales: ``weight = fp8 * scale`` per 128 x 128 block, dequantised at load. Layers past ``spec.num_layers`` (a cut
 model, or the release's MTP layer) are not read.
+
+Tensor parallelism: each rank reads only its slice of each tensor (``safe_open(...).get_slice``; the cuts are
+:mod:`runtime.model.deepseek.sharding`'s), for fp8 weights with the block-scale rows and columns that cover the
+slice (dequantised, then trimmed to it); with expert parallelism the other ranks' experts are not read at all.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from safetensors import safe_open
 
 from runtime.core.errors import CheckpointError, Problem
 from runtime.core.model_spec import MLPLayer, ModelSpec
+from runtime.core.parallel import ONE_RANK, Sharding
+from runtime.model.deepseek.sharding import FULL, Cut, expert_range, local_shape, tensor_cut
 from runtime.model.deepseek.weights import (
     AttentionWeights,
     DecoderLayerWeights,
@@ -214,11 +220,21 @@ def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[
     return index, expected, problems
 
 
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp8 e4m3 [out, in] and float32 block scales [ceil(out/128), ceil(in/128)] -> ``dtype`` [out, in]."""
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, row0: int = 0,
+                   col0: int = 0) -> torch.Tensor:
+    """fp8 e4m3 [out, in] and float32 block scales [ceil(out/128), ceil(in/128)] -> ``dtype`` [out, in].
+
+    A slice of a larger weight: ``w`` its rows/columns, ``scale_inv`` the blocks that cover them, ``row0`` /
+    ``col0`` where the slice starts inside its first block row / column (``start % 128``)."""
     out_dim, in_dim = w.shape
-    s = scale_inv.float().repeat_interleave(BLOCK, 0)[:out_dim].repeat_interleave(BLOCK, 1)[:, :in_dim]
+    s = scale_inv.float().repeat_interleave(BLOCK, 0)[row0 : row0 + out_dim]
+    s = s.repeat_interleave(BLOCK, 1)[:, col0 : col0 + in_dim]
     return (w.float() * s).to(dtype)
+
+
+def _span(s: slice, n: int) -> tuple[int, int]:
+    r = range(n)[s]
+    return r.start, r.stop
 
 
 class _Reader:
@@ -241,43 +257,62 @@ class _Reader:
             self._handle.__exit__(None, None, None)
             self._handle, self._file = None, None
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None, cut: Cut = FULL) -> torch.Tensor:
+        """Tensor ``name`` (this rank's ``cut`` of it: only those bytes are read) on the device, in ``dtype``."""
         info = self.index[name]
-        t = self._open(info.file).get_tensor(name)
         want = dtype or (torch.float32 if name.endswith(FLOAT32_TENSORS) else self.dtype)
+        if cut.replicated:
+            parts = [self._whole(name, info, want)]
+        else:
+            parts = [self._piece(name, info, piece, want) for piece in cut.pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim)
+
+    def _whole(self, name: str, info: TensorInfo, want: torch.dtype) -> torch.Tensor:
+        t = self._open(info.file).get_tensor(name)
         if info.dtype == FP8:
             scale = self._open(self.index[name + "_scale_inv"].file).get_tensor(name + "_scale_inv")
-            self._open(info.file)
             return dequantize_fp8(t.to(self.device), scale.to(self.device), want)
         return t.to(device=self.device, dtype=want)
 
+    def _piece(self, name: str, info: TensorInfo, piece: tuple[slice, ...], want: torch.dtype) -> torch.Tensor:
+        t = self._open(info.file).get_slice(name)[piece]
+        if info.dtype != FP8:
+            return t.to(device=self.device, dtype=want)
+        (r0, r1), (c0, c1) = (_span(s, n) for s, n in zip(piece + (slice(None),) * 2, info.shape))
+        blocks = (slice(r0 // BLOCK, -(-r1 // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK)))
+        scale = self._open(self.index[name + "_scale_inv"].file).get_slice(name + "_scale_inv")[blocks]
+        return dequantize_fp8(t.to(self.device), scale.to(self.device), want, r0 % BLOCK, c0 % BLOCK)
 
-def load_checkpoint(spec: ModelSpec, device: torch.device) -> ModelWeights:
-    """The weights of ``spec`` from ``spec.path`` (see the module docstring). Raises CheckpointError listing every
-    problem before any tensor is read."""
+
+def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_RANK) -> ModelWeights:
+    """The weights of ``spec`` (the full model) from ``spec.path`` (see the module docstring), this rank's slices
+    of them under tensor parallelism (``shard``). Raises CheckpointError listing every problem before any
+    tensor is read."""
     start = time.perf_counter()
     index, expected, problems = scan_checkpoint(spec)
     if problems:
         raise CheckpointError(problems)
-    # read in file order: each shard is opened once
-    order = sorted(expected, key=lambda n: (str(index[n].file), n))
+    cuts = {n: tensor_cut(n, expected[n], spec, shard) for n in expected}
+    # read in file order: each shard is opened once; other ranks' experts (moe=ep) are skipped
+    order = sorted((n for n in expected if cuts[n] is not None), key=lambda n: (str(index[n].file), n))
     r = _Reader(index, torch.device(device), spec.dtype)
     got: dict[str, torch.Tensor] = {}
     stacks: dict[str, torch.Tensor] = {}
-    e, im, d = spec.n_routed_experts, spec.moe_intermediate_size, spec.hidden_size
+    mine, d = expert_range(spec, shard), spec.hidden_size
     try:
         for name in order:
             if ".mlp.experts." in name and name.split(".mlp.experts.")[1][0].isdigit():
                 layer = name.split(".mlp.experts.")[0]
                 x, part = name.split(".mlp.experts.")[1].split(".")[:2]
                 key = f"{layer}.gate_up" if part in ("gate_proj", "up_proj") else f"{layer}.down"
+                im = local_shape(expected[name], cuts[name])[0 if part != "down_proj" else 1]
                 if key not in stacks:
-                    shape = (e, 2 * im, d) if key.endswith("gate_up") else (e, d, im)
+                    shape = (len(mine), 2 * im, d) if key.endswith("gate_up") else (len(mine), d, im)
                     stacks[key] = torch.empty(shape, dtype=spec.dtype, device=device)
                 rows = {"gate_proj": slice(0, im), "up_proj": slice(im, 2 * im), "down_proj": slice(None)}[part]
-                stacks[key][int(x), rows] = r.get(name)
+                stacks[key][int(x) - mine.start, rows] = r.get(name, cut=cuts[name])
             else:
-                got[name] = r.get(name)
+                got[name] = r.get(name, cut=cuts[name])
     finally:
         r.close()
     for i in range(spec.num_layers):  # transformers' fused layout
@@ -285,14 +320,15 @@ def load_checkpoint(spec: ModelSpec, device: torch.device) -> ModelWeights:
         if f"{p}.gate_up_proj" in got:
             stacks[f"model.layers.{i}.gate_up"] = got.pop(f"{p}.gate_up_proj")
             stacks[f"model.layers.{i}.down"] = got.pop(f"{p}.down_proj")
-    weights = _assemble(spec, got, stacks)
+    weights = _assemble(spec, got, stacks, mine.start, shard.part(spec.vocab_size).start)
     weights.load_seconds = time.perf_counter() - start
     weights.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights.source = str(spec.path)
     return weights
 
 
-def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, torch.Tensor]) -> ModelWeights:
+def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, torch.Tensor], first_expert: int,
+              vocab_start: int) -> ModelWeights:
     s = spec
     layers = []
     for i, (kind, mkind) in enumerate(zip(s.layer_kinds, s.mlp_kinds)):
@@ -318,11 +354,12 @@ def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, tor
             layer.mlp = MoEWeights(
                 gate=g[f"{p}.mlp.gate.weight"], bias=g.get(f"{p}.mlp.gate.e_score_correction_bias"),
                 gate_up=stacks[f"{p}.gate_up"], down=stacks[f"{p}.down"],
-                shared=_dense(g, f"{p}.mlp.shared_experts") if s.n_shared_experts else None)
+                shared=_dense(g, f"{p}.mlp.shared_experts") if s.n_shared_experts else None,
+                first_expert=first_expert)
         layers.append(layer)
     embed = g["model.embed_tokens.weight"]
     lm_head = embed if s.tie_word_embeddings else g["lm_head.weight"]
-    return ModelWeights(embed, layers, g["model.norm.weight"], lm_head)
+    return ModelWeights(embed, layers, g["model.norm.weight"], lm_head, vocab_start=vocab_start)
 
 
 def _dense(g: dict[str, torch.Tensor], prefix: str) -> DenseMLPWeights:

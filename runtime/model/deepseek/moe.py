@@ -73,24 +73,40 @@ def grouped_mm_usable(device: torch.device, dtype: torch.dtype, dims: tuple[int,
     return torch.cuda.get_device_capability(device) >= (9, 0) and all(d % 8 == 0 for d in dims)
 
 
+def local_expert_ids(w: MoEWeights, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert parallelism: ids [T, k] global expert ids -> (the same pairs' ids among this rank's experts
+    ``w.first_expert ...``, with ``n_local`` for other ranks' experts: one extra group, sorted last and dropped;
+    the [T, k] mask of this rank's pairs). A rank that holds every expert (no EP) gets ``(ids, None)``."""
+    n_local = w.gate_up.shape[0]
+    if n_local == w.gate.shape[0]:
+        return ids, None
+    local = ids - w.first_expert
+    mine = (local >= 0) & (local < n_local)
+    return torch.where(mine, local, n_local), mine
+
+
 def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    grouped_mm: bool) -> torch.Tensor:
-    """Sum over each token's k experts of weight * expert(x). x [T, D]; weights [T, k] float32; ids [T, k]
-    -> [T, D] float32."""
+    """Sum over each token's k experts of weight * expert(x), for the experts this rank holds (``w.gate_up``:
+    all experts, possibly cut to a slice of their intermediate dim, or with expert parallelism experts
+    ``w.first_expert ...`` whole; the other pairs contribute 0 here and are summed in by the caller's all-reduce).
+    x [T, D]; weights [T, k] float32; ids [T, k] global expert ids -> [T, D] float32."""
     t, k = ids.shape
-    flat = ids.reshape(-1)
+    n_local = w.gate_up.shape[0]
+    local, mine = local_expert_ids(w, ids)
+    flat = local.reshape(-1)
     order = torch.argsort(flat, stable=True)
     tokens = order // k
     xs = x[tokens]  # [T * k, D], grouped by expert
     # counts per expert without a host sync (bincount would read the max id back): graph-capturable
-    counts = torch.zeros(w.gate_up.shape[0], dtype=torch.int64, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
+    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))[:n_local]
     if grouped_mm:
         offsets = counts.cumsum(0).to(torch.int32)
         h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
         y = torch._grouped_mm(swiglu(h), w.down.transpose(1, 2), offs=offsets)
     else:
-        y = torch.empty_like(xs)
+        y = torch.zeros_like(xs)
         start = 0
         for e, n in enumerate(counts.tolist()):  # one host sync; a GEMM per active expert only
             if n:
@@ -98,11 +114,14 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
                 start += n
     unsorted = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
     unsorted[order] = y.float()  # back to (token, slot) order: a fixed-order sum, deterministic (no atomics)
+    if mine is not None:  # other ranks' pairs: rows past the last group, not computed here
+        unsorted = torch.where(mine.view(-1, 1), unsorted, 0.0)
     return (unsorted.view(t, k, -1) * weights[:, :, None]).sum(dim=1)
 
 
 def moe(spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
-    """x [T, D] -> routed experts + shared experts [T, D] in x's dtype."""
+    """x [T, D] -> routed experts + shared experts [T, D] in x's dtype. With tensor parallelism this rank's
+    partial sum (routed and shared together: one all-reduce per MoE layer, by the caller)."""
     weights, ids = route(spec, w, x)
     out = routed_experts(w, x, weights, ids, grouped_mm).to(x.dtype)
     if w.shared is not None:

@@ -21,6 +21,8 @@ import torch
 
 from runtime.core.config import LayerKind
 from runtime.core.model_spec import MLPLayer, ModelSpec
+from runtime.core.parallel import ONE_RANK, Sharding
+from runtime.model.deepseek.sharding import FULL, expert_range, tensor_cut
 from runtime.model.indexer import IndexerWeights
 
 
@@ -114,6 +116,7 @@ class MoEWeights:
     gate_up: torch.Tensor  # [E, 2 * I_moe, D]
     down: torch.Tensor  # [E, D, I_moe]
     shared: DenseMLPWeights | None  # intermediate I_moe * n_shared_experts
+    first_expert: int = 0  # global id of gate_up[0] (expert parallelism: this rank's first expert)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -133,18 +136,20 @@ class DecoderLayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [V, D]
+    embed: torch.Tensor  # [V, D] (tensor parallelism: this rank's vocabulary rows [vocab_start, + V / tp))
     layers: list[DecoderLayerWeights]
     final_norm: torch.Tensor  # [D]
-    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied)
+    lm_head: torch.Tensor  # [V, D] (the embedding itself when tied; rows as embed's)
     load_seconds: float = 0.0
     peak_host_bytes: int = 0
     source: str = "random"
     extra: dict = field(default_factory=dict)
+    vocab_start: int = 0  # first vocabulary id of embed / lm_head (0 without tensor parallelism)
 
     def first(self, n: int) -> ModelWeights:
         """The same tensors (by reference) with only the first ``n`` layers: the speculative draft."""
-        return ModelWeights(self.embed, self.layers[:n], self.final_norm, self.lm_head, source=self.source)
+        return ModelWeights(self.embed, self.layers[:n], self.final_norm, self.lm_head, source=self.source,
+                            vocab_start=self.vocab_start)
 
     @property
     def nbytes(self) -> int:
@@ -157,73 +162,96 @@ class ModelWeights:
 
 
 def split_kv_b(kv_b: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj.weight [H * (qk_nope + v_head), kv_lora] -> w_uk [H, qk_nope, kv_lora], w_uv [H, kv_lora, v_head]."""
-    w = kv_b.view(spec.num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
+    """kv_b_proj.weight [H * (qk_nope + v_head), kv_lora] -> w_uk [H, qk_nope, kv_lora], w_uv [H, kv_lora, v_head]
+    (H: the heads the tensor holds: all of them, or a tensor-parallel rank's)."""
+    w = kv_b.view(-1, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
     return (w[:, : spec.qk_nope_head_dim].contiguous(),
             w[:, spec.qk_nope_head_dim :].transpose(1, 2).contiguous())
 
 
-def random_weights(spec: ModelSpec, device: torch.device) -> ModelWeights:
+def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_RANK) -> ModelWeights:
     """Seeded random weights of ``spec`` (a function of ``spec.weight_seed`` and the device kind: the generator
-    runs on ``device`` so real-width experts need no host copy)."""
+    runs on ``device`` so real-width experts need no host copy). With tensor parallelism (``shard``) every full
+    tensor is generated in the same order and this rank keeps its slice (:mod:`.sharding`), so every tp serves
+    the same model; the experts of other ranks (moe=ep) are generated and dropped."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(spec.weight_seed)
     s = spec
 
-    def w(*shape: int, fan_in: int, residual: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def w(*shape: int, fan_in: int, residual: bool = False, dtype: torch.dtype | None = None,
+          name: str = "") -> torch.Tensor | None:
+        """The next seeded tensor (generated whole); this rank's cut of it, None when it holds none of it."""
         scale = fan_in * (2 * s.num_layers if residual else 1)
         t = torch.randn(*shape, generator=gen, dtype=torch.float32, device=device) / scale**0.5
-        return t.to(dtype or s.dtype)
+        cut = tensor_cut(name, tuple(shape), s, shard) if name else FULL
+        return None if cut is None else cut.apply(t).to(dtype or s.dtype).contiguous()
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=s.dtype)
 
-    def mlp(inter: int) -> DenseMLPWeights:
-        return DenseMLPWeights(gate_up=w(2 * inter, d, fan_in=d), down=w(d, inter, fan_in=inter, residual=True))
+    def gate_up(inter: int, prefix: str) -> torch.Tensor | None:
+        """Full [2I, D] generated at once (gate rows, then up rows); this rank's gate rows, then its up rows."""
+        t = w(2 * inter, d, fan_in=d, dtype=torch.float32)
+        cut = tensor_cut(f"{prefix}.gate_proj.weight", (inter, d), s, shard)
+        return None if cut is None else torch.cat([cut.apply(t[:inter]), cut.apply(t[inter:])]).to(s.dtype)
+
+    def mlp(inter: int, prefix: str) -> DenseMLPWeights:
+        return DenseMLPWeights(gate_up=gate_up(inter, prefix),
+                               down=w(d, inter, fan_in=inter, residual=True, name=f"{prefix}.down_proj.weight"))
 
     h, d = s.num_heads, s.hidden_size
     hl, dl = s.linear_num_heads, s.linear_head_dim
-    embed = w(s.vocab_size, d, fan_in=1)
+    vocab = shard.part(s.vocab_size)
+    embed = w(s.vocab_size, d, fan_in=1, name="model.embed_tokens.weight")
     layers = []
-    for kind, mkind in zip(s.layer_kinds, s.mlp_kinds):
+    for i, (kind, mkind) in enumerate(zip(s.layer_kinds, s.mlp_kinds)):
+        p, a = f"model.layers.{i}", f"model.layers.{i}.self_attn"
         if kind == LayerKind.linear:
             attn = LinearLayerWeights(
                 attn_norm=ones(d), wq=w(d, hl * dl, fan_in=d), wk=w(d, hl * dl, fan_in=d),
                 wv=w(d, hl * dl, fan_in=d), out_norm=ones(hl * dl), wo=w(hl * dl, d, fan_in=hl * dl, residual=True))
         else:
             q_in = s.q_lora_rank or d
-            w_uk, w_uv = split_kv_b(w(h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, fan_in=s.kv_lora_rank), s)
+            kv_b = w(h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, fan_in=s.kv_lora_rank,
+                     name=f"{a}.kv_b_proj.weight")
+            w_uk, w_uv = split_kv_b(kv_b, s)
             attn = AttentionWeights.of(
                 attn_norm=ones(d),
                 q_a=w(s.q_lora_rank, d, fan_in=d) if s.q_lora_rank else None,
                 q_a_norm=ones(s.q_lora_rank) if s.q_lora_rank else None,
-                q_b=w(h * s.qk_head_dim, q_in, fan_in=q_in),
+                q_b=w(h * s.qk_head_dim, q_in, fan_in=q_in, name=f"{a}.q_b_proj.weight"),
                 kv_a=w(s.kv_row_dim, d, fan_in=d),
                 kv_a_norm=ones(s.kv_lora_rank),
                 w_uk=w_uk, w_uv=w_uv,
-                o=w(d, h * s.v_head_dim, fan_in=h * s.v_head_dim, residual=True),
+                o=w(d, h * s.v_head_dim, fan_in=h * s.v_head_dim, residual=True, name=f"{a}.o_proj.weight"),
                 indexer=_random_indexer(s, w, q_in) if kind == LayerKind.sparse else None,
             )
         layer = DecoderLayerWeights(attn)
         if mkind == MLPLayer.dense:
-            layer.mlp_norm, layer.mlp = ones(d), mlp(s.intermediate_size)
+            layer.mlp_norm, layer.mlp = ones(d), mlp(s.intermediate_size, f"{p}.mlp")
         elif mkind == MLPLayer.moe:
-            e, i = s.n_routed_experts, s.moe_intermediate_size
-            gate_up = torch.empty(e, 2 * i, d, dtype=s.dtype, device=device)
-            down = torch.empty(e, d, i, dtype=s.dtype, device=device)
+            e, im = s.n_routed_experts, s.moe_intermediate_size
+            mine = expert_range(s, shard)
+            im_local = im if shard.expert_parallel else len(range(im)[shard.part(im)])
+            gate_ups = torch.empty(len(mine), 2 * im_local, d, dtype=s.dtype, device=device)
+            downs = torch.empty(len(mine), d, im_local, dtype=s.dtype, device=device)
             for x in range(e):  # one expert at a time: no float32 copy of all experts
-                gate_up[x] = w(2 * i, d, fan_in=d)
-                down[x] = w(d, i, fan_in=i, residual=True)
+                ex = f"{p}.mlp.experts.{x}"
+                gu = gate_up(im, ex)
+                down = w(d, im, fan_in=im, residual=True, name=f"{ex}.down_proj.weight")
+                if x in mine:
+                    gate_ups[x - mine.start], downs[x - mine.start] = gu, down
             layer.mlp_norm = ones(d)
             layer.mlp = MoEWeights(
                 gate=w(e, d, fan_in=d, dtype=torch.float32),
                 bias=w(e, fan_in=1e4, dtype=torch.float32) if s.scoring_func == "sigmoid" else None,
-                gate_up=gate_up, down=down,
-                shared=mlp(i * s.n_shared_experts) if s.n_shared_experts else None)
+                gate_up=gate_ups, down=downs,
+                shared=mlp(im * s.n_shared_experts, f"{p}.mlp.shared_experts") if s.n_shared_experts else None,
+                first_expert=mine.start)
         layers.append(layer)
     final_norm = ones(d)
-    lm_head = embed if s.tie_word_embeddings else w(s.vocab_size, d, fan_in=d)
-    return ModelWeights(embed, layers, final_norm, lm_head)
+    lm_head = embed if s.tie_word_embeddings else w(s.vocab_size, d, fan_in=d, name="lm_head.weight")
+    return ModelWeights(embed, layers, final_norm, lm_head, vocab_start=vocab.start)
 
 
 def _random_indexer(s: ModelSpec, w, q_in: int) -> IndexerWeights:

@@ -1,0 +1,216 @@
+"""Tensor-parallel decode: tokens/s at several batch sizes, the collectives' time per step, the all-reduce bus
+bandwidth of the same process group, and the generated tokens (for parity against tp=1).
+
+One launch per configuration (``torchrun --nproc-per-node N`` for tp = N, plain ``python`` for tp=1)::
+
+    python -m bench.tp_decode --out r1.json --model-path DIR [--dtype bfloat16] [--backend flashinfer_mla]
+    torchrun --nproc-per-node 2 -m bench.tp_decode --out r2.json --model-path DIR --moe ep --sweep
+    python -m bench.tp_decode --table r1.json r2.json ...       # the first file is the tp=1 reference
+
+A run builds the runtime once (weights loaded once, graphs captured for every batch size), then per batch size
+serves that many requests of ``--prompt`` tokens decoding ``--out-len`` tokens together, twice (the first run
+warms up: autotuning, graph capture), and times the second: decode tokens/s from the engine's step records, and
+per decode step the collectives' count, bytes and time (graphed steps: the probe of runtime/core/parallel.py,
+the same collectives run alone). ``--sweep``: ``all_reduce`` of bf16 tensors from 64 KiB to ``--sweep-max``,
+bus bandwidth = 2 (n - 1) / n x bytes / time (NCCL's convention). Rank 0 writes ``--out``.
+
+``--table`` prints one row per file: tp, moe, dtype, tokens/s per batch, collective ms per decode step (and the
+all-reduce bytes), the sweep's peak bus bandwidth, and token parity against the first file (requests whose
+tokens differ, and whether the first difference of each is a near-tie of the reference: top-2 logit margin
+below the parity check's tie margin for the dtype). Then the ``BENCH_JSON`` line (bench/harness.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from dependency_injector import providers  # noqa: E402
+
+from bench.engine_config import compose_config, fixed_workload  # noqa: E402
+from bench.harness import Ceilings, Table, report  # noqa: E402
+from containers import build  # noqa: E402
+from runtime.app.parallel_report import phase_collectives, probe_graphed  # noqa: E402
+from runtime.app.parity import TIE_MARGIN  # noqa: E402
+from runtime.app.report import _phases  # noqa: E402
+from runtime.core.parallel import LaunchEnv, shutdown  # noqa: E402
+from runtime.engine.workload import Workload, synthetic_specs  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def overrides(a: argparse.Namespace, tp: int) -> list[str]:
+    bs = max(a.batches)
+    pages = bs * -(-(a.prompt + a.out_len + 1) // a.page_size) + 16
+    out = [f"model.dtype={a.dtype}", f"backend={a.backend}", "check=off", "progress=false",
+           f"parallel.tp={tp}", f"parallel.moe={a.moe}", f"device={a.device}",
+           *fixed_workload(bs, a.prompt, a.out_len), "workload.chunked_prefill_size=8192",
+           "workload.max_tokens_per_batch=16384", f"kv.page_size={a.page_size}", f"kv.num_pages={pages}",
+           f"kv.max_requests={max(bs, 8)}"]
+    out += ["model=hf", f"model.path={a.model_path}"] if a.model_path else [f"model={a.preset}"]
+    if a.layers:
+        out.append(f"model.num_layers={a.layers}")
+    if a.graphs:
+        out += ["graph=decode", f"graph.batch_sizes=[{','.join(map(str, sorted(set(a.batches))))}]"]
+    return out + a.extra
+
+
+def serve(rt, specs) -> tuple[object, object]:
+    """A fresh engine over the built model and graphs, serving ``specs``; (warm-up result, timed result)."""
+    c = rt.container
+    c.workload.override(providers.Object(Workload(tuple(specs))))
+    c.engine.reset()
+    engine = c.engine()
+    return engine.run(record_hidden=False), engine.run(record_hidden=False)
+
+
+def sweep(group, max_bytes: int) -> list[dict]:
+    """all_reduce of bf16 tensors, 64 KiB .. max_bytes (x4 each step): median seconds of 10 after 3 warm-ups."""
+    rows, n = [], 64 * KiB
+    while n <= max_bytes:
+        x = torch.zeros(n // 2, dtype=torch.bfloat16, device=group.device)
+        times = []
+        for i in range(13):
+            group.dist.barrier()
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            t0 = time.perf_counter()
+            group.dist.all_reduce(x)
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        s = sorted(times)[len(times) // 2]
+        rows.append({"bytes": n, "us": s * 1e6, "busbw_gbs": 2 * (group.size - 1) / group.size * n / s / 1e9})
+        n *= 4
+    return rows
+
+
+def run(a: argparse.Namespace) -> int:
+    launch = LaunchEnv.from_environ()
+    tp = launch.world_size
+    try:
+        t0 = time.perf_counter()
+        rt = build(compose_config(overrides(a, tp)))
+        load_s = time.perf_counter() - t0
+        c = rt.container
+        group, spec = c.tp_group(), c.full_model_spec()
+        specs = synthetic_specs(rt.config["workload"], spec.vocab_size)
+        out = {"tp": tp, "moe": a.moe, "dtype": a.dtype, "backend": a.backend, "graphs": a.graphs,
+               "device": rt.device.name, "build_s": load_s, "batches": {}, "outputs": {}, "margins": {}}
+        for bs in sorted(set(a.batches)):
+            _, res = serve(rt, specs[:bs])
+            dec = [s for s in res.steps if s.phase == "decode"]
+            coll = phase_collectives(dec, probe_graphed(group, dec))
+            out["batches"][bs] = {"decode_tok_s": _phases(res)["decode"]["tokens_per_s"],
+                                  "step_ms": _phases(res)["decode"]["mean_step_ms"],
+                                  "graphed_steps": coll["graphed_steps"], "coll_per_step": coll["count_per_step"],
+                                  "coll_bytes_per_step": coll["bytes_per_step"],
+                                  "coll_ms_per_step": coll["probe_ms_per_graphed_step"] if coll["graphed_steps"]
+                                  else coll["ms_per_eager_step"]}
+            if bs == max(a.batches):
+                out["outputs"] = {str(k): v for k, v in res.outputs.items()}
+                out["margins"] = {str(k): v for k, v in res.margins.items()}
+        agree = group.gather_objects(sorted(out["outputs"].items()))
+        out["ranks_agree"] = all(x == agree[0] for x in agree)
+        out["sweep"] = sweep(group, a.sweep_max) if a.sweep and tp > 1 else []
+        if rt.device.kind == "cuda":
+            out["peak_gib_per_rank"] = [m / 2**30 for m in group.gather_objects(torch.cuda.max_memory_allocated())]
+        if launch.rank == 0:
+            if a.out:
+                Path(a.out).write_text(json.dumps(out))
+            print(f"tp {tp} moe {a.moe}: " + ", ".join(
+                f"batch {b}: {r['decode_tok_s']:.1f} tok/s" for b, r in out["batches"].items()))
+        return 0 if out["ranks_agree"] else 3
+    finally:
+        shutdown()
+
+
+def parity(ref: dict, got: dict) -> str:
+    """Requests whose tokens differ from the reference's, and how many of those first differ at a near-tie."""
+    tie = TIE_MARGIN[ref["dtype"]]
+    differ, ties = 0, 0
+    for rid, want in ref["outputs"].items():
+        have = got["outputs"].get(rid)
+        if have == want:
+            continue
+        differ += 1
+        i = next((j for j, (x, y) in enumerate(zip(have or [], want)) if x != y), 0)
+        ties += ref["margins"][rid][i] < tie
+    return f"{differ}/{len(ref['outputs'])} differ ({ties} at near-ties < {tie:g})" if differ else \
+        f"equal ({len(ref['outputs'])} requests)"
+
+
+def table(files: list[str]) -> int:
+    results = [json.loads(Path(f).read_text()) for f in files]
+    ref = results[0]
+    rows = []
+    for f, r in zip(files, results):
+        row = {"run": Path(f).stem, "tp": r["tp"], "moe": r["moe"] if r["tp"] > 1 else "-", "dtype": r["dtype"],
+               "backend": r["backend"]}
+        for b, x in r["batches"].items():
+            row[f"tok/s b{b}"] = x["decode_tok_s"]
+            row[f"coll ms/step b{b}"] = x["coll_ms_per_step"] if r["tp"] > 1 else None
+            row[f"coll KiB/step b{b}"] = x["coll_bytes_per_step"] / KiB if r["tp"] > 1 else None
+        row["busbw GB/s (peak)"] = max((s["busbw_gbs"] for s in r["sweep"]), default=None)
+        row["peak GiB/rank"] = max(r.get("peak_gib_per_rank") or [float("nan")])
+        same_dtype = r["dtype"] == ref["dtype"] and r is not ref
+        row["tokens vs first"] = parity(ref, r) if same_dtype else "-"
+        row["ranks agree"] = r["ranks_agree"]
+        rows.append(row)
+    sweeps = [dict(run=Path(f).stem, **s) for f, r in zip(files, results) for s in r["sweep"]]
+    tables = [Table(rows, title="tensor-parallel decode", name="decode")]
+    if sweeps:
+        tables.append(Table(sweeps, title="all_reduce sweep (bf16, same process group as the run)", name="sweep",
+                            formats={"us": ".1f", "busbw_gbs": ".1f"}))
+    peak = max((s["busbw_gbs"] for s in sweeps), default=float("nan"))
+    ceilings = Ceilings(ref["device"], float("nan"), float("nan"), {"allreduce_busbw_gbs": peak})
+    report("tp_decode", ceilings, tables, meta={"files": files})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.tp_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--table", nargs="+", metavar="FILE", default=None,
+                   help="print the table of earlier runs' files (the first is the reference) and exit")
+    p.add_argument("--out", default=None, help="where rank 0 writes this run's results (JSON)")
+    p.add_argument("--model-path", default=None, help="a Hugging Face folder (default: --preset's seeded weights)")
+    p.add_argument("--preset", default="deepseek_v3")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backend", default="flashinfer_mla")
+    p.add_argument("--moe", default="tp", choices=["tp", "ep"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--out-len", type=int, default=32)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--sweep", action="store_true", help="also the all_reduce bus-bandwidth sweep (tp > 1)")
+    p.add_argument("--sweep-max", type=int, default=256 * MiB)
+    p.add_argument("--quick", action="store_true", help="prompt 128, 16 output tokens, 2 layers of a preset")
+    p.add_argument("extra", nargs="*", help="more Hydra overrides")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.table:
+        return table(a.table)
+    if a.quick:
+        a.prompt, a.out_len = 128, 16
+        a.layers = a.layers or (None if a.model_path else 2)
+    return run(a)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Which slice of each DeepSeek tensor a tensor-parallel rank holds (Megatron style), by Hugging Face name.
+
+* attention: ``q_b_proj`` (``q_proj`` without q LoRA) and ``kv_b_proj`` column-parallel over heads (rows of the
+  ``[out, in]`` weight), ``o_proj`` row-parallel (its input columns of this rank's heads; the partial outputs
+  are summed by an all-reduce); ``q_a_proj``, ``kv_a_proj_with_mqa``, the norms and the indexer replicated (every
+  rank computes the whole latent, so each rank's KV cache holds the full latent for its heads);
+* dense MLP and shared experts: ``gate_proj`` / ``up_proj`` column-parallel (rows), ``down_proj`` row-parallel
+  (columns);
+* routed experts: ``parallel.moe=tp`` cuts every expert like the dense MLP; ``parallel.moe=ep`` keeps whole
+  experts ``[rank * E / tp, (rank + 1) * E / tp)`` and skips the others (they are never read); the router
+  (``mlp.gate``) and its bias are replicated;
+* ``embed_tokens`` and ``lm_head``: rows of this rank's vocabulary slice.
+
+The checkpoint reader reads exactly these slices from the safetensors files; the seeded random weights generate
+each full tensor and keep the same slice, so tp=1 and tp=N serve the same model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from runtime.core.model_spec import ModelSpec
+from runtime.core.parallel import Sharding
+
+ALL = slice(None)
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """This rank's part of a tensor: ``pieces`` (index tuples, one slice per leading dim) concatenated along
+    ``dim`` (one piece but for transformers' fused ``gate_up_proj`` under moe=tp: its gate and up halves)."""
+
+    pieces: tuple[tuple[slice, ...], ...]
+    dim: int = 0
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        parts = [t[p] for p in self.pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+    @property
+    def replicated(self) -> bool:
+        return all(s == ALL for p in self.pieces for s in p)
+
+
+FULL = Cut(((ALL,),))
+
+
+def _rows(s: slice) -> Cut:
+    return Cut(((s,),))
+
+
+def _cols(s: slice) -> Cut:
+    return Cut(((ALL, s),))
+
+
+def tensor_cut(name: str, shape: tuple[int, ...], spec: ModelSpec, shard: Sharding) -> Cut | None:
+    """This rank's cut of the checkpoint tensor ``name`` of full ``shape``; None: another rank's expert (EP),
+    not read here. ``spec`` is the full model's."""
+    if shard.size == 1:
+        return FULL
+    s, part = spec, shard.part
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return _rows(part(s.vocab_size))
+    if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+        return _rows(part(s.num_heads, s.qk_head_dim))
+    if name.endswith("self_attn.kv_b_proj.weight"):
+        return _rows(part(s.num_heads, s.qk_nope_head_dim + s.v_head_dim))
+    if name.endswith("self_attn.o_proj.weight"):
+        return _cols(part(s.num_heads, s.v_head_dim))
+    expert = _EXPERT.search(name)
+    if expert is not None and shard.expert_parallel:
+        return FULL if int(expert.group(1)) in range(s.n_routed_experts)[part(s.n_routed_experts)] else None
+    if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused [E, 2I, D]
+        if shard.expert_parallel:
+            return _rows(part(s.n_routed_experts))
+        i = shape[1] // 2
+        own = part(i)
+        return Cut(((ALL, own), (ALL, slice(i + own.start, i + own.stop))), dim=1)
+    if name.endswith("mlp.experts.down_proj"):  # fused [E, D, I]
+        return _rows(part(s.n_routed_experts)) if shard.expert_parallel else Cut(((ALL, ALL, part(shape[2])),))
+    if name.endswith(("gate_proj.weight", "up_proj.weight")):  # dense MLP, shared experts, routed experts (tp)
+        return _rows(part(shape[0]))
+    if name.endswith("down_proj.weight"):
+        return _cols(part(shape[1]))
+    return FULL
+
+
+def expert_range(spec: ModelSpec, shard: Sharding) -> range:
+    """The routed experts this rank computes: all of them (moe=tp, every one cut), or its own (moe=ep)."""
+    experts = range(spec.n_routed_experts)
+    return experts[shard.part(spec.n_routed_experts)] if shard.expert_parallel else experts
+
+
+def local_shape(shape: tuple[int, ...], cut: Cut) -> tuple[int, ...]:
+    """The shape ``cut`` leaves of a tensor of ``shape`` (without materialising it)."""
+    out = list(shape)
+    for d in range(len(shape)):
+        sizes = [len(range(shape[d])[p[d]]) if d < len(p) else shape[d] for p in cut.pieces]
+        out[d] = sum(sizes) if d == cut.dim and len(cut.pieces) > 1 else sizes[0]
+    return tuple(out)

@@ -1,0 +1,28 @@
+"""scripts/tp_device.sh (the 2-GPU tensor-parallel run) starts and finishes on the CPU: ``SMOKE=1`` runs its steps
+with gloo and a tiny model of the same structure (fp8 checkpoint, tp=1 / tp=2 moe=tp with the all_reduce sweep /
+moe=ep, float32 parity) and prints both tables with equal tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_script_smoke_on_cpu(tmp_path):
+    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path / "out"), CKPT=str(tmp_path / "ckpt"), OMP_NUM_THREADS="1")
+    p = subprocess.run(["bash", "scripts/tp_device.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "FAILED" not in p.stdout and "skipped" not in p.stdout, p.stdout[-3000:]
+    tables = [line for line in p.stdout.splitlines() if line.startswith("BENCH_JSON ")]
+    assert len(tables) == 2
+    rows = [r for t in tables for r in json.loads(t[len("BENCH_JSON "):])["rows"] if r.get("tp") == 2]
+    assert len(rows) == 4 and all(r["tokens vs first"].startswith("equal") and r["ranks agree"] for r in rows)
+    assert any(r["busbw GB/s (peak)"] for r in rows)
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == [
+        "bf16_tp1.json", "bf16_tp2_moe_ep.json", "bf16_tp2_moe_tp.json", "fp32_tp1.json", "fp32_tp2_moe_ep.json",
+        "fp32_tp2_moe_tp.json"]
