@@ -160,7 +160,8 @@ def _route_sigmoid_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scale,
     for i in tl.static_range(K):
         best = tl.max(tl.max(masked, axis=1), axis=0)
         idx = tl.min(tl.min(tl.where(masked == best, e, BLOCK_G * BLOCK_P), axis=1), axis=0)
-        w = tl.sum(tl.sum(tl.where(e == idx, s, 0.0), axis=1), axis=0)
+        # padded slots (p >= PER) share e with the next group's experts: only valid slots count
+        w = tl.sum(tl.sum(tl.where((e == idx) & valid, s, 0.0), axis=1), axis=0)
         ws = tl.where(kk == i, w, ws)
         ids = tl.where(kk == i, idx.to(tl.int64), ids)
         masked = tl.where(e == idx, float("-inf"), masked)
