@@ -26,7 +26,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 port=$((29500 + RANDOM % 1000))
 
 if [ "${SMOKE:-0}" = 1 ]; then
-  MODEL="model.hidden_size=256 model.num_heads=4 model.q_lora_rank=64 model.intermediate_size=256
+  # heads 8: NPROC up to 8 divides every sharded width (SMOKE=1 NPROC=8 is the 8-rank gloo check)
+  MODEL="model.hidden_size=256 model.num_heads=8 model.q_lora_rank=64 model.intermediate_size=256
          model.moe_intermediate_size=128 model.n_routed_experts=16 model.vocab_size=512 model.dtype=float32"
   DEV=cpu; BF16="--dtype float32 --backend torch_mla --no-graphs"; SIZES="--batches 1 4 --prompt 16 --out-len 4"
   FP32SIZES="--batches 4 --prompt 16 --out-len 4"; SWEEP_MAX=$((1 << 20)); T=120
