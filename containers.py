@@ -21,8 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill, SparseDecode
 from backends.dsa import DSABackend, indexer_workspace_spec, sparse_decode_workspace_spec
 from backends.dsv4 import DSV4Backend
+from backends.dsv4_flashinfer import FlashInferDecode
+from backends.dsv4_flashinfer import load_kernel as load_dsv4_kernel
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
+from backends.kernels.emulated_dsv4 import EmulatedDSV4SparseDecode
 from backends.kernels.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
 from backends.linear_attention import LinearAttentionBackend
 from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
@@ -38,10 +41,12 @@ from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo, probe_device
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.dsv4_slots import DSV4TokenSlots
+from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.errors import ConfigError
 from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import LaunchEnv, Sharding, device_for, make_group
+from runtime.core.sparse import OffloadedRows
 from runtime.core.state_pool import LinearStatePool
 from runtime.core.workspace import WorkspaceLedger
 from runtime.engine.engine import Engine
@@ -167,8 +172,20 @@ def _model_kind(spec: ModelSpec) -> str:
 
 
 def _slots_kind(kind: str, hisparse: bool) -> str:
-    """Which token allocator the engine reserves through: the V4 one, the HiSparse coordinator, or plain."""
-    return "dsv4" if kind == "dsv4" else _on_off(hisparse)
+    """Which token allocator the engine reserves through: the HiSparse coordinator (which wraps the V4 one or the
+    plain one), the V4 one, or plain."""
+    return "on" if hisparse else ("dsv4" if kind == "dsv4" else "off")
+
+
+def _csa_layers(cfg) -> list[int]:
+    """The V4 layers whose compressed entries HiSparse offloads (those the indexer's top-k selects)."""
+    return cfg.attention.layers_of(DSV4LayerType.csa)
+
+
+def _dsv4_kernel_kind(impl: str, kernel: str) -> str:
+    """Which FlashInfer decode the dsv4 backend gets: none unless impl=flashinfer (so FlashInfer is imported only
+    then), else the real kernel or its emulation."""
+    return kernel if str(impl) == "flashinfer" else "none"
 
 
 def _wrapper_mha(hybrid: HybridLinearBackend) -> MHAChunkPrefill | None:
@@ -274,7 +291,7 @@ class Container(containers.DeclarativeContainer):
         dsv4=_step(build_log, "dsv4_pools", providers.Factory(
             DSV4Pools.for_token_pages, dsv4_cfg.provided.attention, config.kv.max_requests,
             model_spec.provided.max_context, config.kv.num_pages, config.kv.page_size, model_spec.provided.dtype,
-            device)))
+            device, config.hisparse.enabled)))  # HiSparse: the CSA entries live in the coordinator's host pool
 
     index_key_pool = providers.Selector(  # sparse models: the indexer's key cache
         providers.Callable(_has_sparse_layers, model_spec),
@@ -286,18 +303,29 @@ class Container(containers.DeclarativeContainer):
             model_spec.provided.index_head_dim, model_spec.provided.dtype, device)),
     )
 
-    # 3. HiSparse coordinator, before any backend: host KV pool, per-request device buffers, swap-in. The
-    #    sparse backend receives it in its constructor; the engine reserves token slots through it.
+    dsv4_token_slots = _step(build_log, "dsv4_token_slots", providers.Factory(DSV4TokenSlots, token_slots, dsv4_pools))
+
+    # 3. HiSparse coordinator, before any backend: host pool, per-request device buffers, swap-in. The sparse
+    #    backend (dsa; dsv4) receives it in its constructor; the engine reserves token slots through it. What it
+    #    offloads is injected: V3.2's latent rows (wrapping the plain allocator) or V4's CSA entries (wrapping
+    #    the V4 allocator, whose HCA pool and window ring stay on the device).
     hisparse_on = providers.Callable(_on_off, config.hisparse.enabled)
+    hisparse_rows = providers.Selector(
+        model_kind, mla=providers.Factory(OffloadedRows.latent, kv_pool),
+        hybrid=providers.Factory(OffloadedRows.latent, kv_pool),
+        dsv4=providers.Factory(OffloadedRows.csa_entries, dsv4_pools, config.kv.page_size))
+    hisparse_allocator = providers.Selector(model_kind, mla=token_slots, hybrid=token_slots, dsv4=dsv4_token_slots)
+    hisparse_layers = providers.Selector(
+        model_kind, mla=model_spec.provided.sparse_layers, hybrid=model_spec.provided.sparse_layers,
+        dsv4=providers.Callable(_csa_layers, dsv4_cfg))
     hisparse_coordinator = providers.Selector(
         hisparse_on,
         off=providers.Object(None),
         on=_step(build_log, "hisparse_coordinator", providers.Factory(
-            HiSparseCoordinator, req_to_token_pool, token_slots, config.hisparse.top_k,
+            HiSparseCoordinator, req_to_token_pool, hisparse_allocator, config.hisparse.top_k,
             config.hisparse.device_buffer_size, config.hisparse.host_to_device_ratio, device, tp_group,
-            kv_pool=kv_pool, layer_ids=model_spec.provided.sparse_layers)),
+            rows=hisparse_rows, layer_ids=hisparse_layers)),
     )
-    dsv4_token_slots = _step(build_log, "dsv4_token_slots", providers.Factory(DSV4TokenSlots, token_slots, dsv4_pools))
     engine_token_slots = providers.Selector(
         providers.Callable(_slots_kind, model_kind, config.hisparse.enabled),
         off=token_slots, on=hisparse_coordinator, dsv4=dsv4_token_slots)
@@ -328,6 +356,14 @@ class Container(containers.DeclarativeContainer):
         config.backend.kernel,
         real=providers.Singleton(load_trtllm_kernel),
         emulate=providers.Singleton(EmulatedTrtllmMLADecode, device_info.provided.sm_count))
+    # dsv4 impl=flashinfer: FlashInfer's V4 sparse decode (real, imported only here) or its emulation
+    dsv4_flashinfer = providers.Selector(
+        providers.Callable(_dsv4_kernel_kind, config.backend.impl, config.backend.kernel),
+        none=providers.Object(None),
+        real=providers.Singleton(FlashInferDecode, providers.Singleton(load_dsv4_kernel), workspace_ledger,
+                                 config.backend),
+        emulate=providers.Singleton(FlashInferDecode, providers.Singleton(EmulatedDSV4SparseDecode), workspace_ledger,
+                                    config.backend))
     tokenspeed_sm_count = providers.Callable(_emulated_sm_count, device_info, config.backend.emulated_sm_count)
     tokenspeed_kernel = providers.Selector(
         config.backend.kernel,
@@ -350,7 +386,8 @@ class Container(containers.DeclarativeContainer):
             DSABackend, req_to_token_pool, kv_pool, index_key_pool, hisparse_coordinator, model_spec,
             dsa_decode_workspace, dsa_indexer_workspace, config.backend, device)),
         dsv4=_step(build_log, "backend:dsv4", providers.Factory(
-            DSV4Backend, dsv4_pools, config.backend.compute_dtype, config.backend.impl, device)),
+            DSV4Backend, dsv4_pools, config.backend.compute_dtype, config.backend.impl, device, hisparse_coordinator,
+            dsv4_flashinfer)),
         trtllm_mla=_step(build_log, "backend:trtllm_mla", providers.Factory(
             TrtllmMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, trtllm_kernel,
             config.backend, max_batch, device_info.provided.sm_count)),

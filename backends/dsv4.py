@@ -14,7 +14,15 @@ closed in this step into the compressed pools, and (2) computed q [T, H, D] and 
 The plain-torch implementation (float32 or float64 compute, CPU or GPU, a host loop per request) is the oracle.
 ``impl=triton`` (``auto`` on CUDA) runs decode through the Triton kernel of :mod:`backends.kernels.dsv4_decode`
 (indices planned once per step in :meth:`DSV4Backend.init_forward_metadata`, no loop per request); extend and
-the indexer stay torch. FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (Blackwell) is not wired.
+the indexer stay torch. ``impl=flashinfer`` runs decode through FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4``
+(Blackwell only; :mod:`backends.dsv4_flashinfer`, the kernel injected: real or emulated). Where each impl runs
+is class data (:data:`backends.dsv4_flashinfer.DECODE_IMPLS`).
+
+HiSparse (``hisparse``, a :class:`runtime.core.sparse.SparseKVCoordinator`, built before this backend): the CSA
+entries live in the coordinator's host pool. The compressors' entries go there (:meth:`DSV4Backend.store_entries`);
+extend reads each query's selection straight from the host, decode swaps the selection into the coordinator's
+device buffer (``swap_in``) and attends over that buffer. The indexer keys, the HCA entries (attended in full:
+offloading them would copy every entry every step) and the window ring stay on the device.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from backends.base import BackendCapabilities
+from backends.dsv4_flashinfer import DECODE_IMPLS, FlashInferDecode, flashinfer_problems
 from backends.kernels.dsv4_decode import dsv4_decode
 from backends.kernels.dsv4_reference import indexer_topk, sink_attention
 from runtime.core.batch import ForwardBatch, ForwardMode
@@ -32,6 +41,7 @@ from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.errors import Problem
 from runtime.core.model_spec import TORCH_DTYPES
+from runtime.core.sparse import SparseKVCoordinator
 
 
 @runtime_checkable
@@ -45,6 +55,8 @@ class DSV4AttentionBackend(Protocol):
     def select_topk(self, index_q: torch.Tensor, index_weights: torch.Tensor, layer_id: int,
                     batch: ForwardBatch) -> torch.Tensor: ...
 
+    def store_entries(self, layer_id: int, name: str, row: int, first: int, values: torch.Tensor) -> None: ...
+
     def forward_decode(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -52,7 +64,7 @@ class DSV4AttentionBackend(Protocol):
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...
 
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", *DECODE_IMPLS)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -76,6 +88,10 @@ class DSV4Backend:
         "torch", "triton" (decode through the Triton kernel) or "auto" (triton on CUDA).
     device : torch.device
         Where the pools live (resolves ``auto``).
+    hisparse : SparseKVCoordinator or None
+        HiSparse on: the CSA entries' host pool and device buffers (the pools then hold no CSA entries).
+    flashinfer : FlashInferDecode or None
+        impl=flashinfer: the kernel call (real or emulated) and its workspace.
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
@@ -84,7 +100,7 @@ class DSV4Backend:
         forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
         cuda_graph=(),  # host loop per request: never inside a graph
         mha_chunked_prefill=False,
-        sparse=False,  # its own top-k over compressed entries; not DSA's SparseDecode, no HiSparse
+        sparse=False,  # its own top-k over compressed entries, not DSA's SparseDecode (HiSparse: see dsv4_validation)
         builds_own_kv_indices=True,
         page_sizes=None,
         min_compute_capability=None,
@@ -100,6 +116,8 @@ class DSV4Backend:
         impl, out = str(backend_cfg.get("impl", "auto")), []
         if impl not in IMPLS:
             return [Problem("backend.impl", repr(impl), f"one of {list(IMPLS)}", "set backend.impl=auto")]
+        if resolve_impl(impl, device.torch_device) == "flashinfer":
+            return flashinfer_problems(backend_cfg, model_cfg, device, _INTERPRET)
         if resolve_impl(impl, device.torch_device) != "triton":
             return []
         if device.kind != "cuda" and not _INTERPRET:
@@ -117,10 +135,15 @@ class DSV4Backend:
                                "use backend.impl=torch"))
         return out
 
-    def __init__(self, pools: DSV4Pools, compute_dtype: str, impl: str = "torch", device=None):
+    def __init__(self, pools: DSV4Pools, compute_dtype: str, impl: str = "torch", device=None,
+                 hisparse: SparseKVCoordinator | None = None, flashinfer: FlashInferDecode | None = None):
         self.pools, self.spec = pools, pools.spec
         self.compute_dtype = TORCH_DTYPES[str(compute_dtype)]
         self.impl = resolve_impl(impl, pools.window.device if device is None else device)
+        if (self.impl == "flashinfer") != (flashinfer is not None):
+            raise ValueError(f"DSV4Backend: impl={self.impl!r} with flashinfer={flashinfer!r}; expected the FlashInfer "
+                             "decode exactly when impl=flashinfer. Fix: build it through the container.")
+        self.hisparse, self.flashinfer = hisparse, flashinfer
         self._rows: list[int] = []
         self._prefix: list[int] = []
         self._qo: list[int] = [0]
@@ -130,7 +153,9 @@ class DSV4Backend:
         self._rows = batch.req_pool_indices_cpu.tolist()
         self._prefix = batch.prefix_lens_cpu.tolist()
         self._qo = batch.qo_indptr_cpu.tolist()
-        if self.impl == "triton" and batch.mode == ForwardMode.DECODE:
+        if self.hisparse is not None:
+            self.hisparse.begin_step(batch)
+        if self.impl != "torch" and batch.mode == ForwardMode.DECODE:
             self._plan_decode()
 
     def _plan_decode(self) -> None:
@@ -166,8 +191,36 @@ class DSV4Backend:
                                     spec.csa_rate, spec.index_topk)
         return out
 
+    # ------------------------------------------------------------------------------ compressed entries
+    def store_entries(self, layer_id: int, name: str, row: int, first: int, values: torch.Tensor) -> None:
+        """Entries ``first ..`` of ``row`` whose windows closed (``name``: "kv", or the CSA indexer's "index"):
+        into the layer's compressed pool, or, for CSA entries under HiSparse, the coordinator's host pool."""
+        if self.spec.layer_types[layer_id] == DSV4LayerType.hca:
+            self.pools.hca.write(layer_id, name, row, first, values)
+        elif name == "kv" and self.hisparse is not None:
+            self.hisparse.store_rows(layer_id, row, first, values)
+        else:
+            self.pools.csa.write(layer_id, name, row, first, values)
+
+    def _csa_rows(self, layer_id: int, row: int, picked: torch.Tensor, locs: torch.Tensor | None) -> torch.Tensor:
+        """The selected CSA entries of one request, [n, K, D] (padding rows arbitrary: masked by the caller):
+        from the pool; under HiSparse from the device buffer (decode: ``locs`` from swap_in) or the host
+        (extend)."""
+        if self.hisparse is None:
+            pool = self.pools.csa
+            return pool.flat(layer_id, "kv")[pool.table[row].long()[picked.clamp_min(0)]]
+        if locs is None:
+            return self.hisparse.read_rows(layer_id, row, picked)
+        return self.hisparse.device_rows(layer_id)[locs.clamp_min(0).long()]
+
+    def _swap_in(self, topk, layer_id, batch) -> torch.Tensor | None:
+        """HiSparse decode of a CSA layer: the selection's rows in the device buffer, [B, K] int32 (-1 padding)."""
+        if self.hisparse is None or self.spec.layer_types[layer_id] != DSV4LayerType.csa:
+            return None
+        return self.hisparse.swap_in(batch, topk.to(torch.int32), layer_id)
+
     # ---------------------------------------------------------------------------------------- attention
-    def _attend(self, q, kv, sinks, topk, layer_id, batch) -> torch.Tensor:
+    def _attend(self, q, kv, sinks, topk, layer_id, batch, locs=None) -> torch.Tensor:
         cd, spec, ring = self.compute_dtype, self.spec, self.pools.window
         kind = spec.layer_types[layer_id]
         w = spec.sliding_window
@@ -187,9 +240,8 @@ class DSV4Backend:
                 ent = torch.arange(count, device=q.device)
                 parts.append((entries, ent[None, :] < ((pos + 1) // pool.rate)[:, None]))
             elif kind == DSV4LayerType.csa:
-                pool, picked = self.pools.csa, topk[s:e]
-                slots = pool.table[row].long()[picked.clamp_min(0)]
-                entries = pool.flat(layer_id, "kv")[slots].to(cd)  # [n, K, D]
+                picked = topk[s:e]
+                entries = self._csa_rows(layer_id, row, picked, None if locs is None else locs[s:e]).to(cd)
                 parts.append((entries, picked >= 0))
             out[s:e] = sink_attention(q[s:e].to(cd), parts, sinks.to(cd), spec.sm_scale).to(out.dtype)
             ring.write(layer_id, row, p, kv[s:e])
@@ -199,23 +251,32 @@ class DSV4Backend:
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """q [B, H, D], kv [B, D] (the new tokens' rows), sinks [H], topk [B, K] (CSA layers; else None)
         -> [B, H, D] in q's dtype; stores kv in the window ring."""
-        if self.impl != "triton":
-            return self._attend(q, kv, sinks, topk, layer_id, batch)
+        locs = self._swap_in(topk, layer_id, batch)
+        if self.impl == "torch":
+            return self._attend(q, kv, sinks, topk, layer_id, batch, locs)
         spec, ring = self.spec, self.pools.window.ring(layer_id)
         w = spec.sliding_window
         rows = batch.req_pool_indices.long()
         # the new row first: its ring slot held position P - W, which the query at P no longer sees
         ring[rows, batch.positions % w] = kv.to(ring.dtype)
         kind = spec.layer_types[layer_id]
+        d = spec.head_dim
         if kind == DSV4LayerType.hca:
-            cmp_rows, cmp_idx = self.pools.hca.flat(layer_id, "kv"), self._hca_idx
+            pool = self.pools.hca
+            cmp_pages, cmp_idx = pool.flat(layer_id, "kv").view(-1, pool.page_size, d), self._hca_idx
+        elif kind == DSV4LayerType.csa and locs is not None:
+            cmp_pages, cmp_idx = self.hisparse.device_rows(layer_id).view(ring.shape[0], -1, d), locs
         elif kind == DSV4LayerType.csa:
             pool = self.pools.csa
             slots = pool.table[rows[:, None], topk.clamp_min(0)]
-            cmp_rows, cmp_idx = pool.flat(layer_id, "kv"), torch.where(topk >= 0, slots, -1).to(torch.int32)
+            cmp_pages = pool.flat(layer_id, "kv").view(-1, pool.page_size, d)
+            cmp_idx = torch.where(topk >= 0, slots, -1).to(torch.int32)
         else:
-            cmp_rows, cmp_idx = ring.view(-1, spec.head_dim), self._win_idx[:, :0]
-        return dsv4_decode(q.contiguous(), ring.view(-1, spec.head_dim), self._win_idx, cmp_rows,
+            cmp_pages, cmp_idx = ring, self._win_idx[:, :0]
+        if self.impl == "flashinfer":
+            return self.flashinfer.decode(q, ring, self._win_idx, cmp_pages, cmp_idx, sinks, spec.sm_scale,
+                                          batch.positions)
+        return dsv4_decode(q.contiguous(), ring.view(-1, d), self._win_idx, cmp_pages.view(-1, d),
                            cmp_idx.contiguous(), sinks.to(q.dtype), spec.sm_scale)
 
     def forward_extend(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,

@@ -149,7 +149,8 @@ def test_backend_uses_the_coordinator_it_was_given():
     hs = containers.to_plain(cfg)["hisparse"]
     real = HiSparseCoordinator(container.req_to_token_pool(), container.token_slots(), hs["top_k"],
                                hs["device_buffer_size"], hs["host_to_device_ratio"], container.device(),
-                               container.tp_group(), kv_pool=container.kv_pool(), layer_ids=container.model_spec().sparse_layers)
+                               container.tp_group(), rows=container.hisparse_rows(),
+                               layer_ids=container.model_spec().sparse_layers)
     fake = RecordingCoordinator(real)
     container.hisparse_coordinator.override(providers.Object(fake))
     rt = containers.build(cfg, container=container)

@@ -13,6 +13,7 @@ from runtime.app.parity import compare
 from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.core.parallel import SingleRank
+from runtime.core.sparse import OffloadedRows
 from runtime.engine.hisparse import HiSparseCoordinator
 
 W = KV_LORA + ROPE
@@ -26,7 +27,7 @@ def make_coordinator(top_k: int, buf: int, page_size: int = 4, num_pages: int = 
     slots = TokenSlots(r2t, PageAllocator(num_pages, page_size))
     kv = MLAKVPool(LAYERS, num_pages, page_size, KV_LORA, ROPE, torch.float32, torch.device("cpu"))
     c = HiSparseCoordinator(r2t, slots, top_k, buf, ratio, torch.device("cpu"), SingleRank(torch.device("cpu")),
-                            kv_pool=kv, layer_ids=LAYERS)
+                            rows=OffloadedRows.latent(kv), layer_ids=LAYERS)
     return c, kv
 
 

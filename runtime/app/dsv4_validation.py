@@ -1,6 +1,6 @@
 """Startup checks of a DeepSeek-V4 configuration (``model.model_type=deepseek_v4``), part of the one validation
 pass of :mod:`runtime.app.validation`: the ``model.v4`` fields, and the features the V4 path does not offer
-(HiSparse offload of the compressed pools, attention dumps, attention-only layers). Which backend serves V4, and
+(attention dumps, attention-only layers) and what HiSparse offload of the CSA entries needs. Which backend serves V4, and
 speculative decoding or an fp8 cache with it, are decided from backend capabilities in the generic checks."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.core.errors import Problem
+from runtime.model.dsv4.hf_config import CSA, default_layer_types
 
 REQUIRED_V4 = ("head_dim", "rope_head_dim", "sliding_window", "csa_rate", "hca_rate", "index_n_heads",
                "index_head_dim", "index_topk", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
@@ -64,10 +65,35 @@ def dsv4_problems(cfg: dict[str, Any]) -> list[Problem]:
         add(Problem("model.mlp", str(model.get("mlp")), "deepseek (V4 layers always have their MoE)",
                     "drop model.mlp"))
     if cfg["hisparse"]["enabled"]:
-        add(Problem("hisparse.enabled=true", f"DeepSeek-V4 model '{name}'",
-                    "an MLA model with sparse layers (HiSparse offload of V4's compressed pools is not implemented)",
-                    "use hisparse=off"))
+        out += dsv4_hisparse_problems(cfg)
     if cfg.get("dump_dir"):
         add(Problem("+dump_dir", f"DeepSeek-V4 model '{name}'", "an MLA model (dumps record MLA attention inputs)",
                     "drop +dump_dir"))
+    return out
+
+
+def dsv4_hisparse_problems(cfg: dict[str, Any]) -> list[Problem]:
+    """HiSparse with a V4 model offloads the CSA layers' compressed entries (the ones the indexer's top-k selects)
+    to host memory; the HCA entries (every one attended, every step) and the window ring stay on the device.
+    It needs CSA layers, ``hisparse.top_k`` equal to the indexer's top-k, a device buffer that holds a selection,
+    and a host pool at least as large as the device one."""
+    model, hs, out = cfg["model"], cfg["hisparse"], []
+    add = out.append
+    v4, n = model["v4"], model["num_layers"]
+    kinds = [str(t) for t in (v4.get("layer_types") or default_layer_types(n))][:n]
+    if CSA not in kinds:
+        add(Problem("hisparse.enabled=true", f"DeepSeek-V4 layer types {sorted(set(kinds))}",
+                    f"at least one {CSA} layer (HiSparse offloads the CSA entries the indexer selects; HCA entries "
+                    "are all attended every step and stay on the device)", "use hisparse=off"))
+    if hs["top_k"] != v4["index_topk"]:
+        add(Problem("hisparse.top_k", f"{hs['top_k']} (model.v4.index_topk is {v4['index_topk']})",
+                    "equal to model.v4.index_topk (the entries the V4 indexer selects per query)",
+                    f"set hisparse.top_k={v4['index_topk']}"))
+    if hs["device_buffer_size"] < hs["top_k"]:
+        add(Problem("hisparse.device_buffer_size", f"{hs['device_buffer_size']} (< top_k {hs['top_k']})",
+                    "device_buffer_size >= top_k (every selected entry must fit on the device)",
+                    f"set hisparse.device_buffer_size={max(hs['top_k'], 1) * 2}"))
+    if hs["host_to_device_ratio"] < 1:
+        add(Problem("hisparse.host_to_device_ratio", str(hs["host_to_device_ratio"]),
+                    ">= 1 (the host pool holds at least what the device holds)", "set hisparse.host_to_device_ratio=1"))
     return out

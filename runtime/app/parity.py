@@ -59,7 +59,9 @@ def reference_config(plain: dict) -> dict:
     beyond near-ties, max rel err 4.5e-2; this reference's own impl run in bf16 flipped 4 and 0, 4.8e-2)."""
     ref = copy.deepcopy(plain)
     if plain["model"].get("model_type") == DSV4_MODEL_TYPE:  # V4: the dsv4 backend's torch math in float32
-        ref["backend"] = {"name": "dsv4", "compute_dtype": "float32", "impl": "torch"}
+        ref["backend"] = {"name": "dsv4", "compute_dtype": "float32", "impl": "torch", "kernel": "real",
+                          "workspace_bytes": plain["backend"].get("workspace_bytes", 1)}
+        ref["hisparse"]["enabled"] = False  # every CSA entry in the device pool (same token pages)
     elif "sparse" in [str(k) for k in plain["model"]["layer_pattern"]]:
         ref["backend"] = {"name": "dsa", "impl": "torch", "max_splits": 1}
         if plain["hisparse"]["enabled"]:  # the reference keeps everything in its device pool: as many pages

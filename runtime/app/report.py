@@ -121,7 +121,7 @@ def shared_kv_indices_section(container, mode: str) -> dict:
 def kernel_section(backend_cfg: dict) -> dict | None:
     """Which kernel implementation ran, for backends with a ``kernel`` switch; an emulation says so plainly."""
     impl = backend_cfg.get("kernel")
-    if impl is None:
+    if impl is None or backend_cfg.get("impl") not in (None, "flashinfer"):  # dsv4: kernel only with impl=flashinfer
         return None
     if impl == "emulate":
         return {"impl": "emulate", "emulated": True,
@@ -139,11 +139,13 @@ def _hisparse(container) -> dict | None:
     if c is None:
         return None
     st = c.stats()
-    kv = container.kv_pool()
-    layers = len(kv.buffers)
-    device = kv.nbytes + st["device_buffer_bytes"]
-    dense = st["host_tokens"] * kv.row_dim * kv.dtype.itemsize * layers
-    return {"device_kv_bytes": device, "device_pool_bytes": kv.nbytes, **st, "dense_equivalent_bytes": dense,
+    kv, v4 = container.kv_pool(), container.dsv4_pools()
+    # the device pool beside the buffers: V3.2's latent pool (prefill); V4's CSA pool without its entries
+    # (indexer keys and the entry table; the HCA pool and window ring are in the memory plan's dsv4 rows)
+    pool = kv.nbytes if kv is not None else v4.csa.nbytes
+    device = pool + st["device_buffer_bytes"]
+    dense = st["host_tokens"] * st["row_bytes"] * st["layers"]
+    return {"device_kv_bytes": device, "device_pool_bytes": pool, **st, "dense_equivalent_bytes": dense,
             "device_over_dense": device / dense if dense else 0.0}
 
 

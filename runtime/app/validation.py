@@ -80,7 +80,7 @@ def validate(
     problems += _family_problems(model, name, caps, backends, family, device)
     problems += _prefill_problems(cfg, name, caps, serving)
     if v4:
-        problems += dsv4_problems(cfg)  # includes HiSparse, which V4 does not offer
+        problems += dsv4_problems(cfg)  # includes what HiSparse of the CSA entries needs
     else:
         set_v4 = sorted(k for k, v in (model.get("v4") or {}).items() if v is not None)
         if set_v4:

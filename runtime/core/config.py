@@ -167,7 +167,9 @@ class DSV4BackendConfig(BackendConfig):
 
     name: str = "dsv4"
     compute_dtype: DType = DType.float32  # float64 on request: the strictest oracle
-    impl: str = "auto"  # decode: auto (triton on CUDA, torch on the CPU) | torch | triton (extend is torch)
+    impl: str = "auto"  # decode: auto (triton on CUDA, torch on the CPU) | torch | triton | flashinfer (extend: torch)
+    kernel: KernelImpl = KernelImpl.real  # impl=flashinfer: the real FlashInfer call, or its torch emulation
+    workspace_bytes: int = 128 * MiB  # impl=flashinfer: the kernel's own zero-initialised workspace
 
 
 @dataclass

@@ -234,16 +234,20 @@ class DSV4Pools:
 
     @classmethod
     def for_token_pages(cls, spec: DSV4AttentionSpec, max_requests: int, max_context: int, num_pages: int,
-                        page_size: int, dtype: torch.dtype, device: torch.device) -> DSV4Pools:
+                        page_size: int, dtype: torch.dtype, device: torch.device,
+                        offload_csa_kv: bool = False) -> DSV4Pools:
         """Pools sized by the engine's token pages (``kv.num_pages`` pages of ``kv.page_size`` tokens): each
         compressed pool gets ``num_pages`` pages of ``ceil(page_size / rate)`` entries. A request of ``n``
         tokens then needs at most ``ceil(n / page_size)`` pages of every pool, so whenever the token allocator
-        admits a step, every compressed pool has room for it (:class:`runtime.core.dsv4_slots.DSV4TokenSlots`)."""
+        admits a step, every compressed pool has room for it (:class:`runtime.core.dsv4_slots.DSV4TokenSlots`).
+
+        ``offload_csa_kv`` (HiSparse on): the CSA pool keeps only the indexer keys and the entry table on the
+        device; the CSA entries themselves live in the HiSparse coordinator's host pool."""
         return cls._build(spec, max_requests, max_context, lambda rate: (num_pages, -(-page_size // rate)), dtype,
-                          device)
+                          device, offload_csa_kv)
 
     @classmethod
-    def _build(cls, spec, max_requests, max_context, pages_of, dtype, device) -> DSV4Pools:
+    def _build(cls, spec, max_requests, max_context, pages_of, dtype, device, offload_csa_kv=False) -> DSV4Pools:
         all_layers = list(range(spec.num_layers))
         csa, hca = spec.layers_of(DSV4LayerType.csa), spec.layers_of(DSV4LayerType.hca)
         d, di = spec.head_dim, spec.index_head_dim
@@ -259,7 +263,7 @@ class DSV4Pools:
         return cls(
             spec=spec,
             window=SlidingWindowKV(all_layers, max_requests, spec.sliding_window, d, dtype, device),
-            csa=pool(spec.csa_rate, csa, {"kv": d, "index": di}),
+            csa=pool(spec.csa_rate, csa, {"index": di} if offload_csa_kv else {"kv": d, "index": di}),
             hca=pool(spec.hca_rate, hca, {"kv": d}),
             csa_state=state(spec.csa_rate, csa, 2 * d, d),
             csa_index_state=state(spec.csa_rate, csa, 2 * di, di),
@@ -294,7 +298,8 @@ class DSV4Pools:
 
     def breakdown(self) -> dict[str, int]:
         """Bytes per pool, for the memory plan: the window ring, each compressed pool (entries, indexer keys
-        and the entry table), the compressors' partial-window state."""
+        and the entry table; with HiSparse the CSA entries are on the host and not counted here), the
+        compressors' partial-window state."""
         out = {"dsv4_window_ring": self.window.nbytes}
         for name, p in (("dsv4_csa_entries", self.csa), ("dsv4_hca_entries", self.hca)):
             out[name] = p.nbytes if p is not None else 0

@@ -8,11 +8,55 @@ and the container injects them. A fake that implements the same methods can be s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from runtime.core.batch import ForwardBatch
+from runtime.core.dsv4_pools import DSV4Pools
+from runtime.core.kv_pool import MLAKVPool
+
+
+@dataclass(frozen=True)
+class OffloadedRows:
+    """What the HiSparse coordinator keeps in its host pool, injected by the container.
+
+    Attributes
+    ----------
+    row_dim : int
+        Elements per row (V3.2: the latent row, kv_lora + rope; V4: a compressed CSA entry, head_dim).
+    dtype : torch.dtype
+    tokens_per_row : int
+        Tokens one row stands for: 1 (a latent row per token) or the CSA compression rate (an entry per closed
+        window). Host rows are keyed by ``token_position // tokens_per_row``; a request of ``n`` tokens holds
+        ``n // tokens_per_row`` of them.
+    rows_per_page : int
+        Host page size in rows: ``ceil(kv.page_size / tokens_per_row)``, so a request never needs more host
+        pages than token pages.
+    release_prefill_pages : bool
+        V3.2: the device latent pages are read by the dense prefill only, so at the first decode step they
+        return to the allocator. V4: the token pages carry the HCA entries and the CSA indexer keys, read at
+        every step, so they stay until the request ends.
+    """
+
+    row_dim: int
+    dtype: torch.dtype
+    tokens_per_row: int
+    rows_per_page: int
+    release_prefill_pages: bool
+
+    @classmethod
+    def latent(cls, kv_pool: MLAKVPool) -> OffloadedRows:
+        """DeepSeek-V3.2 sparse layers: every token's latent row."""
+        return cls(kv_pool.row_dim, kv_pool.dtype, 1, kv_pool.page_size, True)
+
+    @classmethod
+    def csa_entries(cls, pools: DSV4Pools, page_size: int) -> OffloadedRows:
+        """DeepSeek-V4 CSA layers: the compressed entries the indexer's top-k selects (the HCA entries are
+        attended in full every step and the window is a ring: both stay on the device)."""
+        rate = pools.spec.csa_rate
+        return cls(pools.spec.head_dim, pools.window.dtype, rate, -(-page_size // rate), False)
 
 
 @runtime_checkable
@@ -30,8 +74,8 @@ class IndexKeyCache(Protocol):
 
 @runtime_checkable
 class SparseKVCoordinator(Protocol):
-    """Host-offloaded sparse KV (HiSparse): the latent rows live in a host pool; a decode step swaps the rows the
-    indexer selected into a per-request device buffer.
+    """Host-offloaded sparse KV (HiSparse): the rows (:class:`OffloadedRows`) live in a host pool; a decode step
+    swaps the rows the indexer selected into a per-request device buffer.
 
     Attributes
     ----------
@@ -61,5 +105,16 @@ class SparseKVCoordinator(Protocol):
         ...
 
     def device_rows(self, layer_id: int) -> torch.Tensor:
-        """[(max_requests + 1) * device_buffer_size, kv_lora + rope] the device buffer of a sparse layer."""
+        """[(max_requests + 1) * device_buffer_size, row_dim] the device buffer of a sparse layer."""
+        ...
+
+    def store_rows(self, layer_id: int, row: int, first: int, values: torch.Tensor) -> None:
+        """Write rows ``first .. first + n - 1`` (keys) of request row ``row`` (values [n, row_dim]) to the host
+        pool (V4: the CSA entries whose windows closed in this step)."""
+        ...
+
+    def read_rows(self, layer_id: int, row: int, keys: torch.Tensor) -> torch.Tensor:
+        """keys [n, K] int64 (-1 padding) of request row ``row`` -> [n, K, row_dim] on the device, copied
+        straight from the host pool (V4 extend: many queries per request, each with its own top-k; padding
+        rows are zeros)."""
         ...

@@ -18,6 +18,13 @@ Lifecycle of a request (every step is host-side bookkeeping plus device work que
   the padding page); all of a model's attention layers must be sparse (validation).
 * **finish / retraction**: ``release`` returns host pages, device pages and the buffer.
 
+DeepSeek-V4 (``rows`` = :meth:`OffloadedRows.csa_entries`): the host rows are the CSA layers' compressed entries,
+keyed by entry id (one per ``csa_rate`` tokens), host pages of ``ceil(page_size / rate)`` entries. The wrapped
+allocator is the V4 one (:class:`runtime.core.dsv4_slots.DSV4TokenSlots`) and its pages are never returned early
+(they carry the HCA entries and the indexer keys, read every step). The compressors write closed windows' entries
+with ``store_rows``; extend reads its selections straight from the host (``read_rows``); decode goes through
+``swap_in`` with entry ids as the keys, exactly as V3.2 does with token positions.
+
 To the engine the coordinator *is* the token allocator (``open`` / ``pages_needed`` / ``reserve_many`` /
 ``release`` / ``pages`` of :class:`runtime.core.kv_pool.TokenSlots`): a step is admitted only if both pools hold it,
 and host exhaustion raises :class:`PoolExhausted` where the engine already retracts.
@@ -34,8 +41,9 @@ import torch
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.device import to_device
 from runtime.core.errors import PoolExhausted
-from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.kv_pool import PageAllocator, ReqToTokenPool, TokenSlots
 from runtime.core.parallel import SingleRank, TPGroup
+from runtime.core.sparse import OffloadedRows
 
 PADDING_SLOT = 0  # slot 0 is on the padding page of both pools
 
@@ -68,8 +76,8 @@ class HiSparseCoordinator:
     Parameters
     ----------
     req_to_token_pool : ReqToTokenPool
-    kv_allocator : TokenSlots
-        Device pages (prefill) and the request table; wrapped, so the engine reserves both pools at once.
+    kv_allocator : TokenSlots or DSV4TokenSlots
+        Device pages and the request table; wrapped, so the engine reserves both pools at once.
     top_k : int
         Tokens the indexer selects per query (columns of ``swap_in``'s input).
     device_buffer_size : int
@@ -84,24 +92,25 @@ class HiSparseCoordinator:
         rank the same bits) are equal, so its top-k, and with it every hit, miss and eviction, are equal. Nothing
         is sent per step; :meth:`disagreement` gathers every rank's :meth:`agreement_digest` (counters and
         checksums of the buffers' position and LRU tables) once, at the end of the run, which fails if they differ.
-    kv_pool : MLAKVPool
-        Row width and dtype of the latent KV (the host rows match them).
+    rows : OffloadedRows
+        What a host row is: width, dtype, tokens per row, host page size, whether prefill pages return early.
     layer_ids : list of int
-        The sparse layers.
+        The sparse layers (V4: the CSA layers).
 
     Attributes
     ----------
     host_pool : torch.Tensor
-        [num_sparse_layers, host_slots, kv_lora + rope] model dtype, pinned when ``device`` is CUDA.
+        [num_sparse_layers, host_slots, row_dim] model dtype, pinned when ``device`` is CUDA.
     host_table : torch.Tensor
-        [max_requests + 1, max_context] int32 on ``device``: host slot of each request row's token positions
-        (the indexer's slot table: indexer keys are stored by host slot, so they outlive device pages).
+        [max_requests + 1, max_context // tokens_per_row] int32 on ``device``: host slot of each request row's
+        keys (token positions; V4 entry ids) (V3.2: the indexer's slot table: indexer keys are stored by host
+        slot, so they outlive device pages).
     device_kv : list of torch.Tensor
-        Per sparse layer [(max_requests + 1) * device_buffer_size, kv_lora + rope]: request row ``r`` owns rows
+        Per sparse layer [(max_requests + 1) * device_buffer_size, row_dim]: request row ``r`` owns rows
         ``r * device_buffer_size ...`` (the padding row too, for padded CUDA-graph entries).
     buf_pos : torch.Tensor
-        [num_sparse_layers, max_requests + 1, device_buffer_size] int32: token position held by each buffer
-        slot, -1 empty.
+        [num_sparse_layers, max_requests + 1, device_buffer_size] int32: key (token position, V4 entry id) held
+        by each buffer slot, -1 empty.
     buf_stamp : torch.Tensor
         [num_sparse_layers, max_requests + 1, device_buffer_size] int64: position of the query that last used
         the slot (the LRU clock: a request's decode positions only grow), -1 empty.
@@ -117,7 +126,7 @@ class HiSparseCoordinator:
         device: torch.device,
         tp_group: SingleRank | TPGroup,
         *,
-        kv_pool: MLAKVPool,
+        rows: OffloadedRows,
         layer_ids: list[int],
     ):
         problems = []
@@ -132,20 +141,23 @@ class HiSparseCoordinator:
         self.top_k, self.buf = int(top_k), int(device_buffer_size)
         self.device, self.layer_ids = torch.device(device), list(layer_ids)
         self._layer = {layer: i for i, layer in enumerate(self.layer_ids)}
-        self.page_size = kv_allocator.page_size
+        self.rows, self.per_row = rows, int(rows.tokens_per_row)
+        self.page_size = kv_allocator.page_size  # token pages (the engine's unit)
+        self.host_page_size = int(rows.rows_per_page)  # host pages, in rows
         self.padding_row = req_to_token_pool.padding_row
         self.host_allocator = PageAllocator(host_page_count(kv_allocator.pages.num_pages, host_to_device_ratio),
-                                            self.page_size)
-        self.row_bytes = kv_pool.row_dim * kv_pool.dtype.itemsize
-        n, rows = len(self.layer_ids), req_to_token_pool.max_requests + 1
-        host_slots = self.host_allocator.num_pages * self.page_size
-        self.host_pool = torch.zeros(n, host_slots, kv_pool.row_dim, dtype=kv_pool.dtype,
+                                            self.host_page_size)
+        self.row_bytes = rows.row_dim * rows.dtype.itemsize
+        n, table_rows = len(self.layer_ids), req_to_token_pool.max_requests + 1
+        host_slots = self.host_allocator.num_pages * self.host_page_size
+        self.host_pool = torch.zeros(n, host_slots, rows.row_dim, dtype=rows.dtype,
                                      pin_memory=self.device.type == "cuda")
-        self.host_table = torch.zeros(rows, req_to_token_pool.max_context, dtype=torch.int32, device=device)
-        self.device_kv = [torch.zeros(rows * self.buf, kv_pool.row_dim, dtype=kv_pool.dtype, device=device)
+        keys = max(1, req_to_token_pool.max_context // self.per_row)
+        self.host_table = torch.zeros(table_rows, keys, dtype=torch.int32, device=device)
+        self.device_kv = [torch.zeros(table_rows * self.buf, rows.row_dim, dtype=rows.dtype, device=device)
                           for _ in range(n)]
-        self.buf_pos = torch.full((n, rows, self.buf), -1, dtype=torch.int32, device=device)
-        self.buf_stamp = torch.full((n, rows, self.buf), -1, dtype=torch.int64, device=device)
+        self.buf_pos = torch.full((n, table_rows, self.buf), -1, dtype=torch.int32, device=device)
+        self.buf_stamp = torch.full((n, table_rows, self.buf), -1, dtype=torch.int64, device=device)
         self._counters = torch.zeros(2, dtype=torch.int64, device=device)  # hits, misses (real requests)
         self._host_pages: dict[int, list[int]] = {}
         self._host_only: set[int] = set()  # rows past prefill: device pages returned, KV on the host
@@ -174,10 +186,11 @@ class HiSparseCoordinator:
         return torch.tensor(self.reserve_many([(row, old_len, new_len)]), dtype=torch.int64)
 
     def reserve_many(self, spans: list[tuple[int, int, int]]) -> list[int]:
-        """Device slots for the spans (slot 0 for rows past prefill) and, page for page, host slots (into
-        ``host_table``, one device write). Checks both pools first: on exhaustion nothing is taken."""
-        ps = self.page_size
-        grows = [-(-new // ps) - len(self._host_pages[row]) for row, _, new in spans]
+        """Device slots for the spans (slot 0 for rows past prefill) and host slots for the keys the spans'
+        tokens bring (into ``host_table``, one device write). Checks both pools first: on exhaustion nothing is
+        taken."""
+        ps, per = self.host_page_size, self.per_row
+        grows = [-(-(new // per) // ps) - len(self._host_pages[row]) for row, _, new in spans]
         need = sum(g for g in grows if g > 0)
         if need > self.host_allocator.available:
             raise PoolExhausted("HiSparse host KV pool", need, self.host_allocator.available, "pages")
@@ -190,9 +203,9 @@ class HiSparseCoordinator:
             pages = self._host_pages[row]
             if grow > 0:
                 pages.extend(self.host_allocator.alloc(grow))
-            pos = np.arange(old, new)
-            host.extend((np.asarray(pages)[pos // ps] * ps + pos % ps).tolist())
-            index.extend(range(row * width + old, row * width + new))
+            pos = np.arange(old // per, new // per)  # keys: token positions, or the entries that close
+            host.extend((np.asarray(pages, dtype=np.int64)[pos // ps] * ps + pos % ps).tolist())
+            index.extend((row * width + pos).tolist())
             if row in self._host_only:
                 slots.extend([PADDING_SLOT] * (new - old))
             else:
@@ -215,15 +228,17 @@ class HiSparseCoordinator:
         """Host bookkeeping before a step's kernels (eager, or before a graph replay): a DECODE step returns
         the device pages of requests that just finished prefill (their KV was written through to the host)."""
         rows = [r for r in batch.req_pool_indices_cpu.tolist() if r != self.padding_row]
+        one_per_token = self.per_row == 1  # else store_rows counts the entries it writes
         if batch.mode == ForwardMode.DECODE:
-            for row in rows:
-                if row not in self._host_only:
-                    self.kv_allocator.release_pages(row)
-                    self._host_only.add(row)
+            if self.rows.release_prefill_pages:
+                for row in rows:
+                    if row not in self._host_only:
+                        self.kv_allocator.release_pages(row)
+                        self._host_only.add(row)
             self.decode_steps += 1
-            self.host_rows_written += len(rows) * len(self.layer_ids)
+            self.host_rows_written += len(rows) * len(self.layer_ids) * one_per_token
         else:
-            self.host_rows_written += batch.num_tokens * len(self.layer_ids)
+            self.host_rows_written += batch.num_tokens * len(self.layer_ids) * one_per_token
 
     # ------------------------------------------------------------------- per layer (device, graph-safe)
     def new_token_slots(self, batch: ForwardBatch) -> torch.Tensor:
@@ -258,13 +273,39 @@ class HiSparseCoordinator:
             src = torch.where(req == self.padding_row, -1, src)  # padded graph entries write nothing
         scatter_rows_to_host(kv_rows, src, self.host_pool[li], host_slots)
 
+    def store_rows(self, layer_id: int, row: int, first: int, values: torch.Tensor) -> None:
+        """Rows ``first .. first + n - 1`` (keys) of request row ``row``: values [n, row_dim] to their host slots
+        (host loop, outside graphs: V4's compressors call it with the entries whose windows closed)."""
+        from backends.kernels.host_gather import scatter_rows_to_host
+
+        n = values.shape[0]
+        if n:
+            slots = self.host_table[row, first: first + n].long()
+            src = torch.arange(n, device=values.device)
+            scatter_rows_to_host(values.to(self.rows.dtype).contiguous(), src, self.host_pool[self._layer[layer_id]],
+                                 slots)
+            self.host_rows_written += n
+
+    def read_rows(self, layer_id: int, row: int, keys: torch.Tensor) -> torch.Tensor:
+        """keys [n, K] int64 of request row ``row`` (-1 padding) -> [n, K, row_dim] on the device, gathered
+        from the host pool (zeros where padded). For extend, where each query has its own selection."""
+        from backends.kernels.host_gather import gather_rows_from_host
+
+        n, k = keys.shape
+        out = torch.zeros(n * k, self.rows.row_dim, dtype=self.rows.dtype, device=self.device)
+        flat = keys.reshape(-1).to(self.device)
+        src = torch.where(flat >= 0, self.host_table[row, flat.clamp_min(0)].long(), -1)
+        gather_rows_from_host(self.host_pool[self._layer[layer_id]], src, out,
+                              torch.arange(n * k, device=self.device))
+        return out.view(n, k, -1)
+
     def swap_in(self, batch: ForwardBatch, topk_indices: torch.Tensor, layer: int) -> torch.Tensor:
         """Device locations of the selected tokens of a DECODE batch, copying the misses in from the host.
 
         Parameters
         ----------
         batch : DECODE ForwardBatch (one query per request)
-        topk_indices : [B, K] int32 token positions (-1 padding), K <= device_buffer_size
+        topk_indices : [B, K] int32 keys: token positions (V4: entry ids), -1 padding; K <= device_buffer_size
         layer : sparse layer id
 
         Returns
@@ -319,7 +360,10 @@ class HiSparseCoordinator:
         meta = sum(t.numel() * t.element_size() for t in (self.buf_pos, self.buf_stamp, self.host_table))
         return {
             "host_kv_bytes": self.host_pool.numel() * self.host_pool.element_size(),
-            "host_tokens": self.host_slots - self.page_size,  # without the padding page
+            "host_tokens": self.host_slots - self.host_page_size,  # host rows without the padding page
+            "host_tokens_per_row": self.per_row,
+            "row_bytes": self.row_bytes,
+            "layers": len(self.layer_ids),
             "device_buffer_bytes": device_buffer,
             "device_metadata_bytes": meta,
             "swap_ins": misses,

@@ -6,7 +6,8 @@ Attention block (per step, T new tokens of B requests, flattened as in :class:`r
    RMSNorm -> RoPE; kv: ``kv_proj`` -> RMSNorm -> RoPE (one 512-d row, key and value of every head). Sliding-only
    layers use the ``main`` rope, compressed layers the ``compress`` rope (YaRN) everywhere.
 2. compressed layers: each request's new tokens go through the compressor(s) (:func:`compress_step`); closed
-   windows' entries (RoPE at ``e * rate``) are written to the compressed pool; CSA: indexer queries ->
+   windows' entries (RoPE at ``e * rate``) go to ``backend.store_entries`` (the compressed pool, or HiSparse's
+   host pool for CSA entries); CSA: indexer queries ->
    ``backend.select_topk``.
 3. ``backend.forward_decode`` / ``forward_extend`` (window + compressed entries + sinks; stores the window rows).
 4. inverse RoPE (at the query position) on the output's rope channels; grouped low-rank output projection
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from backends.dsv4 import DSV4AttentionBackend
 from runtime.core.batch import ForwardBatch, ForwardMode
-from runtime.core.dsv4_pools import CompressedKVPool, CompressorStatePool, DSV4Pools
+from runtime.core.dsv4_pools import CompressorStatePool, DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.model.dsv4.compressor import compress_step
 from runtime.model.dsv4.config import DSV4Config
@@ -51,8 +52,10 @@ class DSV4Attention:
         self.kind = cfg.attention.layer_types[layer_id]
         self.rope = cfg.rope_main if self.kind == DSV4LayerType.sliding else cfg.rope_compress
 
-    def _compress(self, comp: CompressorWeights, state: CompressorStatePool, pool: CompressedKVPool, name: str,
-                  x: torch.Tensor, batch: ForwardBatch) -> None:
+    def _compress(self, comp: CompressorWeights, state: CompressorStatePool, name: str, x: torch.Tensor,
+                  batch: ForwardBatch) -> None:
+        """Feed the step's tokens to one compressor; closed windows' entries (RoPE applied) go to the backend,
+        which stores them where this layer's entries live (the pool, or HiSparse's host pool)."""
         spec, eps = self.cfg.attention, self.cfg.rms_norm_eps
         qo, prefix = batch.qo_indptr_cpu.tolist(), batch.prefix_lens_cpu.tolist()
         for b, row in enumerate(batch.req_pool_indices_cpu.tolist()):
@@ -61,7 +64,7 @@ class DSV4Attention:
             if ent.shape[0]:
                 pos = (first + torch.arange(ent.shape[0], device=x.device)) * state.rate
                 cos, sin = cos_sin(self.rope, spec.rope_dim, pos, ent.dtype)
-                pool.write(self.layer_id, name, row, first, apply_rope(ent, cos, sin))
+                self.backend.store_entries(self.layer_id, name, row, first, apply_rope(ent, cos, sin))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] (normalized layer input) -> [T, hidden]."""
@@ -74,10 +77,10 @@ class DSV4Attention:
         kv = apply_rope(rms_norm(F.linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
         topk = None
         if self.kind == DSV4LayerType.hca:
-            self._compress(w.compressor, self.pools.hca_state, self.pools.hca, "kv", x, batch)
+            self._compress(w.compressor, self.pools.hca_state, "kv", x, batch)
         elif self.kind == DSV4LayerType.csa:
-            self._compress(w.compressor, self.pools.csa_state, self.pools.csa, "kv", x, batch)
-            self._compress(w.indexer, self.pools.csa_index_state, self.pools.csa, "index", x, batch)
+            self._compress(w.compressor, self.pools.csa_state, "kv", x, batch)
+            self._compress(w.indexer, self.pools.csa_index_state, "index", x, batch)
             hi, di = spec.index_n_heads, spec.index_head_dim
             index_q = apply_rope(F.linear(q_res, w.indexer.q_b_proj).view(t, hi, di), cos, sin)
             index_w = F.linear(x, w.indexer.weights_proj) * (hi**-0.5 * di**-0.5)
