@@ -95,7 +95,7 @@ def build_runtime(batch: int, prompt: int, out_len: int, overrides: list[str]):
         *fixed_workload(batch, prompt, out_len),
         f"workload.max_tokens_per_batch={max(4096, batch * prompt)}",
         f"workload.chunked_prefill_size={max(4096, batch * prompt)}",
-        f"kv.page_size=16", f"kv.num_pages={pages}", f"kv.max_requests={max(batch, 8)}", *overrides,
+        "kv.page_size=16", f"kv.num_pages={pages}", f"kv.max_requests={max(batch, 8)}", *overrides,
     ])
     container = containers.Container()
     container.model.override(providers.Factory(StubModel, container.model_spec, container.device))
