@@ -16,7 +16,7 @@ request running at once, overlap on) give:
 The GPU's host cost per torch op (a kernel launch) is larger than the CPU's, so this measures the Python
 side; the GPU effect is measured by ``bench.bench_engine_decode`` / ``bench.decode_roofline`` on a device.
 
-Run: ``python -m bench.host_step [--batches 1 32] [--out-len 256] [--repeats 3] [--cprofile 25]``
+Run: ``python -m bench.host_step [--quick] [--batches 1 32] [--out-len 256] [--repeats 3] [--cprofile 25]``
 """
 
 from __future__ import annotations
@@ -157,10 +157,12 @@ def profile_top(rt, n: int) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="outputs of 32, one run per batch (a smoke run)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--out-len", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3, help="runs per batch; the best median is reported")
+    ap.add_argument("--out-len", type=int, default=None, help="default 256 (--quick: 32)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per batch, the best median is reported; default 3 (--quick: 1)")
     ap.add_argument("--cprofile", type=int, default=0, help="print this many top functions (own time) per batch")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides (e.g. engine.overlap=off)")
@@ -169,20 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    args.out_len = args.out_len or (32 if args.quick else 256)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(args.threads)
     rows, phase_rows = [], []
     for b in args.batches:
         rt = build_runtime(b, args.prompt, args.out_len, args.overrides)
         rt.engine.run(record_hidden=False)  # warm-up
         periods = [decode_period_us(rt.engine.run(record_hidden=False), b) for _ in range(args.repeats)]
-        phases, steps = timed_phases(rt, b)
-        rows.append({"batch": b, "step_us": min(periods), "runs_us": " ".join(f"{p:.1f}" for p in periods),
-                     "decode_steps": steps})
-        for name, us in sorted(phases.items(), key=lambda kv: -kv[1]):
-            phase_rows.append({"batch": b, "phase": name, "us_per_step": us})
-        print(f"[batch {b}] host step {min(periods):.1f} us (runs: {rows[-1]['runs_us']})", flush=True)
+        runs = " ".join(f"{p:.1f}" for p in periods)
+        print(f"[batch {b}] host step {min(periods):.1f} us (runs: {runs})", flush=True)
         if args.cprofile:
             print(profile_top(rt, args.cprofile), flush=True)
+        phases, steps = timed_phases(rt, b)  # last: it wraps the engine's methods
+        rows.append({"batch": b, "step_us": min(periods), "runs_us": runs, "decode_steps": steps})
+        for name, us in sorted(phases.items(), key=lambda kv: -kv[1]):
+            phase_rows.append({"batch": b, "phase": name, "us_per_step": us})
     ceil = Ceilings("cpu", float("nan"), float("nan"))
     tables = [
         Table(rows, title=f"host time per decode step, stub model (CPU, tiny_mla, prompt {args.prompt}, "
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         Table(phase_rows, title="µs per decode step by phase (exclusive; timing adds ~1 µs per call)",
               formats={"us_per_step": ".1f"}, name="phases"),
     ]
-    report("host_step", ceil, tables, meta={"prompt": args.prompt, "out_len": args.out_len,
+    report("host_step", ceil, tables, meta={"prompt": args.prompt, "out_len": args.out_len, "quick": args.quick,
                                              "overrides": args.overrides, "threads": args.threads})
 
 
