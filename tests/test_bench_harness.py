@@ -188,7 +188,7 @@ def test_host_step_runs_on_the_cpu_with_the_stub_model(capsys):
     from bench import host_step
 
     host_step.main(["--quick", "--batches", "1", "2", "--out-len", "12"])
-    out = parse_json_line(capsys.readouterr().out)
+    out = parse_json_line(capsys.readouterr().out.strip().splitlines()[-1])
     steps = [r for r in out["rows"] if r["table"] == "steps"]
     assert [r["batch"] for r in steps] == [1, 2] and all(r["decode_steps"] == 11 for r in steps)
     assert all(r["step_us"] > 0 for r in steps)
