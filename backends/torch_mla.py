@@ -57,9 +57,9 @@ class TorchMLABackend:
     # ------------------------------------------------------------------------------ absorbed MLA
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.req_to_token_pool.req_to_token
-        rows = batch.req_pool_indices_cpu.tolist()
         lens = batch.seq_lens_cpu.tolist()
-        self._kv_slots = [table[r, :n].long() for r, n in zip(rows, lens)]
+        rows = table[batch.req_pool_indices, : max(lens, default=0)].long()  # one gather and cast for the batch
+        self._kv_slots = [row[:n] for row, n in zip(rows, lens)]
 
     def _absorbed(self, q_nope, q_pe, layer_id, batch) -> torch.Tensor:
         cd = self.compute_dtype

@@ -35,6 +35,7 @@ BENCHES: dict[str, list[str]] = {
     "bench_engine_decode": ["--quick"],
     "bench_speculative": ["--quick"],
     "profile_engine_step": ["--quick"],
+    "host_step": ["--quick"],  # CPU only: the host side of a decode step, model stubbed
     "decode_roofline": ["--quick", "--overlap", "off", "on"],
     "dsv4_decode_bench": ["--quick"],
     "tp_decode": ["--quick"],  # tp=1 here; tensor parallelism needs torchrun (scripts/tp_device.sh)

@@ -20,7 +20,7 @@ from bench.harness import Ceilings, Table, format_table, json_line, parse_json_l
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_MODULES = ["bench_dsa", "bench_engine_decode", "bench_flashinfer", "bench_speculative", "profile_engine_step",
-                 "triton_mla_kernels_gpu", "mla_decode_grid", "ceilings", "run_all", "tp_decode"]
+                 "triton_mla_kernels_gpu", "mla_decode_grid", "ceilings", "run_all", "tp_decode", "host_step"]
 CEIL = Ceilings("Fake GPU", copy_gbs=2000.0, matmul_tflops=500.0)
 
 
@@ -181,3 +181,16 @@ def test_a_bench_runs_as_a_file():
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "usage:" in res.stdout
+
+
+def test_host_step_runs_on_the_cpu_with_the_stub_model(capsys):
+    """bench.host_step: the engine with its model overridden in the container serves every decode step."""
+    from bench import host_step
+
+    host_step.main(["--quick", "--batches", "1", "2", "--out-len", "12"])
+    out = parse_json_line(capsys.readouterr().out.strip().splitlines()[-1])
+    steps = [r for r in out["rows"] if r["table"] == "steps"]
+    assert [r["batch"] for r in steps] == [1, 2] and all(r["decode_steps"] == 11 for r in steps)
+    assert all(r["step_us"] > 0 for r in steps)
+    phases = {r["phase"] for r in out["rows"] if r["table"] == "phases"}
+    assert {"make_batch", "backend metadata", "model stub"} <= phases

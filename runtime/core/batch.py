@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.core.device import to_device
+from runtime.core.device import packed_to_device
 
 
 class ForwardMode(str, enum.Enum):
@@ -113,29 +113,21 @@ def make_batch(
     out_cache_loc: list[int] | torch.Tensor,
     device: torch.device,
 ) -> ForwardBatch:
-    """Build a batch from host lists with ONE host-to-device copy (every field packed into one int64
-    buffer, then viewed) and no device-to-host copy. ``out_cache_loc``: the new tokens' slots, [T]."""
+    """Build a batch from host lists with ONE host-to-device copy, no device-to-host copy and no kernel (every
+    field, int64 and int32, is a view of one packed buffer: :func:`~runtime.core.device.packed_to_device`).
+    ``out_cache_loc``: the new tokens' slots, [T]."""
     b = len(req_pool_indices)
-    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    qo = [0, *itertools.accumulate(extend_lens)]
-    if all(e == 1 for e in extend_lens):
-        positions = list(prefix_lens)
+    if all(e == 1 for e in extend_lens):  # decode: one token per request
+        positions = prefix_lens
+        seq = [p + 1 for p in prefix_lens]
+        qo: range | list[int] = range(b + 1)
     else:
         positions = list(itertools.chain.from_iterable(range(p, p + e) for p, e in zip(prefix_lens, extend_lens)))
-    locs = out_cache_loc.tolist() if isinstance(out_cache_loc, torch.Tensor) else out_cache_loc
-    host = torch.tensor([*req_pool_indices, *seq, *qo, *positions, *locs], dtype=torch.int64)
-    dev = to_device(host, device)
-    t = len(positions)
-    o = [0, b, 2 * b, 3 * b + 1, 3 * b + 1 + t, 3 * b + 1 + 2 * t]
-    return ForwardBatch(
-        mode=mode,
-        req_pool_indices=dev[o[0] : o[1]],
-        req_pool_indices_cpu=host[o[0] : o[1]],
-        seq_lens=dev[o[1] : o[2]].to(torch.int32),
-        seq_lens_cpu=host[o[1] : o[2]].to(torch.int32),
-        extend_lens_cpu=torch.tensor(extend_lens, dtype=torch.int32),
-        qo_indptr=dev[o[2] : o[3]].to(torch.int32),
-        qo_indptr_cpu=host[o[2] : o[3]].to(torch.int32),
-        out_cache_loc=dev[o[4] : o[5]],
-        positions=dev[o[3] : o[4]],
-    )
+        seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        qo = [0, *itertools.accumulate(extend_lens)]
+    locs = out_cache_loc.cpu().numpy() if isinstance(out_cache_loc, torch.Tensor) else out_cache_loc
+    (req_cpu, _, _, seq_h, qo_h, ext_h), (req, pos, loc, seq_d, qo_d, _) = packed_to_device(
+        [req_pool_indices, positions, locs], [seq, qo, extend_lens], device)
+    return ForwardBatch(mode=mode, req_pool_indices=req, req_pool_indices_cpu=req_cpu, seq_lens=seq_d,
+                        seq_lens_cpu=seq_h, extend_lens_cpu=ext_h, qo_indptr=qo_d, qo_indptr_cpu=qo_h,
+                        out_cache_loc=loc, positions=pos)

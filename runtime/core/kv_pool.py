@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runtime.core.device import to_device
+from runtime.core.device import packed_to_device
 from runtime.core.errors import PoolExhausted
 
 PADDING_PAGE = 0
@@ -242,10 +242,10 @@ class TokenSlots:
                 index.append(row * width + old)
             else:
                 index.extend(range(row * width + old, row * width + new))
-        if slots:
+        if slots:  # one copy: int64 table indices and int32 slots
             table = self.req_to_token_pool.req_to_token
-            idx, val = to_device(torch.tensor([index, slots], dtype=torch.int64), table.device)
-            table.view(-1)[idx] = val.to(torch.int32)
+            _, (idx, val) = packed_to_device([index], [slots], table.device)
+            table.view(-1)[idx] = val
         return slots
 
     def slots_of(self, row: int, start: int, end: int) -> list[int]:

@@ -248,7 +248,9 @@ class Engine:
         slots = [len(r.output) for r in reqs]
         host = self.clock.to_host
         hidden = host(sel.float()) if self._outputs.record_hidden else None
-        return PendingStep(reqs, slots, host(tokens), host(choices), host(top2.values.float()), hidden, record,
+        choices_host = host(choices)  # unforced: the fed tokens are the choices (one copy serves both)
+        tokens_host = choices_host if forced is None else host(tokens)
+        return PendingStep(reqs, slots, tokens_host, choices_host, host(top2.values.float()), hidden, record,
                            start, self.clock.mark())
 
     def _forward(self, ids: torch.Tensor, batch) -> tuple[torch.Tensor, bool]:

@@ -115,6 +115,7 @@ class ModeGraphs:
         self.max_bs = max(decision.sizes) if decision.graphed else 0
         self.replays = 0
         self._bufs: dict[str, torch.Tensor] = {}
+        self._extend_cpu = self._qo_cpu = torch.empty(0, dtype=torch.int32)  # set by init_state
         self.stats = stats if stats is not None else CollectiveStats(device)
         self.collectives: dict[int, CollectiveSample] = {}  # size -> the collectives its graph captured
 
@@ -124,10 +125,11 @@ class ModeGraphs:
 
     def _static_batch(self, bs: int, host: dict[str, torch.Tensor]) -> ForwardBatch:
         b, t = self._bufs, self.t
+        extend_cpu, qo_cpu = self._extend_cpu[:bs], self._qo_cpu[: bs + 1]
         return ForwardBatch(
             mode=self.mode, req_pool_indices=b["req"][:bs], req_pool_indices_cpu=host["req"],
-            seq_lens=b["seq"][:bs], seq_lens_cpu=host["seq"], extend_lens_cpu=torch.full((bs,), t, dtype=torch.int32),
-            qo_indptr=b["qo"][: bs + 1], qo_indptr_cpu=torch.arange(0, (bs + 1) * t, t, dtype=torch.int32),
+            seq_lens=b["seq"][:bs], seq_lens_cpu=host["seq"], extend_lens_cpu=extend_cpu,
+            qo_indptr=b["qo"][: bs + 1], qo_indptr_cpu=qo_cpu,
             out_cache_loc=b["loc"][: bs * t], positions=b["pos"][: bs * t],
         )
 
@@ -145,7 +147,14 @@ class ModeGraphs:
             "qo": torch.arange(0, (n + 1) * t, t, dtype=torch.int32, device=dev),
             "loc": torch.zeros(n * t, dtype=torch.int64, device=dev),
             "pos": torch.arange(t, device=dev).repeat(n),
+            "pad_pos": torch.arange(t, device=dev).repeat(n),  # padding entries' positions (never written)
         }
+        # host mirrors that are the same every step (never written; sliced per size); pinned on CUDA, so a
+        # plan that copies them to the device (FlashInfer) needs no pinned staging copy per step
+        pin = dev.type == "cuda"
+        self._extend_cpu = torch.full((n,), t, dtype=torch.int32, pin_memory=pin)
+        self._qo_cpu = torch.arange(0, (n + 1) * t, t, dtype=torch.int32).pin_memory() if pin else \
+            torch.arange(0, (n + 1) * t, t, dtype=torch.int32)
         self.hooks.init_graph_state(self._static_batch(n, self._padding_host(n)))
 
     def capture(self, pool) -> object:
@@ -187,7 +196,7 @@ class ModeGraphs:
             b["req"][n:bs].fill_(self.padding_row)
             b["seq"][n:bs].fill_(t)
             b["loc"][n * t : bs * t].zero_()
-            b["pos"][n * t : bs * t].copy_(torch.arange(t, device=self.device).repeat(bs - n))
+            b["pos"][n * t : bs * t].copy_(b["pad_pos"][: (bs - n) * t])
         host = self._padding_host(bs)
         host["req"][:n], host["seq"][:n] = batch.req_pool_indices_cpu, batch.seq_lens_cpu
         self.hooks.init_forward_metadata_replay(self._static_batch(bs, host))
