@@ -31,6 +31,27 @@ def cfg_of():
     return compose_config
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is faster (and immune to a busy machine's oversubscription).
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def no_indexer_ties(monkeypatch):
+    """Fail a DeepSeek-V4 test whose indexer scores tie exactly at the top-k boundary: which pick wins is not
+    defined (in the reference either), so the comparison would be ill-posed (tests/dsv4_harness.py)."""
+    from dsv4_harness import guard_indexer_ties
+
+    ties = guard_indexer_ties(monkeypatch)
+    yield
+    assert not ties, f"indexer top-k ties at positions {ties}: the comparison is ill-posed; change the seed"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -23,19 +23,13 @@ from runtime.model.deepseek.checkpoint import dequantize_fp8, load_checkpoint, q
 from runtime.model.deepseek.hf_config import resolve_model_config
 from runtime.model.deepseek.weights import random_weights
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # deepseek_v3_tp8's decoder (dense layers, then MoE with grouped sigmoid routing, YaRN) at CPU size
 SMALL = ("model=deepseek_v3_tp8", "model.hidden_size=64", "model.num_heads=3", "model.intermediate_size=96",
          "model.moe_intermediate_size=32", "model.n_routed_experts=16", "model.n_group=4", "model.topk_group=2",
          "model.num_experts_per_tok=4", "model.q_lora_rank=32", "model.vocab_size=128", "model.dtype=float32",
          "model.max_context=256", "device=cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

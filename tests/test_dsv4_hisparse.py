@@ -11,35 +11,20 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import compose_config
-from dsv4_harness import guard_indexer_ties
 from hf_models import prompt_overrides
 from test_dsv4_serving import NEW, PROMPT_LENS, ROOT, _reference, _serve
 
 from containers import build
 from runtime.core.errors import ConfigError
 
+pytestmark = pytest.mark.usefixtures("one_thread", "no_indexer_ties")
+
 pytest.importorskip("transformers")
 
 TOP_K, BUFFER = 3, 4
 HISPARSE = ("hisparse.enabled=true", f"hisparse.top_k={TOP_K}", f"hisparse.device_buffer_size={BUFFER}",
             "hisparse.host_to_device_ratio=1.0")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def no_indexer_ties(monkeypatch):
-    ties = guard_indexer_ties(monkeypatch)
-    yield
-    assert not ties, f"indexer top-k ties at positions {ties}: the comparison is ill-posed; change the seed"
 
 
 @pytest.fixture(scope="module")

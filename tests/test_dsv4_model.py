@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsv4_harness import Driver, guard_indexer_ties, tiny_pair
+from dsv4_harness import Driver, tiny_pair
 
 from backends.base import CudaGraphLevel
 from backends.dsv4 import DSV4AttentionBackend, DSV4Backend
@@ -13,19 +13,14 @@ from runtime.core.batch import ForwardMode
 from runtime.core.dsv4_pools import CompressedKVPool, SlidingWindowKV
 from runtime.core.errors import PoolExhausted
 
+pytestmark = pytest.mark.usefixtures("no_indexer_ties")
+
 S = 21
 
 
 @pytest.fixture(scope="module")
 def pair():
     return tiny_pair(seed=0)
-
-
-@pytest.fixture(autouse=True)
-def no_indexer_ties(monkeypatch):
-    ties = guard_indexer_ties(monkeypatch)
-    yield
-    assert not ties, f"indexer top-k ties at positions {ties}: the comparison is ill-posed; change the seed"
 
 
 def _ids(seed, n=S):

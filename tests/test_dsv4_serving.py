@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_config
-from dsv4_harness import guard_indexer_ties, randomize_, tiny_hf_config
+from dsv4_harness import randomize_, tiny_hf_config
 from hf_models import prompt_overrides
 
 from containers import build
@@ -25,25 +25,12 @@ from runtime.core.errors import ConfigError
 pytest.importorskip("transformers")
 from transformers import DeepseekV4ForCausalLM  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread", "no_indexer_ties")
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_LENS = (1, 4, 7, 12, 19)
 NEW = 8
 MIN_GAP = 1e-6
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def no_indexer_ties(monkeypatch):
-    ties = guard_indexer_ties(monkeypatch)
-    yield
-    assert not ties, f"indexer top-k ties at positions {ties}: the comparison is ill-posed; change the seed"
 
 
 def _reference(folder: Path, seed: int, **over):

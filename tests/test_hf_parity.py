@@ -35,18 +35,11 @@ from containers import build
 from runtime.app.parity import routing_flip_budget
 from runtime.core.model_spec import ModelSpec
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 pytest.importorskip("transformers")
 MIN_GAP = 1e-3  # top-1 minus top-2 logit of the reference at every generated position
 LOGIT_RTOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster (and immune to a busy machine's oversubscription)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
