@@ -128,7 +128,7 @@ def _run(cfg: DictConfig, output_dir: Path, launch: LaunchEnv) -> int:
     console.print(f"report: {path}")
     plot = write_step_plot(res, output_dir)
     console.print(f"step plot: {plot}" if plot is not None else
-                  "step plot: skipped (matplotlib is not installed; pip install -e .[plot])")
+                  "step plot: skipped (matplotlib is not installed; pip install -e '.\\[plot]')")  # \[: not markup
     if parity is not None and not parity["ok"]:
         print("parity check FAILED: the backend's output differs from the torch reference (see report)",
               file=sys.stderr)
