@@ -18,7 +18,13 @@ from typing import Any
 from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
-from backends.base import CudaGraphLevel, GraphHooks, MHAChunkPrefill, SparseDecode
+from backends.base import (
+    GraphHooks,
+    MHAChunkPrefill,
+    decode_graph_hook,
+    mha_prefill_hook,
+    sparse_hook,
+)
 from backends.dsa import DSABackend, indexer_workspace_spec, sparse_decode_workspace_spec
 from backends.dsv4 import DSV4Backend
 from backends.dsv4_flashinfer import FlashInferDecode
@@ -37,7 +43,6 @@ from backends.trtllm_mla import TrtllmMLABackend
 from backends.trtllm_mla import load_kernel as load_trtllm_kernel
 from runtime.app.parallel_checks import parallel_problems, rank_view
 from runtime.app.validation import validate
-from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo, probe_device
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.dsv4_slots import DSV4TokenSlots
@@ -50,7 +55,14 @@ from runtime.core.sparse import OffloadedRows
 from runtime.core.state_pool import LinearStatePool
 from runtime.core.workspace import WorkspaceLedger
 from runtime.engine.engine import Engine
-from runtime.engine.graph_runner import GraphRunner, ModeGraphs, decide_graphs
+from runtime.engine.graph_runner import (
+    GraphRunner,
+    copies_per_size,
+    decide_graphs,
+    overlap_enabled,
+    plain_mode_graphs,
+    speculative_mode_graphs,
+)
 from runtime.engine.hisparse import HiSparseCoordinator, host_page_count
 from runtime.engine.prompts import load_workload
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
@@ -98,27 +110,6 @@ def _step(log: providers.Provider, name: str, factory: providers.Provider) -> pr
     return providers.Singleton(_record, log, name, factory)
 
 
-def _mha_prefill_hook(backend: Any, prefill: str, backend_cfg: dict) -> MHAChunkPrefill | None:
-    """The backend as the MHA chunked-prefill hook when its capabilities declare it, ``attention.prefill`` is
-    not ``absorbed`` and the backend's config does not switch ragged prefill off; else None (absorbed path).
-    (``attention.prefill=mha_chunked`` with a backend lacking the hook never gets here: validation refuses.)"""
-    if prefill == "absorbed" or backend_cfg.get("disable_ragged", False):
-        return None
-    return backend if type(backend).capabilities.mha_chunked_prefill else None
-
-
-def _decode_graph_hook(backend: Any) -> GraphHooks | None:
-    """The backend as its decode-graph hook when its capabilities allow graphed single-token decode."""
-    level = type(backend).capabilities.graph_level(ForwardMode.DECODE)
-    return backend if level >= CudaGraphLevel.SINGLE_TOKEN_DECODE else None
-
-
-def _sparse_hook(backend: Any) -> SparseDecode | None:
-    """The backend as the model's sparse-layer hook when its capabilities say sparse (validation has checked
-    the methods); else None."""
-    return backend if type(backend).capabilities.sparse else None
-
-
 def _weight_source(spec: ModelSpec) -> str:
     """'checkpoint' when the model is a Hugging Face folder (model.path), else 'random' (a preset); prefixed
     'dsv4_' for a DeepSeek-V4 model (its own weight layout)."""
@@ -140,17 +131,6 @@ def _draft_weights(model: MLAModel, n: int) -> ModelWeights:
 
 def _on_off(enabled: bool) -> str:
     return "on" if enabled else "off"
-
-
-def _overlap_on(mode: str, device) -> bool:
-    """``engine.overlap``: on / off as given; auto is on for CUDA (the host plans ahead of the GPU), off on
-    the CPU (there is nothing to overlap with)."""
-    return mode == "on" or (mode == "auto" and device.type == "cuda")
-
-
-def _graph_copies(overlap: bool) -> int:
-    """Executable graphs per captured size: 2 with overlap (replays alternate, see graph_runner)."""
-    return 2 if overlap else 1
 
 
 def _has_sparse_layers(spec: ModelSpec) -> str:
@@ -223,26 +203,6 @@ def _max_q_len(speculative: bool, num_steps: int) -> int:
 def _emulated_sm_count(info: DeviceInfo, emulated: int) -> int:
     """The GPU's SM count, or (the CPU) the count the emulation sizes for."""
     return info.sm_count or emulated
-
-
-def _plain_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None, padding_row: int,
-                  device, copies: int, stats) -> list[ModeGraphs]:
-    return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device,
-                       copies, stats)]
-
-
-def _spec_graphs(decisions: dict, model: MLAModel, target_hooks: GraphHooks, draft_model: MLAModel,
-                 draft_attention: MultiStepDraftBackend, draft_steps: DraftSteps, num_steps: int, padding_row: int,
-                 device, copies: int, stats) -> list[ModeGraphs]:
-    t = num_steps + 1
-    return [
-        ModeGraphs(decisions["draft_decode"], ForwardMode.DECODE, draft_steps, draft_attention, 1, 1, padding_row,
-                   device, copies, stats),
-        ModeGraphs(decisions["target_verify"], ForwardMode.TARGET_VERIFY, model.forward, target_hooks, t, t,
-                   padding_row, device, copies, stats),
-        ModeGraphs(decisions["draft_extend"], ForwardMode.DRAFT_EXTEND, draft_model.forward, draft_attention, t, t,
-                   padding_row, device, copies, stats),
-    ]
 
 
 class Container(containers.DeclarativeContainer):
@@ -395,9 +355,9 @@ class Container(containers.DeclarativeContainer):
             TokenSpeedMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, tokenspeed_kernel,
             config.backend, tokenspeed_sm_count, max_q_len)),
     )
-    backend_mha_prefill = providers.Callable(_mha_prefill_hook, backend, config.attention.prefill, config.backend)
-    backend_decode_graph = providers.Callable(_decode_graph_hook, backend)
-    sparse_decode = providers.Callable(_sparse_hook, backend)
+    backend_mha_prefill = providers.Callable(mha_prefill_hook, backend, config.attention.prefill, config.backend)
+    backend_decode_graph = providers.Callable(decode_graph_hook, backend)
+    sparse_decode = providers.Callable(sparse_hook, backend)
     linear_state_pool = _step(build_log, "linear_state_pool", providers.Factory(
         LinearStatePool, model_spec.provided.linear_layers, config.kv.max_requests,
         model_spec.provided.linear_num_heads, model_spec.provided.linear_head_dim,
@@ -506,13 +466,13 @@ class Container(containers.DeclarativeContainer):
         decide_graphs, config.graph.enabled, device_type, backends_in_use, config.speculative.enabled,
         config.graph.batch_sizes)
     padding_row = req_to_token_pool.provided.padding_row
-    overlap = providers.Callable(_overlap_on, config.engine.overlap, device)
-    graph_copies = providers.Callable(_graph_copies, overlap)
+    overlap = providers.Callable(overlap_enabled, config.engine.overlap, device)
+    graph_copies = providers.Callable(copies_per_size, overlap)
     graph_modes = providers.Selector(
         spec_mode,
-        off=providers.Callable(_plain_graphs, graph_decisions, model, decode_graph, padding_row, device,
+        off=providers.Callable(plain_mode_graphs, graph_decisions, model, decode_graph, padding_row, device,
                                graph_copies, tp_group.provided.stats),
-        on=providers.Callable(_spec_graphs, graph_decisions, model, attention, draft_model, draft_attention,
+        on=providers.Callable(speculative_mode_graphs, graph_decisions, model, attention, draft_model, draft_attention,
                               draft_steps, config.speculative.num_steps, padding_row, device, graph_copies,
                               tp_group.provided.stats),
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -235,3 +235,26 @@ class SparseDecode(Protocol):
         """Indexer top-k, then attention over the selected tokens only: q_nope [B, H, kv_lora] (absorbed),
         q_pe [B, H, rope], index_q [B, Hi, Di], index_weights [B, Hi] float32 -> [B, H, kv_lora] in q's dtype."""
         ...
+
+
+# ------------------------------------------------------------------ which hooks a backend serves (capabilities)
+
+def mha_prefill_hook(backend: Any, prefill: str, backend_cfg: dict) -> MHAChunkPrefill | None:
+    """The backend as the MHA chunked-prefill hook when its capabilities declare it, ``attention.prefill`` is
+    not ``absorbed`` and the backend's config does not switch ragged prefill off; else None (absorbed path).
+    (``attention.prefill=mha_chunked`` with a backend lacking the hook never gets here: validation refuses.)"""
+    if prefill == "absorbed" or backend_cfg.get("disable_ragged", False):
+        return None
+    return backend if type(backend).capabilities.mha_chunked_prefill else None
+
+
+def decode_graph_hook(backend: Any) -> GraphHooks | None:
+    """The backend as its decode-graph hook when its capabilities allow graphed single-token decode."""
+    level = type(backend).capabilities.graph_level(ForwardMode.DECODE)
+    return backend if level >= CudaGraphLevel.SINGLE_TOKEN_DECODE else None
+
+
+def sparse_hook(backend: Any) -> SparseDecode | None:
+    """The backend as the model's sparse-layer hook when its capabilities say sparse (validation has checked
+    the methods); else None."""
+    return backend if type(backend).capabilities.sparse else None

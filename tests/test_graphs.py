@@ -9,7 +9,7 @@ from conftest import compose_config
 from dependency_injector import providers
 
 import containers
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, decode_graph_hook
 from runtime.app.validation import validate
 from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo
@@ -54,7 +54,7 @@ def test_decode_graph_decision_from_capabilities(level, enabled, device, graphed
     assert d.graphed is graphed
     assert (d.sizes == [1, 2, 4]) if graphed else (d.reason and not d.sizes)
     if level == CudaGraphLevel.NEVER and enabled and device == "cuda":
-        assert "NEVER" in d.reason and containers._decode_graph_hook(backend) is None
+        assert "NEVER" in d.reason and decode_graph_hook(backend) is None
 
 
 def test_the_minimum_level_over_every_backend_in_use_decides():

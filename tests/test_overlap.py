@@ -11,7 +11,7 @@ from conftest import compose_config
 
 import containers
 from runtime.core.batch import ForwardMode
-from runtime.engine.graph_runner import GraphDecision
+from runtime.engine.graph_runner import GraphDecision, copies_per_size, overlap_enabled
 
 
 def _run(*overrides):
@@ -41,8 +41,8 @@ def test_overlap_on_and_off_emit_identical_tokens(preset):
 def test_overlap_auto_is_off_on_the_cpu():
     rt = containers.build(compose_config("device=cpu"))
     assert rt.config["engine"]["overlap"] == "auto" and rt.engine.overlap is False
-    assert containers._overlap_on("auto", torch.device("cuda", 0)) is True
-    assert containers._graph_copies(True) == 2 and containers._graph_copies(False) == 1
+    assert overlap_enabled("auto", torch.device("cuda", 0)) is True
+    assert copies_per_size(True) == 2 and copies_per_size(False) == 1
 
 
 def test_a_typo_in_overlap_fails_at_compose_time():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,11 @@ from backends.base import CudaGraphLevel, GraphHooks
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.parallel import CollectiveSample, CollectiveStats
 from runtime.model.dump import AttentionDumper
+
+if TYPE_CHECKING:
+    from backends.multi_step_draft import MultiStepDraftBackend
+    from runtime.engine.speculative import DraftSteps
+    from runtime.model.mla_model import MLAModel
 
 # name -> (forward mode of its batches, graph level every backend in use must reach)
 GRAPH_MODES: dict[str, tuple[ForwardMode, CudaGraphLevel]] = {
@@ -248,3 +254,39 @@ class GraphRunner:
             for m in graphed:
                 pool = m.capture(pool)
         torch.cuda.synchronize(self.device)
+
+
+# ------------------------------------------------------------------ the modes a run graphs (container glue)
+
+def overlap_enabled(mode: str, device) -> bool:
+    """``engine.overlap``: on / off as given; auto is on for CUDA (the host plans ahead of the GPU), off on
+    the CPU (there is nothing to overlap with)."""
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def copies_per_size(overlap: bool) -> int:
+    """Executable graphs per captured size: 2 with overlap (replays alternate, see ModeGraphs)."""
+    return 2 if overlap else 1
+
+
+def plain_mode_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None, padding_row: int,
+                      device, copies: int, stats) -> list[ModeGraphs]:
+    """Without speculation: the decode graphs of the target model."""
+    return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device,
+                       copies, stats)]
+
+
+def speculative_mode_graphs(decisions: dict, model: MLAModel, target_hooks: GraphHooks, draft_model: MLAModel,
+                            draft_attention: MultiStepDraftBackend, draft_steps: DraftSteps, num_steps: int,
+                            padding_row: int, device, copies: int, stats) -> list[ModeGraphs]:
+    """With speculation: the draft's decode steps, the target's verify and the draft's extend, each graphed as
+    its decision says (``num_steps + 1`` tokens per request in verify and extend)."""
+    t = num_steps + 1
+    return [
+        ModeGraphs(decisions["draft_decode"], ForwardMode.DECODE, draft_steps, draft_attention, 1, 1, padding_row,
+                   device, copies, stats),
+        ModeGraphs(decisions["target_verify"], ForwardMode.TARGET_VERIFY, model.forward, target_hooks, t, t,
+                   padding_row, device, copies, stats),
+        ModeGraphs(decisions["draft_extend"], ForwardMode.DRAFT_EXTEND, draft_model.forward, draft_attention, t, t,
+                   padding_row, device, copies, stats),
+    ]
