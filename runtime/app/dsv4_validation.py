@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.app.hisparse_checks import hisparse_size_problems
 from runtime.core.errors import Problem
 from runtime.model.dsv4.hf_config import CSA, default_layer_types
 
@@ -89,11 +90,5 @@ def dsv4_hisparse_problems(cfg: dict[str, Any]) -> list[Problem]:
         add(Problem("hisparse.top_k", f"{hs['top_k']} (model.v4.index_topk is {v4['index_topk']})",
                     "equal to model.v4.index_topk (the entries the V4 indexer selects per query)",
                     f"set hisparse.top_k={v4['index_topk']}"))
-    if hs["device_buffer_size"] < hs["top_k"]:
-        add(Problem("hisparse.device_buffer_size", f"{hs['device_buffer_size']} (< top_k {hs['top_k']})",
-                    "device_buffer_size >= top_k (every selected entry must fit on the device)",
-                    f"set hisparse.device_buffer_size={max(hs['top_k'], 1) * 2}"))
-    if hs["host_to_device_ratio"] < 1:
-        add(Problem("hisparse.host_to_device_ratio", str(hs["host_to_device_ratio"]),
-                    ">= 1 (the host pool holds at least what the device holds)", "set hisparse.host_to_device_ratio=1"))
-    return out
+    # a host pool larger than the device one only over-allocates for V4 (token pages are kept): the fix says 1
+    return out + hisparse_size_problems(hs, "entry", ratio_fix=1)

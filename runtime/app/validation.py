@@ -19,6 +19,7 @@ from backends.base import (
     hook_signature_problems,
 )
 from runtime.app.dsv4_validation import dsv4_problems
+from runtime.app.hisparse_checks import hisparse_size_problems
 from runtime.core.batch import ForwardMode
 from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
@@ -326,15 +327,7 @@ def _hisparse_problems(cfg, name: str, caps: BackendCapabilities | None, backend
         add(Problem("hisparse.enabled=true", f"backend '{name}', which is not sparse-capable",
                     "a backend whose capabilities.sparse is true",
                     "use hisparse=off" + (f", or backend={sparse[0]} (sparse-capable)" if sparse else "")))
-    if hs["top_k"] < 1:
-        add(Problem("hisparse.top_k", str(hs["top_k"]), ">= 1", "set hisparse.top_k=2048"))
-    if hs["device_buffer_size"] < hs["top_k"]:
-        add(Problem("hisparse.device_buffer_size", f"{hs['device_buffer_size']} (< top_k {hs['top_k']})",
-                    "device_buffer_size >= top_k (every selected token must fit on the device)",
-                    f"set hisparse.device_buffer_size={max(hs['top_k'], 1) * 2}"))
-    if hs["host_to_device_ratio"] < 1:
-        add(Problem("hisparse.host_to_device_ratio", str(hs["host_to_device_ratio"]),
-                    ">= 1 (the host pool holds at least what the device holds)", "set hisparse.host_to_device_ratio=4"))
+    out += hisparse_size_problems(hs, "token", ratio_fix=4)
     kinds = {LayerKind(k) for k in model["layer_pattern"]}
     if model.get("index_n_heads", 0) < 1 or LayerKind.sparse not in kinds:
         add(Problem("hisparse.enabled=true", f"model '{model['name']}' without an indexer and sparse layers",
