@@ -85,6 +85,13 @@ def local_expert_ids(w: MoEWeights, ids: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.where(mine, local, n_local), mine
 
 
+def grouped_expert_mlp(xs: torch.Tensor, w: MoEWeights, offsets: torch.Tensor, act) -> torch.Tensor:
+    """Every local expert's SwiGLU MLP over its rows of ``xs`` (grouped by expert; ``offsets`` int32, the
+    inclusive cumulative row counts) in two ``torch._grouped_mm`` launches; ``act``: the gate/up -> hidden op."""
+    h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(act(h), w.down.transpose(1, 2), offs=offsets)
+
+
 def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    grouped_mm: bool) -> torch.Tensor:
     """Sum over each token's k experts of weight * expert(x), for the experts this rank holds (``w.gate_up``:
@@ -103,8 +110,7 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
         0, flat, torch.ones_like(flat))[:n_local]
     if grouped_mm:
         offsets = counts.cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
-        y = torch._grouped_mm(swiglu(h), w.down.transpose(1, 2), offs=offsets)
+        y = grouped_expert_mlp(xs, w, offsets, swiglu)
     else:
         y = torch.zeros_like(xs)
         start = 0

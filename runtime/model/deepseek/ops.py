@@ -24,7 +24,7 @@ from runtime.core.device import DeviceInfo
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import ModelSpec
 from runtime.model.deepseek.mlp import swiglu
-from runtime.model.deepseek.moe import local_expert_ids, route
+from runtime.model.deepseek.moe import grouped_expert_mlp, local_expert_ids, route
 from runtime.model.deepseek.moe import moe as torch_moe
 from runtime.model.deepseek.rope import apply_rope
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
@@ -152,9 +152,7 @@ class FusedOps:
         local, mine = local_expert_ids(w, ids)  # expert parallelism: other ranks' pairs in one last group
         tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
         offsets = offsets[:n_local]
-        xs = x[tokens]
-        h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
-        y = torch._grouped_mm(self.silu_mul(h), w.down.transpose(1, 2), offs=offsets)
+        y = grouped_expert_mlp(x[tokens], w, offsets, self.silu_mul)
         if mine is not None:  # rows past the last offset (other ranks' experts) are not computed: zero them
             y = torch.where((torch.arange(y.shape[0], device=y.device) < offsets[-1])[:, None], y, 0.0)
         shared = self.dense_mlp(w.shared, x) if w.shared is not None else None
