@@ -21,12 +21,12 @@ PHASE_COLORS = {
 }
 
 
-def idle_ms(steps: list) -> list[float | None]:
+def idle_ms(steps: list, gpu_marks: bool) -> list[float | None]:
     """GPU idle (ms) before each step after the first: from the previous record's end event to this one's
-    start event; None where not measured (CPU marks are host clock values, not GPU time)."""
+    start event; None where not measured (``gpu_marks`` false: the marks are host clock values, not GPU time)."""
     out: list[float | None] = []
     for prev, cur in zip(steps[:-1], steps[1:]):
-        if len(prev.marks) == 2 and len(cur.marks) == 2 and hasattr(cur.marks[0], "elapsed_time"):
+        if gpu_marks and len(prev.marks) == 2 and len(cur.marks) == 2:
             out.append(max(0.0, prev.marks[1].elapsed_time(cur.marks[0])))
         else:
             out.append(None)
@@ -43,7 +43,7 @@ def write_step_plot(res: RunResult, out_dir: Path) -> Path | None:
     except ImportError:
         return None
     steps = [s for s in res.steps if s.marks]
-    idle = idle_ms(steps)
+    idle = idle_ms(steps, res.gpu_marks)
     measured = [(i + 1, v) for i, v in enumerate(idle) if v is not None]
     fig, axes = plt.subplots(2 if measured else 1, 1, figsize=(11, 6.5 if measured else 4), sharex=True,
                              squeeze=False)

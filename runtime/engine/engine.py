@@ -63,6 +63,7 @@ class RunResult:
     argmax : rid -> the model's own greedy choice at every generated position
     margins : rid -> top-1 minus top-2 logit at every generated position
     hidden : rid -> [num_generated, hidden] float32 final-normed hidden states that produced each token
+    gpu_marks : the steps' marks are CUDA events (the gap between two is GPU time); else host clock values
     """
 
     outputs: dict[int, list[int]] = field(default_factory=dict)
@@ -77,6 +78,7 @@ class RunResult:
     retracted: int = 0
     queued_for_memory: int = 0
     lost: int = 0
+    gpu_marks: bool = False
 
 
 class StalledError(RuntimeError):
@@ -171,7 +173,7 @@ class Engine:
         if forced is not None:
             for r in requests:
                 r.max_new_tokens = len(forced[r.rid])
-        res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests))
+        res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests), gpu_marks=self.clock.cuda)
         for r in requests:
             res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
         waiting: deque[Request] = deque(requests)

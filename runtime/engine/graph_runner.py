@@ -159,8 +159,8 @@ class ModeGraphs:
         # plan that copies them to the device (FlashInfer) needs no pinned staging copy per step
         pin = dev.type == "cuda"
         self._extend_cpu = torch.full((n,), t, dtype=torch.int32, pin_memory=pin)
-        self._qo_cpu = torch.arange(0, (n + 1) * t, t, dtype=torch.int32).pin_memory() if pin else \
-            torch.arange(0, (n + 1) * t, t, dtype=torch.int32)
+        qo = torch.arange(0, (n + 1) * t, t, dtype=torch.int32)
+        self._qo_cpu = qo.pin_memory() if pin else qo
         self.hooks.init_graph_state(self._static_batch(n, self._padding_host(n)))
 
     def capture(self, pool) -> object:

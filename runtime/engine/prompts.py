@@ -236,10 +236,8 @@ def read_prompt_file(path: str | None, tokenizer, tokenizer_hint: str, limits: L
         where = f"{path} line {n}"
         try:
             obj = json.loads(line)
-        except ValueError as e:
-            msg = getattr(e, "msg", str(e))
-            col = f" at column {e.colno}" if hasattr(e, "colno") else ""
-            problems.append(Problem(where, f"not JSON ({msg}{col}): {_short(line.strip())}",
+        except json.JSONDecodeError as e:
+            problems.append(Problem(where, f"not JSON ({e.msg} at column {e.colno}): {_short(line.strip())}",
                                     "one JSON object per line", "fix the line's JSON (quotes, commas, brackets)"))
             continue
         spec, line_problems = _line_request(obj, where, tokenizer, tokenizer_hint, limits, default_max_new)
