@@ -57,6 +57,8 @@ class DSV4AttentionBackend(Protocol):
 
     def store_entries(self, layer_id: int, name: str, row: int, first: int, values: torch.Tensor) -> None: ...
 
+    def store_decode_entries(self, layer_id: int, name: str, batch: ForwardBatch, values: torch.Tensor) -> None: ...
+
     def forward_decode(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -201,6 +203,19 @@ class DSV4Backend:
             self.hisparse.store_rows(layer_id, row, first, values)
         else:
             self.pools.csa.write(layer_id, name, row, first, values)
+
+    def store_decode_entries(self, layer_id: int, name: str, batch: ForwardBatch, values: torch.Tensor) -> None:
+        """A decode step's candidate entries, values [B, dim] (RoPE applied): request ``b``'s candidate for entry
+        ``positions[b] // rate``, a real entry only where its window closed with this token. The pools take every
+        candidate at once (:meth:`CompressedKVPool.write_candidates`: an open entry's slot is overwritten when it
+        closes); HiSparse's host pool takes only the closed ones (known on the host from the prefix lengths)."""
+        pool = self.pools.hca if self.spec.layer_types[layer_id] == DSV4LayerType.hca else self.pools.csa
+        if name == "kv" and self.hisparse is not None and pool is self.pools.csa:
+            for b, (row, p) in enumerate(zip(batch.req_pool_indices_cpu.tolist(), batch.prefix_lens_cpu.tolist())):
+                if (p + 1) % pool.rate == 0:
+                    self.hisparse.store_rows(layer_id, row, p // pool.rate, values[b : b + 1])
+            return
+        pool.write_candidates(layer_id, name, batch.req_pool_indices, batch.positions // pool.rate, values)
 
     def _csa_rows(self, layer_id: int, row: int, picked: torch.Tensor, locs: torch.Tensor | None) -> torch.Tensor:
         """The selected CSA entries of one request, [n, K, D] (padding rows arbitrary: masked by the caller):

@@ -8,9 +8,9 @@ from dsv4_harness import tiny_pair
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
 from backends.kernels.dsv4_reference import indexer_topk, sink_attention
-from runtime.core.dsv4_pools import CompressorStatePool
+from runtime.core.dsv4_pools import CompressedKVPool, CompressorStatePool
 from runtime.core.dsv4_spec import DSV4AttentionSpec, DSV4LayerType
-from runtime.model.dsv4.compressor import compress_step
+from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.hyper import hc_head, hc_pre
 from runtime.model.dsv4.moe import moe_forward
 from runtime.model.dsv4.rope import apply_rope, cos_sin, inv_freq
@@ -84,6 +84,80 @@ def test_compressor_matches_reference(pair, layer_id, pieces):
         start += n
     assert len(got) == S // rate == want.shape[0]
     _close(torch.stack(got), want)
+
+
+@pytest.mark.parametrize("layer_id,dtype", [(0, torch.float64), (1, torch.float64), (1, torch.bfloat16)])
+def test_batched_decode_compressor_equals_per_request(pair, layer_id, dtype):
+    """compress_decode over a batch (requests at different positions, a prefill chunk first for some) gives, for
+    every request whose window closed, compress_step's entry, and leaves the same state behind (up to the
+    projection GEMM's row-count-dependent rounding: 1e-12 in float64, one bf16 step in bfloat16)."""
+    _, cfg, w = pair
+    comp = w.layers[layer_id].attn.compressor
+    kv_proj, gate_proj, bias, norm = (t.to(dtype) for t in (comp.kv_proj, comp.gate_proj, comp.position_bias,
+                                                            comp.kv_norm))
+    rate = cfg.attention.rate_of(layer_id)
+    width, d = kv_proj.shape[0], norm.shape[0]
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+
+    def pool():
+        return CompressorStatePool([layer_id], 5, rate, width, d if width == 2 * d else 0, torch.device("cpu"), sdt)
+
+    one, many = pool(), pool()
+    g = torch.Generator().manual_seed(7)
+    prefill = {1: 0, 2: 5, 4: 1}  # row -> prompt tokens fed before decoding (0: decode from the first token)
+    pos = {}
+    for row, n in prefill.items():
+        if n:
+            x = torch.randn(n, cfg.hidden_size, generator=g, dtype=torch.float64).to(dtype)
+            for st in (one, many):
+                compress_step(x, kv_proj, gate_proj, bias, norm, cfg.rms_norm_eps, st, layer_id, row, 0)
+        pos[row] = n
+    rows = list(prefill)
+    closed = 0
+    for _ in range(2 * rate + 3):
+        x = torch.randn(len(rows), cfg.hidden_size, generator=g, dtype=torch.float64).to(dtype)
+        got = compress_decode(x, kv_proj, gate_proj, bias, norm, cfg.rms_norm_eps, many, layer_id,
+                              torch.tensor(rows), torch.tensor([pos[r] for r in rows]))
+        for b, row in enumerate(rows):
+            first, want = compress_step(x[b:b + 1], kv_proj, gate_proj, bias, norm, cfg.rms_norm_eps, one,
+                                        layer_id, row, pos[row])
+            if want.shape[0]:
+                assert first == pos[row] // rate and (pos[row] + 1) % rate == 0
+                _close(got[b].double(), want[0].double(), tol)
+                closed += 1
+            pos[row] += 1
+    assert closed >= 2 * len(rows)
+    for name in ("prev_kv", "prev_gate"):
+        if getattr(one, name) is not None:
+            a, b_ = getattr(one, name)[:, rows], getattr(many, name)[:, rows]
+            assert torch.equal(a.isinf(), b_.isinf())
+            _close(torch.where(a.isinf(), 0, a), torch.where(b_.isinf(), 0, b_), tol)
+    for row in rows:  # the live part of the partial window
+        held = pos[row] % rate
+        if held:
+            _close(many.pending_kv[0, row, :held], one.pending_kv[0, row, :held], tol)
+
+
+def test_decode_candidates_never_overwrite_a_closed_entry():
+    """write_candidates: a closed window's entry lands in its slot; a partial candidate goes to its open entry's
+    slot or, past the table or a page, to the padding page: no closed entry of any request is touched."""
+    pool = CompressedKVPool(4, [0], {"kv": 2}, num_pages=6, page_size=2, max_requests=3, max_entries=3,
+                            dtype=torch.float32, device=torch.device("cpu"))
+    for row, tokens in ((0, 12), (1, 5), (2, 0)):
+        pool.open(row)
+        pool.reserve(row, tokens)
+        n = pool.entries_for(tokens)
+        pool.write(0, "kv", row, 0, torch.full((n, 2), 10.0 * (row + 1)) + torch.arange(n)[:, None])
+    before = {r: pool.gather(0, "kv", r, pool.entries_for(t)).clone() for r, t in ((0, 12), (1, 5))}
+    # row 0 at position 12 (entry 3: past the 3-entry table), row 1 at 6 (entry 1: open, page held), row 2 at
+    # 3 (closes entry 0, but it has no page: the table says slot 0, the padding page), padding row 3
+    pool.write_candidates(0, "kv", torch.tensor([0, 1, 2, 3]), torch.tensor([3, 1, 0, 0]), torch.full((4, 2), -1.0))
+    for r, want in before.items():
+        assert torch.equal(pool.gather(0, "kv", r, want.shape[0]), want)
+    pool.reserve(1, 8)  # entry 1 of row 1 closes: its candidate is real
+    pool.write_candidates(0, "kv", torch.tensor([1]), torch.tensor([1]), torch.full((1, 2), 7.0))
+    assert torch.equal(pool.gather(0, "kv", 1, 2), torch.tensor([[20.0, 20.0], [7.0, 7.0]]))
 
 
 def test_indexer_topk_matches_reference(pair):

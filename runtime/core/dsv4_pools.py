@@ -165,6 +165,17 @@ class CompressedKVPool:
         if values.shape[0]:
             self.flat(layer_id, name)[self.slots(row, start, start + values.shape[0])] = values.to(self.dtype)
 
+    def write_candidates(self, layer_id: int, name: str, rows: torch.Tensor, entry_ids: torch.Tensor,
+                         values: torch.Tensor) -> None:
+        """Decode: values [B, dim] into entry ``entry_ids[b]`` of ``rows[b]`` (device tensors, no host value).
+        Where a window did not close, the value is a partial candidate: it lands in the slot of that still-open
+        entry (read by nobody before the window closes and overwrites it), or, for an entry past the table or
+        without a page yet, in the padding page."""
+        e = entry_ids.long()
+        width = self.table.shape[1]
+        slots = self.table[rows.long(), e.clamp(max=width - 1)].long()
+        self.flat(layer_id, name)[torch.where(e < width, slots, 0)] = values.to(self.dtype)
+
     def gather(self, layer_id: int, name: str, row: int, count: int) -> torch.Tensor:
         """The first ``count`` entries of ``row`` -> [count, dim]."""
         return self.flat(layer_id, name)[self.slots(row, 0, count)]

@@ -9,8 +9,10 @@ Overlapping compressors (CSA, and the CSA indexer's own compressor) project to `
 ``2 * rate`` slots: window ``e - 1``'s A and window ``e``'s B. Before any window closed, the A slots are empty
 (gate -inf: weight 0).
 
-Tokens arrive in pieces (decode one by one, extend in chunks); :func:`compress_step` keeps the partial window and
-the previous window's A series in a :class:`runtime.core.dsv4_pools.CompressorStatePool` row.
+Tokens arrive in pieces (extend in chunks, decode one by one); :func:`compress_step` (one request's chunk) keeps the
+partial window and the previous window's A series in a :class:`runtime.core.dsv4_pools.CompressorStatePool` row.
+:func:`compress_decode` does a decode step of the whole batch at once (one projection GEMM, no loop per request, no
+host value): every request gets a *candidate* entry, complete where its window closed with this token.
 """
 
 from __future__ import annotations
@@ -46,16 +48,52 @@ def compress_windows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.
     """
     dim = norm_weight.shape[0]
     gate = gate + position_bias.to(gate.dtype)
-    last_kv = last_gate = None
-    if kv.shape[-1] == 2 * dim:
-        a_kv = torch.cat([prev_kv[None].to(kv.dtype), kv[:-1, :, :dim]])
-        a_gate = torch.cat([prev_gate[None].to(gate.dtype), gate[:-1, :, :dim]])
-        last_kv, last_gate = kv[-1, :, :dim], gate[-1, :, :dim]
-        kv = torch.cat([a_kv, kv[:, :, dim:]], dim=1)
-        gate = torch.cat([a_gate, gate[:, :, dim:]], dim=1)
+    if kv.shape[-1] != 2 * dim:
+        return _mix(kv, gate, norm_weight, eps), None, None
+    a_kv = torch.cat([prev_kv[None].to(kv.dtype), kv[:-1, :, :dim]])
+    a_gate = torch.cat([prev_gate[None].to(gate.dtype), gate[:-1, :, :dim]])
+    entries = _mix(torch.cat([a_kv, kv[:, :, dim:]], dim=1), torch.cat([a_gate, gate[:, :, dim:]], dim=1),
+                   norm_weight, eps)
+    return entries, kv[-1, :, :dim], gate[-1, :, :dim]
+
+
+def _mix(kv: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """[nw, slots, dim] kv and gate logits (bias added) -> [nw, dim]: softmax over the slots per channel, the
+    weighted sum, RMSNorm."""
     cd = torch.float64 if kv.dtype == torch.float64 else torch.float32
     weights = torch.softmax(gate.to(cd), dim=1).to(kv.dtype)
-    return rms_norm((kv * weights).sum(dim=1), norm_weight, eps), last_kv, last_gate
+    return rms_norm((kv * weights).sum(dim=1), norm_weight, eps)
+
+
+def compress_decode(x: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor, position_bias: torch.Tensor,
+                    norm_weight: torch.Tensor, eps: float, state: CompressorStatePool, layer_id: int,
+                    rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A decode step of every request at once: x [B, hidden] the new tokens, rows [B] int64 their state rows,
+    positions [B] int64 their positions (all on x's device).
+
+    Each token goes to slot ``position % rate`` of its row's partial window. Returns [B, dim] *candidate*
+    entries (no RoPE) for entry ``position // rate``: the entry itself where that token closed its window
+    (``position % rate == rate - 1``; the same values :func:`compress_step` gives), otherwise a mix of the
+    partial window and stale slots that the caller must not use as an entry. The overlap series moves on only
+    for closed rows. Fixed shapes and no host value: the same work every step, whatever closes.
+    """
+    rate, li = state.rate, state.layer(layer_id)
+    slot = positions % rate
+    sdt = state.pending_kv.dtype
+    state.pending_kv[li, rows, slot] = F.linear(x, kv_proj).to(sdt)
+    state.pending_gate[li, rows, slot] = F.linear(x, gate_proj).to(sdt)
+    kv = state.pending_kv[li, rows].to(x.dtype)  # [B, rate, width]: exact (the state dtype is at least as wide)
+    gate = state.pending_gate[li, rows].to(x.dtype) + position_bias.to(x.dtype)
+    dim = norm_weight.shape[0]
+    if kv.shape[-1] != 2 * dim:
+        return _mix(kv, gate, norm_weight, eps)
+    a_kv, a_gate = state.prev_kv[li, rows], state.prev_gate[li, rows]
+    entries = _mix(torch.cat([a_kv.to(x.dtype), kv[:, :, dim:]], dim=1),
+                   torch.cat([a_gate.to(x.dtype), gate[:, :, dim:]], dim=1), norm_weight, eps)
+    closed = (slot == rate - 1)[:, None, None]
+    state.prev_kv[li, rows] = torch.where(closed, kv[:, :, :dim].to(sdt), a_kv)
+    state.prev_gate[li, rows] = torch.where(closed, gate[:, :, :dim].to(sdt), a_gate)
+    return entries
 
 
 def compress_step(x: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor, position_bias: torch.Tensor,

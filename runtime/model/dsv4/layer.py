@@ -5,10 +5,10 @@ Attention block (per step, T new tokens of B requests, flattened as in :class:`r
 1. q: ``q_a_proj`` -> RMSNorm (``q_residual``, shared with the indexer) -> ``q_b_proj`` -> per-head unweighted
    RMSNorm -> RoPE; kv: ``kv_proj`` -> RMSNorm -> RoPE (one 512-d row, key and value of every head). Sliding-only
    layers use the ``main`` rope, compressed layers the ``compress`` rope (YaRN) everywhere.
-2. compressed layers: each request's new tokens go through the compressor(s) (:func:`compress_step`); closed
-   windows' entries (RoPE at ``e * rate``) go to ``backend.store_entries`` (the compressed pool, or HiSparse's
-   host pool for CSA entries); CSA: indexer queries ->
-   ``backend.select_topk``.
+2. compressed layers: each request's new tokens go through the compressor(s) (extend: :func:`compress_step` per
+   request; decode: :func:`compress_decode`, the whole batch at once); closed windows' entries (RoPE at
+   ``e * rate``) go to ``backend.store_entries`` / ``store_decode_entries`` (the compressed pool, or HiSparse's
+   host pool for CSA entries); CSA: indexer queries -> ``backend.select_topk``.
 3. ``backend.forward_decode`` / ``forward_extend`` (window + compressed entries + sinks; stores the window rows).
 4. inverse RoPE (at the query position) on the output's rope channels; grouped low-rank output projection
    (``o_a_proj`` block-diagonal over ``o_groups`` head groups, then ``o_b_proj``).
@@ -25,7 +25,7 @@ from backends.dsv4 import DSV4AttentionBackend
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.dsv4_pools import CompressorStatePool, DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
-from runtime.model.dsv4.compressor import compress_step
+from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_post, hc_pre
 from runtime.model.dsv4.moe import moe_forward
@@ -57,6 +57,12 @@ class DSV4Attention:
         """Feed the step's tokens to one compressor; closed windows' entries (RoPE applied) go to the backend,
         which stores them where this layer's entries live (the pool, or HiSparse's host pool)."""
         spec, eps = self.cfg.attention, self.cfg.rms_norm_eps
+        if batch.mode == ForwardMode.DECODE:  # the whole batch at once: candidate entries, see compress_decode
+            ent = compress_decode(x, comp.kv_proj, comp.gate_proj, comp.position_bias, comp.kv_norm, eps, state,
+                                  self.layer_id, batch.req_pool_indices.long(), batch.positions)
+            cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions // state.rate * state.rate, ent.dtype)
+            self.backend.store_decode_entries(self.layer_id, name, batch, apply_rope(ent, cos, sin))
+            return
         qo, prefix = batch.qo_indptr_cpu.tolist(), batch.prefix_lens_cpu.tolist()
         for b, row in enumerate(batch.req_pool_indices_cpu.tolist()):
             first, ent = compress_step(x[qo[b]: qo[b + 1]], comp.kv_proj, comp.gate_proj, comp.position_bias,
