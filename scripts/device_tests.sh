@@ -7,10 +7,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 half=${1:?usage: scripts/device_tests.sh kernels|engine}
 case "$half" in
-  engine) files="tests/test_engine_gpu.py tests/test_hf_parity_gpu.py tests/test_dsa_gpu.py tests/test_blackwell_gpu.py
+  engine) files="tests/test_engine_gpu.py tests/test_hf_parity_gpu.py tests/test_dsa_gpu.py tests/test_blackwell_gpu.py tests/test_dsv4_gpu.py
                  tests/test_overlap_gpu.py" ;;
   kernels) files=$(grep -l "mark.gpu" tests/test_*.py | grep -v -e test_engine_gpu -e test_hf_parity_gpu \
-                    -e test_dsa_gpu -e test_blackwell_gpu -e test_overlap_gpu) ;;
+                    -e test_dsa_gpu -e test_blackwell_gpu -e test_overlap_gpu -e test_dsv4_gpu) ;;
   *) echo "unknown half '$half': expected kernels or engine" >&2; exit 2 ;;
 esac
 log=${OUT:-/tmp}/pytest-$half.log

@@ -85,11 +85,23 @@ def local_expert_ids(w: MoEWeights, ids: torch.Tensor) -> tuple[torch.Tensor, to
     return torch.where(mine, local, n_local), mine
 
 
-def grouped_expert_mlp(xs: torch.Tensor, w: MoEWeights, offsets: torch.Tensor, act) -> torch.Tensor:
-    """Every local expert's SwiGLU MLP over its rows of ``xs`` (grouped by expert; ``offsets`` int32, the
-    inclusive cumulative row counts) in two ``torch._grouped_mm`` launches; ``act``: the gate/up -> hidden op."""
-    h = torch._grouped_mm(xs, w.gate_up.transpose(1, 2), offs=offsets)
-    return torch._grouped_mm(act(h), w.down.transpose(1, 2), offs=offsets)
+def grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
+                       act) -> torch.Tensor:
+    """Every expert's gated MLP over its rows of ``xs`` (grouped by expert; ``offsets`` int32, the inclusive
+    cumulative row counts) in two ``torch._grouped_mm`` launches: gate_up [E, 2 * I, D], down [E, D, I];
+    ``act``: the gate/up -> hidden op. V3 and V4 experts both run through here."""
+    h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(act(h), down.transpose(1, 2), offs=offsets)
+
+
+def sort_by_expert(flat_ids: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat_ids [T * k] expert ids in ``0 .. num_groups - 1`` -> (order [T * k]: the (token, slot) pairs grouped
+    by expert, stable; counts [num_groups] int64), with no host sync (bincount would read the max id back):
+    graph-capturable."""
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=flat_ids.device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids))
+    return order, counts
 
 
 def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -101,16 +113,12 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
     t, k = ids.shape
     n_local = w.gate_up.shape[0]
     local, mine = local_expert_ids(w, ids)
-    flat = local.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    tokens = order // k
-    xs = x[tokens]  # [T * k, D], grouped by expert
-    # counts per expert without a host sync (bincount would read the max id back): graph-capturable
-    counts = torch.zeros(n_local + 1, dtype=torch.int64, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat))[:n_local]
+    order, counts = sort_by_expert(local.reshape(-1), n_local + 1)
+    counts = counts[:n_local]
+    xs = x[order // k]  # [T * k, D], grouped by expert
     if grouped_mm:
         offsets = counts.cumsum(0).to(torch.int32)
-        y = grouped_expert_mlp(xs, w, offsets, swiglu)
+        y = grouped_expert_mlp(xs, w.gate_up, w.down, offsets, swiglu)
     else:
         y = torch.zeros_like(xs)
         start = 0

@@ -152,7 +152,7 @@ class FusedOps:
         local, mine = local_expert_ids(w, ids)  # expert parallelism: other ranks' pairs in one last group
         tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
         offsets = offsets[:n_local]
-        y = grouped_expert_mlp(x[tokens], w, offsets, self.silu_mul)
+        y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)
         if mine is not None:  # rows past the last offset (other ranks' experts) are not computed: zero them
             y = torch.where((torch.arange(y.shape[0], device=y.device) < offsets[-1])[:, None], y, 0.0)
         shared = self.dense_mlp(w.shared, x) if w.shared is not None else None

@@ -98,11 +98,12 @@ class DSV4Attention:
 
 
 class DSV4DecoderLayer:
-    """mHC around attention and MoE. ``forward(streams [T, n, hidden], input_ids [T], batch)``."""
+    """mHC around attention and MoE. ``forward(streams [T, n, hidden], input_ids [T], batch)``; ``grouped_mm``:
+    the routed experts run as two grouped GEMMs (see :mod:`runtime.model.dsv4.moe`)."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, weights: LayerWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend):
-        self.cfg, self.layer_id, self.w = cfg, layer_id, weights
+                 backend: DSV4AttentionBackend, grouped_mm: bool = False):
+        self.cfg, self.layer_id, self.w, self.grouped_mm = cfg, layer_id, weights, grouped_mm
         self.attention = DSV4Attention(cfg, layer_id, weights.attn, pools, backend)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -112,5 +113,5 @@ class DSV4DecoderLayer:
         a = self.attention.forward(rms_norm(x, w.input_layernorm, ne), batch)
         streams = hc_post(post, comb, a, streams)
         post, comb, x = hc_pre(w.ffn_hc, streams, it, he, ne)
-        m = moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg)
+        m = moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg, self.grouped_mm)
         return hc_post(post, comb, m, streams)

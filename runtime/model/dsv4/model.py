@@ -13,6 +13,7 @@ from backends.dsv4 import DSV4AttentionBackend
 from runtime.core.batch import ForwardBatch
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.model_spec import ModelSpec
+from runtime.model.deepseek.moe import grouped_mm_usable
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_head
 from runtime.model.dsv4.layer import DSV4DecoderLayer
@@ -38,7 +39,10 @@ class DSV4Model:
                              f"{cfg.attention.num_layers}. Fix: build the weights from the same DSV4Config.")
         self.spec, self.cfg, self.w, self.weights = spec, cfg, weights, weights
         self.device = weights.embed_tokens.device
-        self.layers = [DSV4DecoderLayer(cfg, i, lw, pools, backend) for i, lw in enumerate(weights.layers)]
+        dims = (cfg.hidden_size, cfg.moe_intermediate_size)
+        self.grouped_mm = grouped_mm_usable(self.device, weights.embed_tokens.dtype, dims)  # V4 experts: see moe.py
+        self.layers = [DSV4DecoderLayer(cfg, i, lw, pools, backend, self.grouped_mm)
+                       for i, lw in enumerate(weights.layers)]
 
     @property
     def weight_bytes(self) -> int:

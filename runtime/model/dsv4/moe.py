@@ -4,6 +4,10 @@ SwiGLU experts and one shared SwiGLU expert, both with ``swiglu_limit`` clamps (
 Routing weights are the selected experts' scores, normalized to sum 1 (the reference always normalizes,
 whatever ``norm_topk_prob`` says), times ``routed_scaling_factor``. A hash row may name an expert twice; both
 picks count.
+
+The routed experts run as V3's do: the (token, slot) pairs sorted by expert without a host sync, then, where
+``torch._grouped_mm`` serves (CUDA bf16, SM90+: ``grouped_mm``), two grouped GEMMs for all experts; elsewhere one
+GEMM pair per active expert (one host sync). The k outputs of a token are weighted and summed in float32.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.model.deepseek.moe import grouped_expert_mlp, sort_by_expert
 from runtime.model.dsv4.config import DSV4Config, ScoringFunc
 from runtime.model.dsv4.weights import MoEWeights
 
@@ -44,15 +49,26 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
-def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config) -> torch.Tensor:
-    """x [T, hidden] -> routed + shared expert output [T, hidden]."""
+def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config,
+                grouped_mm: bool = False) -> torch.Tensor:
+    """x [T, hidden] -> routed + shared expert output [T, hidden] in x's dtype."""
     ids, weights = route(w, x, input_ids, cfg)
-    out = torch.zeros_like(x)
-    for e in torch.unique(ids).tolist():
-        tok, slot = torch.where(ids == e)
-        gate_up = F.linear(x[tok], w.gate_up_proj[e])
-        g, u = gate_up.chunk(2, dim=-1)
-        y = F.linear(swiglu(g, u, cfg.swiglu_limit), w.down_proj[e]) * weights[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    shared = swiglu(F.linear(x, w.shared_gate_proj), F.linear(x, w.shared_up_proj), cfg.swiglu_limit)
-    return out + F.linear(shared, w.shared_down_proj)
+    t, k = ids.shape
+    limit = cfg.swiglu_limit
+    order, counts = sort_by_expert(ids.reshape(-1), w.gate_up_proj.shape[0])
+    xs = x[order // k]  # [T * k, hidden], grouped by expert
+    if grouped_mm:
+        y = grouped_expert_mlp(xs, w.gate_up_proj, w.down_proj, counts.cumsum(0).to(torch.int32),
+                               lambda h: swiglu(*h.chunk(2, dim=-1), limit))
+    else:
+        y, start = torch.empty_like(xs), 0
+        for e, n in enumerate(counts.tolist()):  # one host sync; a GEMM pair per active expert only
+            if n:
+                g, u = F.linear(xs[start:start + n], w.gate_up_proj[e]).chunk(2, dim=-1)
+                y[start:start + n] = F.linear(swiglu(g, u, limit), w.down_proj[e])
+                start += n
+    routed = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    routed[order] = y.float()  # back to (token, slot) order: a fixed-order sum, no atomics
+    routed = (routed.view(t, k, -1) * weights.float()[:, :, None]).sum(dim=1)
+    shared = swiglu(F.linear(x, w.shared_gate_proj), F.linear(x, w.shared_up_proj), limit)
+    return (routed + F.linear(shared, w.shared_down_proj).float()).to(x.dtype)
