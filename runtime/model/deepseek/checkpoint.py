@@ -23,6 +23,7 @@ import os
 import resource
 import struct
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -326,6 +327,7 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
     weights.load_seconds = time.perf_counter() - start
     weights.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights.source = str(spec.path)
+    weights.stored_dtypes = dict(Counter(index[n].dtype for n in order))
     return weights
 
 
