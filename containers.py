@@ -73,6 +73,7 @@ from runtime.model.deepseek.weights import ModelWeights, random_weights
 from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights, scan_dsv4_checkpoint
 from runtime.model.dsv4.hf_config import dsv4_config
 from runtime.model.dsv4.model import DSV4Model
+from runtime.model.dsv4.stored import StoredFormat
 from runtime.model.dump import AttentionDumper
 from runtime.model.indexer import IndexKeyPool
 from runtime.model.mla_model import MLAModel
@@ -246,6 +247,7 @@ class Container(containers.DeclarativeContainer):
     kv_pool = providers.Selector(model_kind, mla=mla_kv_pool, hybrid=mla_kv_pool, dsv4=providers.Object(None))
     # DeepSeek-V4: window ring, compressed-entry pools and compressor state, sized by the token pages
     dsv4_cfg = providers.Singleton(dsv4_config, config.model)
+    dsv4_stored = providers.Singleton(StoredFormat.of, config.model)  # the checkpoint's fp8 / fp4 storage
     dsv4_pools = providers.Selector(
         model_kind, mla=providers.Object(None), hybrid=providers.Object(None),
         dsv4=_step(build_log, "dsv4_pools", providers.Factory(
@@ -390,7 +392,8 @@ class Container(containers.DeclarativeContainer):
         dsv4_random=_step(build_log, "weights:random", providers.Factory(
             random_dsv4_weights, dsv4_cfg, model_spec.provided.weight_seed, model_spec.provided.dtype, device)),
         dsv4_checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(
-            load_dsv4_checkpoint, dsv4_cfg, model_spec.provided.path, model_spec.provided.dtype, device)),
+            load_dsv4_checkpoint, dsv4_cfg, model_spec.provided.path, dsv4_stored, model_spec.provided.dtype,
+            device)),
     )
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     decoder_ops = providers.Selector(  # model.fused (auto|on|off) against the ops classes' capabilities
@@ -545,7 +548,8 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
         problems += parallel_problems(plain, launch, info)
         if not problems and plain["model"]["path"]:
             spec = ModelSpec.from_config(plain["model"])
-            problems = (scan_dsv4_checkpoint(dsv4_config(plain["model"]), spec.path)[-1] if spec.is_dsv4
+            problems = (scan_dsv4_checkpoint(dsv4_config(plain["model"]), spec.path,
+                                             StoredFormat.of(plain["model"]))[-1] if spec.is_dsv4
                         else scan_checkpoint(spec)[2])
     if problems:
         raise ConfigError(problems)

@@ -19,9 +19,10 @@ from runtime.app.make_checkpoint import main as make_checkpoint
 from runtime.app.make_checkpoint import write_checkpoint
 from runtime.core.errors import ConfigError
 from runtime.core.model_spec import ModelSpec
-from runtime.model.deepseek.checkpoint import dequantize_fp8, load_checkpoint, quantize_fp8
+from runtime.model.deepseek.checkpoint import load_checkpoint
 from runtime.model.deepseek.hf_config import resolve_model_config
 from runtime.model.deepseek.weights import random_weights
+from runtime.model.quantized import dequantize_fp8, quantize_fp8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

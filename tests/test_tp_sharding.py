@@ -12,9 +12,10 @@ from containers import to_plain
 from runtime.app.make_checkpoint import write_checkpoint
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import Sharding
-from runtime.model.deepseek.checkpoint import TensorInfo, _Reader, dequantize_fp8, load_checkpoint, quantize_fp8
+from runtime.model.deepseek.checkpoint import TensorInfo, _Reader, load_checkpoint, v3_scales
 from runtime.model.deepseek.sharding import Cut, local_shape, tensor_cut
 from runtime.model.deepseek.weights import ModelWeights, random_weights
+from runtime.model.quantized import dequantize_fp8, quantize_fp8
 
 CPU = torch.device("cpu")
 SMALL_MOE = ("model.mlp=deepseek", "model.intermediate_size=96", "model.moe_intermediate_size=40",
@@ -96,7 +97,7 @@ def test_fp8_slice_reads_only_the_covering_blocks_and_equals_the_full_dequant(tm
     path = tmp_path / "w.safetensors"
     save_file({"w": q, "w_scale_inv": s}, str(path))
     index = {"w": TensorInfo(path, "F8_E4M3", (300, 260)), "w_scale_inv": TensorInfo(path, "F32", tuple(s.shape))}
-    reader = _Reader(index, CPU, torch.float32)
+    reader = _Reader(index, CPU, torch.float32, v3_scales(index))
     full = dequantize_fp8(q, s, torch.float32)
     for rows, cols in [(slice(37, 211), slice(5, 259)), (slice(128, 256), slice(None)), (slice(0, 1), slice(259, 260))]:
         got = reader.get("w", cut=Cut(((rows, cols),)))

@@ -26,9 +26,10 @@ from runtime.core.config import LayerKind
 from runtime.core.device import probe_device
 from runtime.core.errors import ConfigError, Problem
 from runtime.core.model_spec import MLPLayer, ModelSpec
-from runtime.model.deepseek.checkpoint import INDEX_FILE, SINGLE_FILE, quantize_fp8
+from runtime.model.deepseek.checkpoint import INDEX_FILE, SINGLE_FILE
 from runtime.model.deepseek.hf_config import resolve_model_config
 from runtime.model.deepseek.weights import ModelWeights, random_weights
+from runtime.model.quantized import quantize_fp8
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SHARD_BYTES = 4 << 30

@@ -169,13 +169,15 @@ def _graphs(runner) -> dict:
 
 
 def _model(runtime) -> dict:
-    """Name, dtype, layers, and where the weights came from: ``source`` (random, or the checkpoint folder),
-    ``load_seconds`` and ``peak_host_bytes`` (the process's peak resident memory after loading)."""
+    """Name, dtype (what the weights are held in), layers, and where the weights came from: ``source`` (random, or
+    the checkpoint folder), ``stored_dtypes`` (checkpoint dtype -> tensors read in it: fp8 ``F8_E4M3`` / fp4 ``I8``
+    were dequantized to ``dtype``), ``load_seconds`` and ``peak_host_bytes`` (the process's peak resident memory
+    after loading)."""
     m = runtime.config["model"]
     w = runtime.container.model().weights
     return {"name": m["name"], "model_type": m.get("model_type"), "dtype": m["dtype"], "layers": m["num_layers"],
-            "mlp": m.get("mlp"), "source": w.source, "load_seconds": w.load_seconds,
-            "peak_host_bytes": w.peak_host_bytes}
+            "mlp": m.get("mlp"), "source": w.source, "stored_dtypes": w.stored_dtypes,
+            "load_seconds": w.load_seconds, "peak_host_bytes": w.peak_host_bytes}
 
 
 def _outputs(res: RunResult, workload) -> list[dict]:
@@ -272,7 +274,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
         t.add_row("kernel", f"[yellow]{k['impl']}: {k['note']}[/yellow]" if k["emulated"] else k["impl"])
     p, d, r = report["phases"]["prefill"], report["phases"]["decode"], report["requests"]
     m = report["model"]
-    loaded = (f"; loaded from {m['source']} in {m['load_seconds']:.2f} s, peak host memory "
+    stored = ", ".join(f"{k} x{n}" for k, n in sorted(m["stored_dtypes"].items()))
+    loaded = (f"; loaded from {m['source']} (stored {stored}) in {m['load_seconds']:.2f} s, peak host memory "
               f"{_mib(m['peak_host_bytes'])}" if m["source"] != "random" else "; seeded random weights")
     t.add_row("model", f"{m['name']} ({m['dtype']}, {m['layers']} layers, mlp {m['mlp']})" + loaded)
     t.add_row("build order", " -> ".join(report["build_order"]))

@@ -193,6 +193,13 @@ class DSV4MlpKind(str, enum.Enum):
     moe = "moe"  # top-k of the bias-corrected router scores
 
 
+class DSV4ExpertDtype(str, enum.Enum):
+    """How a quantized V4 checkpoint stores its routed experts (config.json's ``expert_dtype``)."""
+
+    fp8 = "fp8"  # e4m3, block scales like the other fp8 weights
+    fp4 = "fp4"  # e2m1 packed two per byte, a ue8m0 scale per row and 32 inputs (the V4 release)
+
+
 class DSV4Scoring(str, enum.Enum):
     sqrtsoftplus = "sqrtsoftplus"
     softmax = "softmax"
@@ -229,6 +236,10 @@ class DSV4ModelConfig:
     compress_rope_original_max_position: int | None = None
     compress_rope_beta_fast: float | None = None
     compress_rope_beta_slow: float | None = None
+    # --- how the checkpoint stores its weights (config.json's quantization_config; null: float weights); they
+    # are dequantized to model.dtype at load
+    fp8_block: list[int] | None = None  # fp8 e4m3 weights' scale block [rows, cols] (the release: [128, 128])
+    expert_dtype: DSV4ExpertDtype | None = None  # routed experts' storage (null: float weights)
 
 
 @dataclass

@@ -8,7 +8,7 @@ before anything is allocated.
 :func:`load_checkpoint` then opens one shard at a time with ``safe_open`` and moves each tensor to the device
 in the compute dtype as it is read, so at most one tensor of the checkpoint is on the host at a time. fp8 e4m3
 weights (the official V3/V3.2 release) carry ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)] float32 block
-scales: ``weight = fp8 * scale`` per 128 x 128 block, dequantised at load. Layers past ``spec.num_layers`` (a cut
+scales: ``weight = fp8 * scale`` per 128 x 128 block, dequantised at load (:mod:`runtime.model.quantized`). Layers past ``spec.num_layers`` (a cut
 model, or the release's MTP layer) are not read.
 
 Tensor parallelism: each rank reads only its slice of each tensor (``safe_open(...).get_slice``; the cuts are
@@ -23,6 +23,7 @@ import os
 import resource
 import struct
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,11 +43,11 @@ from runtime.model.deepseek.weights import (
     split_kv_b,
 )
 from runtime.model.indexer import IndexerWeights
+from runtime.model.quantized import FP8_BLOCK, ScaledTensor, StoredKind, dequantize_fp8
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FP8 = "F8_E4M3"
-BLOCK = 128
 # safetensors dtype names we serve -> torch dtypes
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           FP8: torch.float8_e4m3fn}
@@ -210,7 +211,7 @@ def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[
                                     f"one of {sorted(DTYPES)}", "convert the checkpoint to bf16"))
         elif info.dtype == FP8:
             scale = index.get(name + "_scale_inv")
-            want = tuple(-(-n // BLOCK) for n in shape)
+            want = tuple(-(-n // b) for n, b in zip(shape, FP8_BLOCK))
             if scale is None or scale.shape != want:
                 problems.append(Problem(f"tensor {name} in {info.file.name}",
                                         "fp8 e4m3 without block scales" if scale is None
@@ -220,16 +221,10 @@ def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[
     return index, expected, problems
 
 
-def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, row0: int = 0,
-                   col0: int = 0) -> torch.Tensor:
-    """fp8 e4m3 [out, in] and float32 block scales [ceil(out/128), ceil(in/128)] -> ``dtype`` [out, in].
-
-    A slice of a larger weight: ``w`` its rows/columns, ``scale_inv`` the blocks that cover them, ``row0`` /
-    ``col0`` where the slice starts inside its first block row / column (``start % 128``)."""
-    out_dim, in_dim = w.shape
-    s = scale_inv.float().repeat_interleave(BLOCK, 0)[row0 : row0 + out_dim]
-    s = s.repeat_interleave(BLOCK, 1)[:, col0 : col0 + in_dim]
-    return (w.float() * s).to(dtype)
+def v3_scales(index: dict[str, TensorInfo]) -> dict[str, ScaledTensor]:
+    """The V3/V3.2 release's fp8 weights: each ``F8_E4M3`` tensor's float32 ``<name>_scale_inv``, 128 x 128."""
+    return {name: ScaledTensor(StoredKind.fp8, name + "_scale_inv", FP8_BLOCK)
+            for name, info in index.items() if info.dtype == FP8}
 
 
 def _span(s: slice, n: int) -> tuple[int, int]:
@@ -238,10 +233,12 @@ def _span(s: slice, n: int) -> tuple[int, int]:
 
 
 class _Reader:
-    """Reads tensors shard by shard (one open file at a time), converting each to the device and a dtype."""
+    """Reads tensors shard by shard (one open file at a time), converting each to the device and a dtype; a
+    tensor ``scaled`` names (fp8 / fp4 with its scale tensor) is dequantized as it is read."""
 
-    def __init__(self, index: dict[str, TensorInfo], device: torch.device, dtype: torch.dtype):
-        self.index, self.device, self.dtype = index, device, dtype
+    def __init__(self, index: dict[str, TensorInfo], device: torch.device, dtype: torch.dtype,
+                 scaled: dict[str, ScaledTensor]):
+        self.index, self.device, self.dtype, self.scaled = index, device, dtype, scaled
         self._file: Path | None = None
         self._handle = None
 
@@ -269,19 +266,25 @@ class _Reader:
 
     def _whole(self, name: str, info: TensorInfo, want: torch.dtype) -> torch.Tensor:
         t = self._open(info.file).get_tensor(name)
-        if info.dtype == FP8:
-            scale = self._open(self.index[name + "_scale_inv"].file).get_tensor(name + "_scale_inv")
-            return dequantize_fp8(t.to(self.device), scale.to(self.device), want)
-        return t.to(device=self.device, dtype=want)
+        stored = self.scaled.get(name)
+        if stored is None:
+            return t.to(device=self.device, dtype=want)
+        scale = self._open(self.index[stored.scale].file).get_tensor(stored.scale)
+        return stored.dequantize(t.to(self.device), scale.to(self.device), want)
 
     def _piece(self, name: str, info: TensorInfo, piece: tuple[slice, ...], want: torch.dtype) -> torch.Tensor:
         t = self._open(info.file).get_slice(name)[piece]
-        if info.dtype != FP8:
+        stored = self.scaled.get(name)
+        if stored is None:
             return t.to(device=self.device, dtype=want)
-        (r0, r1), (c0, c1) = (_span(s, n) for s, n in zip(piece + (slice(None),) * 2, info.shape))
-        blocks = (slice(r0 // BLOCK, -(-r1 // BLOCK)), slice(c0 // BLOCK, -(-c1 // BLOCK)))
-        scale = self._open(self.index[name + "_scale_inv"].file).get_slice(name + "_scale_inv")[blocks]
-        return dequantize_fp8(t.to(self.device), scale.to(self.device), want, r0 % BLOCK, c0 % BLOCK)
+        if stored.kind != StoredKind.fp8:
+            raise ValueError(f"{name}: {stored.kind.value} weights are read whole; tensor-parallel slices of them "
+                             "are not built")
+        (br, bc), (r0, r1), (c0, c1) = stored.block, *(_span(s, n) for s, n in zip(piece + (slice(None),) * 2,
+                                                                                  info.shape))
+        blocks = (slice(r0 // br, -(-r1 // br)), slice(c0 // bc, -(-c1 // bc)))
+        scale = self._open(self.index[stored.scale].file).get_slice(stored.scale)[blocks]
+        return dequantize_fp8(t.to(self.device), scale.to(self.device), want, r0 % br, c0 % bc, stored.block)
 
 
 def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_RANK) -> ModelWeights:
@@ -295,7 +298,7 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
     cuts = {n: tensor_cut(n, expected[n], spec, shard) for n in expected}
     # read in file order: each shard is opened once; other ranks' experts (moe=ep) are skipped
     order = sorted((n for n in expected if cuts[n] is not None), key=lambda n: (str(index[n].file), n))
-    r = _Reader(index, torch.device(device), spec.dtype)
+    r = _Reader(index, torch.device(device), spec.dtype, v3_scales(index))
     got: dict[str, torch.Tensor] = {}
     stacks: dict[str, torch.Tensor] = {}
     mine, d = expert_range(spec, shard), spec.hidden_size
@@ -324,6 +327,7 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
     weights.load_seconds = time.perf_counter() - start
     weights.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights.source = str(spec.path)
+    weights.stored_dtypes = dict(Counter(index[n].dtype for n in order))
     return weights
 
 
@@ -365,16 +369,3 @@ def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, tor
 def _dense(g: dict[str, torch.Tensor], prefix: str) -> DenseMLPWeights:
     gate_up = torch.cat([g.pop(f"{prefix}.gate_proj.weight"), g.pop(f"{prefix}.up_proj.weight")], dim=0)
     return DenseMLPWeights(gate_up=gate_up, down=g[f"{prefix}.down_proj.weight"])
-
-
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (fp8 e4m3 [out, in], float32 block scales [ceil(out/128), ceil(in/128)]) such that
-    :func:`dequantize_fp8` gives back ``w`` up to fp8 rounding (each 128 x 128 block scaled to e4m3's max 448)."""
-    out_dim, in_dim = w.shape
-    rb, cb = -(-out_dim // BLOCK), -(-in_dim // BLOCK)
-    padded = torch.zeros(rb * BLOCK, cb * BLOCK, dtype=torch.float32, device=w.device)
-    padded[:out_dim, :in_dim] = w.float()
-    blocks = padded.view(rb, BLOCK, cb, BLOCK)
-    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp_min(1e-12)  # [rb, cb]
-    q = (blocks / scale[:, None, :, None]).view(rb * BLOCK, cb * BLOCK)[:out_dim, :in_dim]
-    return q.to(torch.float8_e4m3fn).contiguous(), scale

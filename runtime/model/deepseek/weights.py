@@ -143,6 +143,7 @@ class ModelWeights:
     load_seconds: float = 0.0
     peak_host_bytes: int = 0
     source: str = "random"
+    stored_dtypes: dict = field(default_factory=dict)  # checkpoint dtype -> tensors read in it (dequantized / cast)
     extra: dict = field(default_factory=dict)
     vocab_start: int = 0  # first vocabulary id of embed / lm_head (0 without tensor parallelism)
 

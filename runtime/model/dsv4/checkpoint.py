@@ -5,8 +5,11 @@ random for a preset. One table (:func:`expected_tensors`) drives all three.
 Tensor names: DeepSeek's release spelling (``layers.3.attn.wq_a.weight``, ``ffn.experts.7.w1.weight``,
 ``attn_sink``, ``compressor.ape``, ``hc_attn_fn``, ``head.weight``; what transformers' ``save_pretrained`` writes)
 or transformers' own (``self_attn.q_a_proj``, fused ``experts.gate_up_proj``), mapped by :func:`hf_name`. Weights
-in bf16/fp16/fp32/fp64 (``tid2eid`` int32/int64); a config.json with a ``quantization_config`` (the release's
-fp8/fp4 weights) is refused. Layers past ``num_layers`` and the MTP layers are not read.
+in bf16/fp16/fp32/fp64 (``tid2eid`` int32/int64), or DeepSeek's release format: fp8 e4m3 matrices with ue8m0 block
+scales (``<module>.scale``) and fp4 e2m1 routed experts, as config.json's ``quantization_config`` declares
+(:mod:`runtime.model.dsv4.stored` checks them from the headers); those are dequantized to the model dtype as each
+tensor is read (:mod:`runtime.model.quantized`), so the loaded model holds ~2x the fp8 bytes (bf16) and ~4x the fp4
+bytes; computing in fp8 / fp4 is not built. Layers past ``num_layers`` and the MTP layers are not read.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import re
 import resource
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -22,11 +26,12 @@ from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.errors import CheckpointError, Problem
 from runtime.model.deepseek.checkpoint import TensorInfo, _Reader, checkpoint_index, tensor_problems
 from runtime.model.dsv4.config import DSV4Config, MlpType
+from runtime.model.dsv4.stored import StoredFormat, check_tensor, scale_names
 from runtime.model.dsv4.weights import ModelWeights
+from runtime.model.quantized import ScaledTensor
 
-FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
-INT_DTYPES = ("I64", "I32")
 INT_TENSORS = ("tid2eid",)
+ROUTED = re.compile(r"\.mlp\.experts\.\d+\.")  # a routed expert's tensor (transformers' per-expert names)
 
 
 def expected_tensors(cfg: DSV4Config) -> dict[str, tuple[int, ...]]:
@@ -120,45 +125,49 @@ def _per_expert(expected: dict, names: dict[str, str], cfg: DSV4Config) -> dict:
     return out
 
 
-def scan_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path
-                         ) -> tuple[dict[str, TensorInfo], dict[str, str], dict, list[Problem]]:
+def scan_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat
+                         ) -> tuple[dict[str, TensorInfo], dict[str, str], dict, dict[str, ScaledTensor],
+                                    list[Problem]]:
     """Headers only: (index by checkpoint name, transformers name -> checkpoint name, expected transformers name
-    -> shape, every problem: missing or truncated shards, missing tensors, wrong shapes, dtypes we cannot serve),
-    each naming the tensor and its file, expected vs found."""
+    -> shape, checkpoint name -> how to dequantize it (fp8 / fp4 tensors), every problem: missing or truncated
+    shards, missing tensors, wrong shapes, dtypes we cannot serve, fp8 / fp4 tensors without their scale or with
+    a scale or packed shape that does not match), each naming the tensor and its file, expected vs found."""
     folder = Path(folder)
     index, problems = checkpoint_index(folder)
     if problems and not index:
-        return index, {}, {}, problems
+        return index, {}, {}, {}, problems
+    scales = scale_names(index)
+    is_scale = set(scales.values())
     names: dict[str, str] = {}
     for orig in index:
-        names.setdefault(hf_name(orig), orig)
+        if orig not in is_scale:
+            names.setdefault(hf_name(orig), orig)
     expected = _per_expert(expected_tensors(cfg), names, cfg)
     problems += tensor_problems(folder, {}, {n: s for n, s in expected.items() if n not in names})
+    scaled: dict[str, ScaledTensor] = {}
     for name, shape in expected.items():
         orig = names.get(name)
         if orig is None:
             continue
-        info = index[orig]
-        what = f"tensor {orig}" + (f" (transformers: {name})" if orig != name else "") + f" in {info.file.name}"
-        if info.shape != shape:
-            problems.append(Problem(what, f"shape {list(info.shape)}", f"shape {list(shape)} (from config.json)",
-                                    "the config and the weights disagree: fix config.json or re-save the checkpoint"))
-        allowed = INT_DTYPES if _is_int(name) else FLOAT_DTYPES
-        if info.dtype not in allowed:
-            problems.append(Problem(what, f"dtype {info.dtype}", f"one of {list(allowed)}",
-                                    "save the checkpoint with transformers in bf16 (tid2eid stays int64)"))
-    return index, names, expected, problems
+        what = f"tensor {orig}" + (f" (transformers: {name})" if orig != name else "") + f" in {index[orig].file.name}"
+        stored, found = check_tensor(what, orig, index, scales, shape, fmt, integer=_is_int(name),
+                                     routed_expert=ROUTED.search(name) is not None)
+        problems += found
+        if stored is not None:
+            scaled[orig] = stored
+    return index, names, expected, scaled, problems
 
 
-def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat, dtype: torch.dtype,
+                         device: torch.device) -> ModelWeights:
     """Every tensor of :func:`expected_tensors` from ``folder``, in file order, one on the host at a time, cast to
-    ``dtype`` (``tid2eid`` to int64); per-expert tensors are stacked. Raises :class:`CheckpointError` listing every
-    problem before reading."""
+    ``dtype`` (``tid2eid`` to int64; fp8 / fp4 tensors dequantized with their scales as they are read);
+    per-expert tensors are stacked. Raises :class:`CheckpointError` listing every problem before reading."""
     start = time.perf_counter()
-    index, names, expected, problems = scan_dsv4_checkpoint(cfg, folder)
+    index, names, expected, scaled, problems = scan_dsv4_checkpoint(cfg, folder, fmt)
     if problems:
         raise CheckpointError(problems)
-    reader = _Reader(index, torch.device(device), dtype)
+    reader = _Reader(index, torch.device(device), dtype, scaled)
     state: dict[str, torch.Tensor] = {}
     try:
         for name in sorted(expected, key=lambda n: (str(index[names[n]].file), n)):
@@ -174,6 +183,7 @@ def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, dtype: torch.dtype
             state[p + "down_proj"] = torch.stack([state.pop(f"{p}{x}.down_proj.weight") for x in e])
     weights = ModelWeights.load(state, cfg=cfg)
     weights.source = str(folder)
+    weights.stored_dtypes = dict(Counter(index[names[n]].dtype for n in expected))
     weights.load_seconds = time.perf_counter() - start
     weights.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return weights

@@ -6,6 +6,9 @@ Both spellings transformers reads are accepted: what ``DeepseekV4Config.to_dict(
 ``partial_rotary_factor``) and the legacy one (``compress_ratios`` of 0/4/128 per layer, ``compress_rate_csa`` /
 ``compress_rate_hca``, ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling`` with ``compress_rope_theta``).
 Missing schedules take transformers' defaults (:func:`default_layer_types`, :func:`default_mlp_types`).
+
+DeepSeek's release format (``quantization_config`` fp8 e4m3 with ue8m0 block scales, ``expert_dtype`` fp4) is read
+into ``model.v4.fp8_block`` / ``expert_dtype`` (:func:`stored_format`); the checkpoint loader dequantizes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention
 INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "vocab_size", "q_lora_rank",
             "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "sliding_window", "o_groups",
             "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
+# quantization_config values we read (DeepSeek's release: fp8 e4m3, ue8m0 scales, dynamic activations)
+QUANT_VALUES = {"quant_method": ("fp8",), "fmt": ("e4m3",), "scale_fmt": ("ue8m0", "float"),
+                "activation_scheme": ("dynamic",)}
+EXPERT_DTYPES = ("fp8", "fp4")
 
 
 def default_layer_types(n: int) -> list[str]:
@@ -48,10 +55,7 @@ def read_dsv4_hf_config(path: Path, cfg: dict) -> tuple[dict[str, Any], list[Pro
             "fix config.json")
     if cfg.get("hidden_act", "silu") != "silu":
         add("hidden_act", repr(cfg["hidden_act"]), "'silu'", "serve a DeepSeek-V4 checkpoint")
-    if cfg.get("quantization_config") is not None:
-        add("quantization_config", repr(cfg["quantization_config"])[:80],
-            "none: bf16 / fp32 weights with transformers' parameter names",
-            "convert the release's fp8/fp4 weights with transformers (save_pretrained in bf16)")
+    stored = stored_format(cfg, add)
     n = cfg["num_hidden_layers"]
     rates = dict(cfg.get("compress_rates") or {})
     csa = int(rates.get(CSA, cfg.get("compress_rate_csa", 4)))
@@ -94,7 +98,7 @@ def read_dsv4_hf_config(path: Path, cfg: dict) -> tuple[dict[str, Any], list[Pro
         "compress_rope_factor": float(compress.get("factor", 1.0)),
         "compress_rope_original_max_position": int(compress.get("original_max_position_embeddings", 0) or 0),
         "compress_rope_beta_fast": float(compress.get("beta_fast") or 32),
-        "compress_rope_beta_slow": float(compress.get("beta_slow") or 1),
+        "compress_rope_beta_slow": float(compress.get("beta_slow") or 1), **stored,
     }
     eos = cfg.get("eos_token_id")
     out = {
@@ -112,6 +116,36 @@ def read_dsv4_hf_config(path: Path, cfg: dict) -> tuple[dict[str, Any], list[Pro
     if out["tie_word_embeddings"]:
         add("tie_word_embeddings", "true", "false (V4 has its own lm_head)", "fix config.json")
     return out, problems
+
+
+def stored_format(cfg: dict, add) -> dict[str, Any]:
+    """``model.v4.fp8_block`` / ``expert_dtype`` from config.json's ``quantization_config`` (DeepSeek's release:
+    fp8 e4m3 with ue8m0 128 x 128 block scales, ``expert_dtype`` "fp4" at the top level or inside it); both null
+    without one. Every value we cannot read goes to ``add``."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return {"fp8_block": None, "expert_dtype": None}
+    fix = "serve DeepSeek's release format (fp8 e4m3, ue8m0 or float block scales) or a bf16 checkpoint"
+    if not isinstance(q, dict):
+        add("quantization_config", repr(q)[:80], "a JSON object", fix)
+        return {"fp8_block": None, "expert_dtype": None}
+    for key, allowed in QUANT_VALUES.items():
+        if (q.get(key) is not None or key == "quant_method") and q.get(key) not in allowed:
+            add(f"quantization_config.{key}", repr(q.get(key)), f"one of {list(allowed)}", fix)
+    block = q.get("weight_block_size", [128, 128])
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        add("quantization_config.weight_block_size", repr(block), "[rows, cols] of one fp8 scale (the release: "
+            "[128, 128])", "fix config.json")
+        block = None
+    top, inner = cfg.get("expert_dtype"), q.get("expert_dtype")
+    if top is not None and inner is not None and top != inner:
+        add("expert_dtype", f"{top!r} at the top level, {inner!r} in quantization_config", "one value",
+            "fix config.json")
+    experts = inner if inner is not None else top if top is not None else "fp8"
+    if experts not in EXPERT_DTYPES:
+        add("expert_dtype", repr(experts), f"one of {list(EXPERT_DTYPES)} (routed experts' storage)",
+            "fix config.json: the V4 release's experts are 'fp4'")
+    return {"fp8_block": block, "expert_dtype": experts if experts in EXPERT_DTYPES else None}
 
 
 def dsv4_config(model: dict) -> DSV4Config:

@@ -9,7 +9,7 @@ name a layer needs before reading anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -171,6 +171,7 @@ class ModelWeights(_Named):
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]
     source: str = "random"  # where they came from: "random" (a preset) or the checkpoint folder
+    stored_dtypes: dict = field(default_factory=dict)  # checkpoint dtype -> tensors read in it (dequantized / cast)
     load_seconds: float = 0.0
     peak_host_bytes: int = 0
 
