@@ -11,12 +11,23 @@ closed in this step into the compressed pools, and (2) computed q [T, H, D] and 
 * one joint softmax with a per-head sink (:func:`backends.kernels.dsv4_reference.sink_attention`);
 * finally the new rows go into the ring.
 
-The plain-torch implementation (float32 or float64 compute, CPU or GPU, a host loop per request) is the oracle.
-``impl=triton`` (``auto`` on CUDA) runs decode through the Triton kernel of :mod:`backends.kernels.dsv4_decode`
-(indices planned once per step in :meth:`DSV4Backend.init_forward_metadata`, no loop per request); extend and
-the indexer stay torch. ``impl=flashinfer`` runs decode through FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4``
-(Blackwell only; :mod:`backends.dsv4_flashinfer`, the kernel injected: real or emulated). Where each impl runs
-is class data (:data:`backends.dsv4_flashinfer.DECODE_IMPLS`).
+The plain-torch implementation of attention (float32 or float64 compute, CPU or GPU, a host loop per request) is
+the oracle. What each impl runs (class data: :data:`backends.dsv4_flashinfer.DECODE_IMPLS`):
+
+* ``torch``: attention in torch (the oracle); the indexer batched in torch.
+* ``triton`` (``auto`` on CUDA): decode through the Triton kernel of :mod:`backends.kernels.dsv4_decode`, extend
+  through the Triton kernel of :mod:`backends.kernels.dsv4_extend` (each query token over its own window and
+  compressed lists; indices planned once per step in :meth:`DSV4Backend.init_forward_metadata` with tensor ops,
+  no loop per request: :mod:`backends.dsv4_extend_plan`), except CSA layers under HiSparse, whose extend reads
+  the selection from the host on the torch path; the indexer through the DSA scoring kernel when
+  ``index_head_dim`` is a power of two >= 16, else batched torch (:mod:`backends.kernels.dsv4_indexer`).
+* ``flashinfer``: decode through FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (Blackwell only;
+  :mod:`backends.dsv4_flashinfer`, the kernel injected: real or emulated); extend in torch; the indexer batched
+  in torch.
+
+The indexer (:meth:`DSV4Backend.select_topk`) has no loop per request with any impl; its semantics are the
+per-request reference's (:func:`backends.kernels.dsv4_reference.indexer_topk`). The Triton extend kernel and the
+DSA indexer path have been checked only in Triton's CPU interpreter, never on a GPU.
 
 HiSparse (``hisparse``, a :class:`runtime.core.sparse.SparseKVCoordinator`, built before this backend): the CSA
 entries live in the coordinator's host pool. The compressors' entries go there (:meth:`DSV4Backend.store_entries`);
@@ -33,9 +44,12 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from backends.base import BackendCapabilities
+from backends.dsv4_extend_plan import ExtendPlan, plan_extend
 from backends.dsv4_flashinfer import DECODE_IMPLS, FlashInferDecode, flashinfer_problems
 from backends.kernels.dsv4_decode import dsv4_decode
-from backends.kernels.dsv4_reference import indexer_topk, sink_attention
+from backends.kernels.dsv4_extend import dsv4_extend
+from backends.kernels.dsv4_indexer import indexer_topk_paged, triton_indexer_fits
+from backends.kernels.dsv4_reference import sink_attention
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
@@ -87,7 +101,8 @@ class DSV4Backend:
         "float32" or "float64": every product and softmax of the torch path runs in it; outputs are cast back
         to q's dtype.
     impl : str
-        "torch", "triton" (decode through the Triton kernel) or "auto" (triton on CUDA).
+        "torch", "triton" (decode and extend through the Triton kernels, the indexer through the DSA scoring
+        kernel where its head width allows), "flashinfer" or "auto" (triton on CUDA).
     device : torch.device
         Where the pools live (resolves ``auto``).
     hisparse : SparseKVCoordinator or None
@@ -100,7 +115,7 @@ class DSV4Backend:
         # The compressors' partial-window state is not rewindable (as in the reference), so speculative verify /
         # draft-extend are not offered until the state pools learn to snapshot and roll back.
         forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
-        cuda_graph=(),  # host loop per request: never inside a graph
+        cuda_graph=(),  # never inside a graph (the torch paths and the model's compressors loop on the host)
         mha_chunked_prefill=False,
         sparse=False,  # its own top-k over compressed entries, not DSA's SparseDecode (HiSparse: see dsv4_validation)
         builds_own_kv_indices=True,
@@ -146,10 +161,15 @@ class DSV4Backend:
             raise ValueError(f"DSV4Backend: impl={self.impl!r} with flashinfer={flashinfer!r}; expected the FlashInfer "
                              "decode exactly when impl=flashinfer. Fix: build it through the container.")
         self.hisparse, self.flashinfer = hisparse, flashinfer
+        paths = DECODE_IMPLS[self.impl]
+        self.extend_kernel = paths.triton_extend
+        self.indexer_impl = "triton" if paths.triton_indexer and triton_indexer_fits(self.spec.index_head_dim) \
+            else "torch"
         self._rows: list[int] = []
         self._prefix: list[int] = []
         self._qo: list[int] = [0]
         self._win_idx = self._hca_idx = None
+        self._extend: ExtendPlan | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._rows = batch.req_pool_indices_cpu.tolist()
@@ -159,6 +179,8 @@ class DSV4Backend:
             self.hisparse.begin_step(batch)
         if self.impl != "torch" and batch.mode == ForwardMode.DECODE:
             self._plan_decode()
+        self._extend = plan_extend(batch, self.spec.sliding_window) \
+            if self.extend_kernel and batch.mode == ForwardMode.EXTEND else None
 
     def _plan_decode(self) -> None:
         """The kernel's indices for this decode step, shared by every layer: window rows (ring row ``r * W +
@@ -178,20 +200,18 @@ class DSV4Backend:
     # ------------------------------------------------------------------------------------------ indexer
     def select_topk(self, index_q: torch.Tensor, index_weights: torch.Tensor, layer_id: int,
                     batch: ForwardBatch) -> torch.Tensor:
-        """Lightning-indexer top-k of a CSA layer over the entries already in the pool.
+        """Lightning-indexer top-k of a CSA layer over the entries already in the pool, the whole batch at once
+        (:func:`backends.kernels.dsv4_indexer.indexer_topk_paged`: batched torch, or with ``impl=triton`` the DSA
+        scoring kernel when the indexer head width allows).
 
         index_q [T, Hi, Di] (RoPE applied), index_weights [T, Hi] (scales folded in) -> [T, index_topk] int64
         entry ids, -1 padding.
         """
-        cd, spec, pool = self.compute_dtype, self.spec, self.pools.csa
-        out = torch.full((index_q.shape[0], spec.index_topk), -1, dtype=torch.int64, device=index_q.device)
-        for b, row in enumerate(self._rows):
-            s, e = self._qo[b], self._qo[b + 1]
-            count = pool.entries_for(self._prefix[b] + e - s)
-            keys = pool.gather(layer_id, "index", row, count).to(cd)
-            out[s:e] = indexer_topk(index_q[s:e].to(cd), index_weights[s:e].to(cd), keys, batch.positions[s:e],
-                                    spec.csa_rate, spec.index_topk)
-        return out
+        spec, pool = self.spec, self.pools.csa
+        return indexer_topk_paged(index_q, index_weights, pool.flat(layer_id, "index"), pool.table,
+                                  batch.req_pool_indices, batch.qo_indptr, batch.positions, spec.csa_rate,
+                                  spec.index_topk, pool.entries_for(batch.max_seq_len), self.indexer_impl,
+                                  self.compute_dtype)
 
     # ------------------------------------------------------------------------------ compressed entries
     def store_entries(self, layer_id: int, name: str, row: int, first: int, values: torch.Tensor) -> None:
@@ -297,5 +317,22 @@ class DSV4Backend:
     def forward_extend(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         """q [T, H, D], kv [T, D], sinks [H], topk [T, K] or None -> [T, H, D]; causal over each request's window
-        (cached prefix rows + new rows) and its compressed entries; stores the new rows' latest W in the ring."""
-        return self._attend(q, kv, sinks, topk, layer_id, batch)
+        (cached prefix rows + new rows) and its compressed entries; stores the new rows' latest W in the ring.
+
+        ``impl=triton``: the Triton extend kernel over the step's planned lists (:mod:`backends.dsv4_extend_plan`),
+        then the ring writes; CSA layers under HiSparse (their entries are read from the host) and the other
+        impls: the torch path."""
+        kind = self.spec.layer_types[layer_id]
+        if self._extend is None or (self.hisparse is not None and kind == DSV4LayerType.csa):
+            return self._attend(q, kv, sinks, topk, layer_id, batch)
+        plan, ring = self._extend, self.pools.window.ring(layer_id)
+        kv = kv.to(q.dtype).contiguous()
+        if kind == DSV4LayerType.hca:
+            cmp = plan.hca_part(self.pools.hca, layer_id)
+        elif kind == DSV4LayerType.csa:
+            cmp = plan.csa_part(self.pools.csa, layer_id, topk)
+        else:
+            cmp = plan.empty_part(kv)
+        out = dsv4_extend(q.contiguous(), (*plan.window_parts(ring, kv), cmp), sinks, self.spec.sm_scale)
+        ring.view(-1, ring.shape[-1])[plan.ring_dst] = kv[plan.ring_src].to(ring.dtype)
+        return out

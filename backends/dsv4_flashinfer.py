@@ -47,11 +47,13 @@ def load_kernel() -> Callable:
 
 @dataclass(frozen=True)
 class DecodeImpl:
-    """Where one ``backend.impl`` of the dsv4 decode runs.
+    """Where one ``backend.impl`` of the dsv4 backend runs (its decode sets the gate), and what else it runs.
 
     devices : "cpu" / "cuda"; compute_capabilities : the exact GPU families (None: any CUDA GPU);
     interpreter : runs on the CPU under TRITON_INTERPRET=1; emulation : ``backend.kernel=emulate`` lifts the
-    hardware gate; packages : Python modules the real path imports.
+    hardware gate; packages : Python modules the real path imports; triton_extend : extend runs through the
+    Triton extend kernel (else torch; HiSparse CSA layers always torch: they read the host); triton_indexer : the
+    indexer runs through the DSA scoring kernel where the indexer head width allows (else batched torch).
     """
 
     devices: frozenset[str]
@@ -59,6 +61,8 @@ class DecodeImpl:
     interpreter: bool = False
     emulation: bool = False
     packages: tuple[str, ...] = ()
+    triton_extend: bool = False
+    triton_indexer: bool = False
 
     def runs_on(self, kind: str, cc: tuple[int, int] | None, interpreted: bool) -> bool:
         if kind == "cpu":
@@ -75,7 +79,7 @@ class DecodeImpl:
 BLACKWELL = frozenset({(10, 0), (10, 3), (12, 0), (12, 1)})
 DECODE_IMPLS: dict[str, DecodeImpl] = {
     "torch": DecodeImpl(frozenset({"cpu", "cuda"})),
-    "triton": DecodeImpl(frozenset({"cuda"}), interpreter=True),
+    "triton": DecodeImpl(frozenset({"cuda"}), interpreter=True, triton_extend=True, triton_indexer=True),
     "flashinfer": DecodeImpl(frozenset({"cuda"}), BLACKWELL, emulation=True, packages=("flashinfer",)),
 }
 

@@ -72,10 +72,10 @@ class Driver:
     """Our V4 model over fresh pools; runs steps of several requests."""
 
     def __init__(self, cfg: DSV4Config, weights: ModelWeights, max_requests: int = 4, max_context: int = 64,
-                 dtype=torch.float64, entry_page_size: int = 3):
+                 dtype=torch.float64, entry_page_size: int = 3, impl: str = "torch"):
         self.pools = DSV4Pools.build(cfg.attention, max_requests, max_context, entry_pages=64,
                                      entry_page_size=entry_page_size, dtype=dtype, device=torch.device("cpu"))
-        self.backend = DSV4Backend(self.pools, "float64" if dtype == torch.float64 else "float32")
+        self.backend = DSV4Backend(self.pools, "float64" if dtype == torch.float64 else "float32", impl=impl)
         spec = ModelSpec.from_config({"name": "tiny_v4", "num_layers": cfg.attention.num_layers,
                                       "hidden_size": cfg.hidden_size, "num_heads": cfg.attention.num_heads,
                                       "vocab_size": cfg.vocab_size, "dtype": str(dtype).removeprefix("torch.")})
@@ -108,20 +108,32 @@ class Driver:
 def guard_indexer_ties(monkeypatch) -> list:
     """Record every query whose indexer scores tie exactly at the top-k boundary (which pick wins a tie is not
     defined, in the reference either: relu makes exact zeros). A test that compares selections asserts the list
-    stays empty: its premise, not a tolerance."""
+    stays empty: its premise, not a tolerance. Wraps the backend's batched indexer (either impl)."""
     import backends.dsv4 as dsv4
-    from backends.kernels.dsv4_reference import indexer_topk
+    from backends.kernels.dsv4_indexer import indexer_topk_paged
 
     ties = []
 
-    def checked(index_q, index_weights, keys, positions, rate, top_k):
-        scores = (torch.relu(torch.einsum("nhd,ed->nhe", index_q, keys.to(index_q.dtype)))
-                  * index_weights[:, :, None]).sum(1)
-        for i, p in enumerate(positions.tolist()):
-            v = scores[i, : (p + 1) // rate].sort(descending=True).values
-            if v.numel() > top_k and v[top_k - 1] - v[top_k] < 1e-9:
-                ties.append(p)
-        return indexer_topk(index_q, index_weights, keys, positions, rate, top_k)
+    def checked(index_q, index_weights, keys, table, req_rows, qo_indptr, positions, rate, top_k, *args):
+        ties.extend(boundary_ties(index_q, index_weights, keys, table, req_rows, qo_indptr, positions, rate, top_k))
+        return indexer_topk_paged(index_q, index_weights, keys, table, req_rows, qo_indptr, positions, rate, top_k,
+                                  *args)
 
-    monkeypatch.setattr(dsv4, "indexer_topk", checked)
+    monkeypatch.setattr(dsv4, "indexer_topk_paged", checked)
     return ties
+
+
+def boundary_ties(index_q, index_weights, keys, table, req_rows, qo_indptr, positions, rate, top_k,
+                  gap: float = 1e-9) -> list[int]:
+    """Positions of the queries whose k-th and (k+1)-th visible indexer scores are within ``gap`` (in index_q's
+    dtype), one request and query at a time."""
+    out, qo = [], qo_indptr.tolist()
+    for b, row in enumerate(req_rows.tolist()):
+        for i in range(qo[b], qo[b + 1]):
+            p = int(positions[i])
+            k = keys[table[row, : (p + 1) // rate].long()].to(index_q.dtype)
+            v = (torch.relu(index_q[i] @ k.T) * index_weights[i, :, None].to(index_q.dtype)).sum(0)
+            v = v.sort(descending=True).values
+            if v.numel() > top_k and v[top_k - 1] - v[top_k] < gap:
+                out.append(p)
+    return out

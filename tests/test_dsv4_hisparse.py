@@ -69,7 +69,8 @@ def test_retraction_with_offload_loses_nothing(v4):
 
 
 def test_triton_decode_reads_the_device_buffer(v4):
-    """impl=triton (CPU interpreter, float32): the kernel's compressed rows are the coordinator's buffer."""
+    """impl=triton (CPU interpreter, float32): the decode kernel's compressed rows are the coordinator's buffer;
+    extend runs the Triton kernel on the HCA and sliding layers and the torch path on the CSA layers (host reads)."""
     rt, res = _serve(v4, *HISPARSE, "backend.impl=triton", dtype="float32")
     assert _outputs(res) == v4[2] and rt.container.hisparse_coordinator().stats()["swap_ins"] > 0
 

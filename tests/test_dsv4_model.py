@@ -48,14 +48,12 @@ def test_decode_token_by_token_matches_full_forward(pair):
     _close(got, want)
 
 
-@pytest.mark.parametrize("page", [1, 3, 8])
-def test_chunked_extend_two_requests_matches_full_forward(pair, page):
+def _two_requests_chunked(ref, d):
     """Requests in rows 3 and 0 advance by different chunks in shared batches (extend, then decode, then extend
-    again), so windows, partial compressor windows and entry pages are carried across steps."""
-    ref, cfg, w = pair
+    again), so windows, partial compressor windows and entry pages are carried across steps; our logits are
+    compared with transformers' full forward of each sequence."""
     a, b = _ids(2), _ids(3, 17)
     want_a, want_b = _reference_logits(ref, a), _reference_logits(ref, b)
-    d = Driver(cfg, w, entry_page_size=page)
     d.admit(3)
     d.admit(0)
     got_a, got_b = [], []
@@ -74,8 +72,45 @@ def test_chunked_extend_two_requests_matches_full_forward(pair, page):
         got_b.append(logits[na:])
         ia, ib = ia + na, ib + nb
     assert (ia, ib) == (S, 17)
-    _close(torch.cat(got_a), want_a)
-    _close(torch.cat(got_b), want_b)
+    return (torch.cat(got_a), torch.cat(got_b)), (want_a, want_b)
+
+
+@pytest.mark.parametrize("page", [1, 3, 8])
+def test_chunked_extend_two_requests_matches_full_forward(pair, page):
+    ref, cfg, w = pair
+    got, want = _two_requests_chunked(ref, Driver(cfg, w, entry_page_size=page))
+    for g, x in zip(got, want):
+        _close(g, x)
+
+
+def test_triton_extend_and_indexer_match_full_forward(monkeypatch):
+    """impl=triton (CPU interpreter, float32): extend through the Triton extend kernel and the indexer through the
+    DSA scoring kernel (index_head_dim 16, its smallest tile) in the chunked two-request schedule."""
+    import backends.dsv4 as dsv4
+
+    ref, cfg, w = tiny_pair(seed=0, index_head_dim=16)
+    w32 = type(w).load({k: v.float() if v.is_floating_point() else v for k, v in ref.state_dict().items()},
+                       cfg=cfg)
+    calls = {"extend": 0, "triton": 0}
+    extend, indexer = dsv4.dsv4_extend, dsv4.indexer_topk_paged
+
+    def count_extend(*a, **k):
+        calls["extend"] += 1
+        return extend(*a, **k)
+
+    def count_indexer(*a):
+        calls["triton"] += a[10] == "triton"
+        return indexer(*a)
+
+    monkeypatch.setattr(dsv4, "dsv4_extend", count_extend)
+    monkeypatch.setattr(dsv4, "indexer_topk_paged", count_indexer)
+    d = Driver(cfg, w32, dtype=torch.float32, impl="triton")
+    assert d.backend.indexer_impl == "triton"
+    got, want = _two_requests_chunked(ref, d)
+    for g, x in zip(got, want):
+        assert g.dtype == torch.float32
+        _close(g.double(), x, 1e-4)
+    assert calls["extend"] == 4 * cfg.attention.num_layers and calls["triton"] > 0
 
 
 def test_float32_pools_and_compute_stay_close(pair):

@@ -92,10 +92,14 @@ def test_tiny_pool_retracts_and_loses_nothing(v4):
     assert pools.hca.pages.available == pools.hca.pages.capacity
 
 
-def test_triton_decode_kernel_in_the_engine(v4):
-    """backend.impl=triton: decode through the Triton kernel (the CPU interpreter here), float32; same tokens."""
-    rt, res = _serve(v4, "backend.impl=triton", "kv.page_size=4", "kv.num_pages=10", dtype="float32")
-    assert rt.container.backend().impl == "triton" and res.retracted > 0
+def test_triton_kernels_in_the_engine(v4):
+    """backend.impl=triton (the CPU interpreter here), float32: decode and extend (chunks of 5, and re-prefills
+    after retraction) through the Triton kernels; the indexer batched in torch (index_head_dim 8 is below the DSA
+    kernel's tile; tests/test_dsv4_model.py runs that kernel in the model); same tokens."""
+    rt, res = _serve(v4, "backend.impl=triton", "kv.page_size=4", "kv.num_pages=10",
+                     "workload.chunked_prefill_size=5", dtype="float32")
+    backend = rt.container.backend()
+    assert backend.impl == "triton" and backend.extend_kernel and res.retracted > 0
     assert [res.outputs[i] for i in range(len(PROMPT_LENS))] == v4[2]
 
 
