@@ -137,3 +137,33 @@ def boundary_ties(index_q, index_weights, keys, table, req_rows, qo_indptr, posi
             if v.numel() > top_k and v[top_k - 1] - v[top_k] < gap:
                 out.append(p)
     return out
+
+
+def saved_reference(folder, seed: int, prompt_lens, new: int, min_gap: float, **over):
+    """Save a tiny random V4 model (float64, ``tiny_hf_config(**over)``) to ``folder``; random prompts of
+    ``prompt_lens`` tokens and transformers' greedy continuation of each (alone, ``new`` tokens). A reference margin
+    (top-1 minus top-2 logit) at or below ``min_gap`` anywhere fails: reseed. Returns (folder, prompts, tokens)."""
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(tiny_hf_config(**{"max_position_embeddings": 64, **over})).eval()
+    randomize_(model, seed)
+    model = model.double()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(100 + seed)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in prompt_lens]
+    return folder, prompts, greedy_reference(model, prompts, new, min_gap)
+
+
+def greedy_reference(model, prompts: list[list[int]], new: int, min_gap: float) -> list[list[int]]:
+    """transformers' greedy continuation (``new`` tokens) of each prompt alone; fails on a top-1 / top-2 logit
+    margin at or below ``min_gap`` anywhere (a near-tie: reseed)."""
+    tokens, gap = [], float("inf")
+    with torch.no_grad():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(p):].tolist())
+            gap = min([gap] + [float(s[0].topk(2).values.diff().abs()) for s in out.scores])
+    assert gap > min_gap, f"reference near-tie ({gap:.2e}): reseed"
+    return tokens

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import compose_config
-from dsv4_harness import randomize_, tiny_hf_config
+from dsv4_harness import randomize_, saved_reference, tiny_hf_config
 from hf_models import prompt_overrides
 
 from containers import build
@@ -55,22 +55,7 @@ def test_grouped_experts_match_the_per_expert_loop(tokens):
 
 @pytest.fixture(scope="module")
 def v4(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("v4_gpu")
-    model = _model(2, max_position_embeddings=64).double()  # seed 2: reference margin 3.8e-2
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(folder)
-    gen = torch.Generator().manual_seed(100)
-    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    tokens, gap = [], float("inf")
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            gap = min([gap] + [float(s[0].topk(2).values.diff().abs()) for s in out.scores])
-    assert gap > MIN_GAP, f"reference near-tie ({gap:.2e}): reseed"
-    return folder, prompts, tokens
+    return saved_reference(tmp_path_factory.mktemp("v4_gpu"), 1, PROMPT_LENS, NEW, MIN_GAP)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_config
-from dsv4_harness import randomize_, tiny_hf_config
+from dsv4_harness import greedy_reference, randomize_, tiny_hf_config
 from hf_models import prompt_overrides
 from safetensors.torch import load_file, save_file
 
@@ -161,14 +161,7 @@ def test_greedy_tokens_from_the_release_folder_match_generate(release):
     folder, _, ref = release
     ref = ref.double()
     ref.generation_config.eos_token_id, ref.generation_config.pad_token_id = None, 0
-    want, gap = [], float("inf")
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = ref.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                               output_scores=True, return_dict_in_generate=True)
-            want.append(out.sequences[0, len(p):].tolist())
-            gap = min([gap] + [float(s[0].topk(2).values.diff().abs()) for s in out.scores])
-    assert gap > 1e-6, f"reference near-tie ({gap:.2e}): reseed"
+    want = greedy_reference(ref, PROMPTS, NEW, 1e-6)
     rt = build(compose_config("model=hf", f"model.path={folder}", "backend=dsv4", "model.dtype=float64",
                               "backend.compute_dtype=float64", "device=cpu", "check=off", "progress=false",
                               *prompt_overrides(folder, PROMPTS, NEW)))

@@ -16,14 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_config
-from dsv4_harness import randomize_, tiny_hf_config
+from dsv4_harness import saved_reference
 from hf_models import prompt_overrides
 
 from containers import build
 from runtime.core.errors import ConfigError
-
-pytest.importorskip("transformers")
-from transformers import DeepseekV4ForCausalLM  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_indexer_ties")
 
@@ -35,24 +32,7 @@ MIN_GAP = 1e-6
 
 def _reference(folder: Path, seed: int, **over):
     """Save a tiny random V4 model to ``folder``; transformers' greedy continuation of each prompt (alone)."""
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(tiny_hf_config(max_position_embeddings=64, **over)).eval()
-    randomize_(model, seed)
-    model = model.double()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.save_pretrained(folder)
-    gen = torch.Generator().manual_seed(100 + seed)
-    prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    tokens, gap = [], float("inf")
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            gap = min([gap] + [float(s[0].topk(2).values.diff().abs()) for s in out.scores])
-    assert gap > MIN_GAP, f"reference near-tie ({gap:.2e}): reseed"
-    return folder, prompts, tokens
+    return saved_reference(folder, seed, PROMPT_LENS, NEW, MIN_GAP, **over)
 
 
 @pytest.fixture(scope="module")

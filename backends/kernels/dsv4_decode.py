@@ -45,6 +45,21 @@ def dsv4_decode_torch(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: 
     return out.to(q.dtype)
 
 
+def tile_options(kernel, q: torch.Tensor, block_h: int, block_n: int, num_warps: int, num_stages: int) -> dict:
+    """The V4 kernels' compile-time tile arguments and launch options for ``q`` [.., H, D], after checking them:
+    D a power of two, tiles of at least 16 (tl.dot). The CPU interpreter takes no warps / stages and gets fp32
+    operands for non-fp32 dots (it computes those wrong)."""
+    import triton
+
+    d = q.shape[-1]
+    require(triton.next_power_of_2(d) == d, f"a power-of-two row width; got {d}")
+    require(block_h >= 16 and block_n >= 16, f"tiles of at least 16 (tl.dot); got {block_h}, {block_n}")
+    interp = kernel.__class__.__name__ == "InterpretedFunction"
+    extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
+    return dict(D=d, BLOCK_H=block_h, BLOCK_N=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                UPCAST=interp and q.dtype != torch.float32, **extra)
+
+
 def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float, out: torch.Tensor | None = None,
                 block_h: int = 16, block_n: int = 32, num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """The Triton kernel (:mod:`backends.kernels.dsv4_decode_kernels`); see the module docstring. Tiles:
@@ -55,22 +70,17 @@ def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float,
     from backends.kernels import dsv4_decode_kernels as kern
 
     _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks)
-    b, h, d = q.shape
-    require(triton.next_power_of_2(d) == d, f"a power-of-two row width; got {d}")
+    b, h, _ = q.shape
     require(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q bf16, fp16 or fp32; got {q.dtype}")
-    require(block_h >= 16 and block_n >= 16, f"tiles of at least 16 (tl.dot); got {block_h}, {block_n}")
     require(q.stride(-1) == 1, "q with a contiguous last dim")
+    tiles = tile_options(kern._dsv4_decode_kernel, q, block_h, block_n, num_warps, num_stages)
     if out is None:
         out = torch.empty_like(q)
     if b == 0:
         return out
-    interp = kern._dsv4_decode_kernel.__class__.__name__ == "InterpretedFunction"
-    extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     kern._dsv4_decode_kernel[(triton.cdiv(h, block_h), b)](
         q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, out, float(sm_scale) * kern.LOG2E,
         q.stride(0), q.stride(1), win_idx.stride(0), cmp_idx.stride(0), out.stride(0), out.stride(1),
-        h, win_idx.shape[1], cmp_idx.shape[1],
-        D=d, BLOCK_H=block_h, BLOCK_N=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=interp and q.dtype != torch.float32, **extra,
+        h, win_idx.shape[1], cmp_idx.shape[1], **tiles,
     )  # fmt: skip
     return out

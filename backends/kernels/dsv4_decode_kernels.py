@@ -42,22 +42,35 @@ def _dsv4_part(q, m_i, l_i, acc, ROWS, IDX, n_idx, qk_scale, D: tl.constexpr, BL
     return m_i, l_i, acc
 
 
+@triton.jit
+def _start_heads(Q_ROW, SINKS, stride_q_h, H, hb, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Head block ``hb`` of one query row (``Q_ROW`` points at its head 0): (q [BLOCK_H, D], and the softmax state
+    started from the sinks: m = sink (base 2), l = 1, acc = 0)."""
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, D)
+    q = tl.load(Q_ROW + heads[:, None] * stride_q_h + d[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.load(SINKS + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    return q, m_i, tl.full([BLOCK_H], 1.0, tl.float32), tl.zeros([BLOCK_H, D], dtype=tl.float32)
+
+
+@triton.jit
+def _store_heads(OUT_ROW, acc, l_i, stride_o_h, H, hb, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    """acc / l of head block ``hb`` into one output row (``OUT_ROW`` points at its head 0)."""
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    tl.store(OUT_ROW + heads[:, None] * stride_o_h + d[None, :], (acc / l_i[:, None]).to(OUT_ROW.dtype.element_ty),
+             mask=(heads < H)[:, None])
+
+
 @triton.jit(do_not_specialize=["H", "n_win", "n_cmp"])
 def _dsv4_decode_kernel(Q, WIN, WIN_IDX, CMP, CMP_IDX, SINKS, OUT, qk_scale, stride_q_b, stride_q_h, stride_wi_b,
                         stride_ci_b, stride_o_b, stride_o_h, H, n_win, n_cmp, D: tl.constexpr,
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     hb, b = tl.program_id(0), tl.program_id(1)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :], mask=hmask[:, None], other=0.0)
-    m_i = tl.load(SINKS + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
-    l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    q, m_i, l_i, acc = _start_heads(Q + b * stride_q_b, SINKS, stride_q_h, H, hb, D, BLOCK_H)
     m_i, l_i, acc = _dsv4_part(q, m_i, l_i, acc, WIN, WIN_IDX + b * stride_wi_b, n_win, qk_scale, D, BLOCK_N,
                                PREC, UPCAST)
     m_i, l_i, acc = _dsv4_part(q, m_i, l_i, acc, CMP, CMP_IDX + b * stride_ci_b, n_cmp, qk_scale, D, BLOCK_N,
                                PREC, UPCAST)
-    out = acc / l_i[:, None]
-    tl.store(OUT + b * stride_o_b + heads[:, None] * stride_o_h + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=hmask[:, None])
+    _store_heads(OUT + b * stride_o_b, acc, l_i, stride_o_h, H, hb, D, BLOCK_H)

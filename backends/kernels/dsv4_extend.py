@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.kernels.checks import require
+from backends.kernels.dsv4_decode import tile_options
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,15 @@ def dsv4_extend(q: torch.Tensor, parts: tuple[GatherPart, GatherPart, GatherPart
     from backends.kernels import dsv4_extend_kernels as kern
 
     _check(q, parts, sinks)
-    t, h, d = q.shape
-    require(triton.next_power_of_2(d) == d, f"a power-of-two row width; got {d}")
-    require(block_h >= 16 and block_n >= 16, f"tiles of at least 16 (tl.dot); got {block_h}, {block_n}")
+    t, h, _ = q.shape
+    tiles = tile_options(kern._dsv4_extend_kernel, q, block_h, block_n, num_warps, num_stages)
     if out is None:
         out = torch.empty_like(q)
     if t == 0:
         return out
-    interp = kern._dsv4_extend_kernel.__class__.__name__ == "InterpretedFunction"
-    extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     args = [x for p in parts for x in (p.rows, p.idx, p.sel, p.length)]
     kern._dsv4_extend_kernel[(triton.cdiv(h, block_h), t)](
         q, sinks, out, *args, float(sm_scale) * kern.LOG2E, q.stride(0), q.stride(1),
-        *(p.idx.stride(0) for p in parts), out.stride(0), out.stride(1), h,
-        D=d, BLOCK_H=block_h, BLOCK_N=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=interp and q.dtype != torch.float32, **extra,
+        *(p.idx.stride(0) for p in parts), out.stride(0), out.stride(1), h, **tiles,
     )  # fmt: skip
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.kernels.dsv4_decode_kernels import _dsv4_part
+from backends.kernels.dsv4_decode_kernels import _dsv4_part, _start_heads, _store_heads
 
 LOG2E = 1.4426950408889634
 
@@ -36,16 +36,8 @@ def _dsv4_extend_kernel(Q, SINKS, OUT, R0, I0, S0, L0, R1, I1, S1, L1, R2, I2, S
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     hb, t = tl.program_id(0), tl.program_id(1)
     t64 = t.to(tl.int64)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    d = tl.arange(0, D)
-    q = tl.load(Q + t64 * stride_q_t + heads[:, None] * stride_q_h + d[None, :], mask=hmask[:, None], other=0.0)
-    m_i = tl.load(SINKS + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
-    l_i = tl.full([BLOCK_H], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    q, m_i, l_i, acc = _start_heads(Q + t64 * stride_q_t, SINKS, stride_q_h, H, hb, D, BLOCK_H)
     m_i, l_i, acc = _extend_part(q, m_i, l_i, acc, t, R0, I0, S0, L0, stride_i0, qk_scale, D, BLOCK_N, PREC, UPCAST)
     m_i, l_i, acc = _extend_part(q, m_i, l_i, acc, t, R1, I1, S1, L1, stride_i1, qk_scale, D, BLOCK_N, PREC, UPCAST)
     m_i, l_i, acc = _extend_part(q, m_i, l_i, acc, t, R2, I2, S2, L2, stride_i2, qk_scale, D, BLOCK_N, PREC, UPCAST)
-    out = acc / l_i[:, None]
-    tl.store(OUT + t64 * stride_o_t + heads[:, None] * stride_o_h + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=hmask[:, None])
+    _store_heads(OUT + t64 * stride_o_t, acc, l_i, stride_o_h, H, hb, D, BLOCK_H)
