@@ -1,8 +1,9 @@
 """V4 KV compressors (CSA and HCA) and the indexer's queries.
 
-A compressor projects every token to kv and gate rows; a closed window of ``rate`` tokens becomes one entry:
-``entry = RMSNorm(sum_j softmax_j(gate_j + position_bias_j) * kv_j)`` (softmax per channel over the window's
-slots), then RoPE (the ``compress`` rope) at the window's first position ``e * rate``.
+A compressor projects every token to kv and gate rows (done by the caller: one GEMM each for the whole batch); a
+closed window of ``rate`` tokens becomes one entry: ``entry = RMSNorm(sum_j softmax_j(gate_j + position_bias_j) *
+kv_j)`` (softmax per channel over the window's slots), then RoPE (the ``compress`` rope) at the window's first
+position ``e * rate``.
 
 Overlapping compressors (CSA, and the CSA indexer's own compressor) project to ``2 * dim``: a token's first half
 (series A) belongs to the NEXT entry, its second half (series B) to its own window's entry, so entry ``e`` mixes
@@ -11,14 +12,13 @@ Overlapping compressors (CSA, and the CSA indexer's own compressor) project to `
 
 Tokens arrive in pieces (extend in chunks, decode one by one); :func:`compress_step` (one request's chunk) keeps the
 partial window and the previous window's A series in a :class:`runtime.core.dsv4_pools.CompressorStatePool` row.
-:func:`compress_decode` does a decode step of the whole batch at once (one projection GEMM, no loop per request, no
-host value): every request gets a *candidate* entry, complete where its window closed with this token.
+:func:`compress_decode` does a decode step of the whole batch at once (no loop per request, no host value): every
+request gets a *candidate* entry, complete where its window closed with this token.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from runtime.core.dsv4_pools import CompressorStatePool
 from runtime.model.dsv4.norms import rms_norm
@@ -65,11 +65,12 @@ def _mix(kv: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: f
     return rms_norm((kv * weights).sum(dim=1), norm_weight, eps)
 
 
-def compress_decode(x: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor, position_bias: torch.Tensor,
+def compress_decode(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, state: CompressorStatePool, layer_id: int,
                     rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A decode step of every request at once: x [B, hidden] the new tokens, rows [B] int64 their state rows,
-    positions [B] int64 their positions (all on x's device).
+    """A decode step of every request at once: kv_new / gate_new [B, width] the new tokens' projections (gate
+    without the position bias), rows [B] int64 their state rows, positions [B] int64 their positions (all on one
+    device).
 
     Each token goes to slot ``position % rate`` of its row's partial window. Returns [B, dim] *candidate*
     entries (no RoPE) for entry ``position // rate``: the entry itself where that token closed its window
@@ -80,26 +81,28 @@ def compress_decode(x: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Ten
     rate, li = state.rate, state.layer(layer_id)
     slot = positions % rate
     sdt = state.pending_kv.dtype
-    state.pending_kv[li, rows, slot] = F.linear(x, kv_proj).to(sdt)
-    state.pending_gate[li, rows, slot] = F.linear(x, gate_proj).to(sdt)
-    kv = state.pending_kv[li, rows].to(x.dtype)  # [B, rate, width]: exact (the state dtype is at least as wide)
-    gate = state.pending_gate[li, rows].to(x.dtype) + position_bias.to(x.dtype)
+    dt = kv_new.dtype
+    state.pending_kv[li, rows, slot] = kv_new.to(sdt)
+    state.pending_gate[li, rows, slot] = gate_new.to(sdt)
+    kv = state.pending_kv[li, rows].to(dt)  # [B, rate, width]: exact (the state dtype is at least as wide)
+    gate = state.pending_gate[li, rows].to(dt) + position_bias.to(dt)
     dim = norm_weight.shape[0]
     if kv.shape[-1] != 2 * dim:
         return _mix(kv, gate, norm_weight, eps)
     a_kv, a_gate = state.prev_kv[li, rows], state.prev_gate[li, rows]
-    entries = _mix(torch.cat([a_kv.to(x.dtype), kv[:, :, dim:]], dim=1),
-                   torch.cat([a_gate.to(x.dtype), gate[:, :, dim:]], dim=1), norm_weight, eps)
+    entries = _mix(torch.cat([a_kv.to(dt), kv[:, :, dim:]], dim=1),
+                   torch.cat([a_gate.to(dt), gate[:, :, dim:]], dim=1), norm_weight, eps)
     closed = (slot == rate - 1)[:, None, None]
     state.prev_kv[li, rows] = torch.where(closed, kv[:, :, :dim].to(sdt), a_kv)
     state.prev_gate[li, rows] = torch.where(closed, gate[:, :, :dim].to(sdt), a_gate)
     return entries
 
 
-def compress_step(x: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tensor, position_bias: torch.Tensor,
+def compress_step(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, state: CompressorStatePool, layer_id: int, row: int,
                   start: int) -> tuple[int, torch.Tensor]:
-    """Feed tokens ``start .. start + n - 1`` of one request (x [n, hidden]) to its compressor.
+    """Feed tokens ``start .. start + n - 1`` of one request to its compressor: kv_new / gate_new [n, width] their
+    projections (gate without the position bias).
 
     Returns (first entry id, entries [nw, dim]) of the windows that closed (nw may be 0); the partial window and
     the overlap series are kept in ``state`` row ``row``. RoPE is not applied here.
@@ -107,8 +110,8 @@ def compress_step(x: torch.Tensor, kv_proj: torch.Tensor, gate_proj: torch.Tenso
     rate = state.rate
     li = state.layer(layer_id)
     held = start % rate
-    kv = torch.cat([state.pending_kv[li, row, :held].to(x.dtype), F.linear(x, kv_proj)])
-    gate = torch.cat([state.pending_gate[li, row, :held].to(x.dtype), F.linear(x, gate_proj)])
+    kv = torch.cat([state.pending_kv[li, row, :held].to(kv_new.dtype), kv_new])
+    gate = torch.cat([state.pending_gate[li, row, :held].to(gate_new.dtype), gate_new])
     nw = kv.shape[0] // rate
     first = (start - held) // rate
     entries = kv.new_zeros(0, norm_weight.shape[0])

@@ -57,16 +57,18 @@ class DSV4Attention:
         """Feed the step's tokens to one compressor; closed windows' entries (RoPE applied) go to the backend,
         which stores them where this layer's entries live (the pool, or HiSparse's host pool)."""
         spec, eps = self.cfg.attention, self.cfg.rms_norm_eps
+        kv, gate = F.linear(x, comp.kv_proj), F.linear(x, comp.gate_proj)  # the whole step's tokens at once
         if batch.mode == ForwardMode.DECODE:  # the whole batch at once: candidate entries, see compress_decode
-            ent = compress_decode(x, comp.kv_proj, comp.gate_proj, comp.position_bias, comp.kv_norm, eps, state,
-                                  self.layer_id, batch.req_pool_indices.long(), batch.positions)
+            ent = compress_decode(kv, gate, comp.position_bias, comp.kv_norm, eps, state, self.layer_id,
+                                  batch.req_pool_indices.long(), batch.positions)
             cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions // state.rate * state.rate, ent.dtype)
             self.backend.store_decode_entries(self.layer_id, name, batch, apply_rope(ent, cos, sin))
             return
         qo, prefix = batch.qo_indptr_cpu.tolist(), batch.prefix_lens_cpu.tolist()
         for b, row in enumerate(batch.req_pool_indices_cpu.tolist()):
-            first, ent = compress_step(x[qo[b]: qo[b + 1]], comp.kv_proj, comp.gate_proj, comp.position_bias,
-                                       comp.kv_norm, eps, state, self.layer_id, row, prefix[b])
+            s, e = qo[b], qo[b + 1]
+            first, ent = compress_step(kv[s:e], gate[s:e], comp.position_bias, comp.kv_norm, eps, state,
+                                       self.layer_id, row, prefix[b])
             if ent.shape[0]:
                 pos = (first + torch.arange(ent.shape[0], device=x.device)) * state.rate
                 cos, sin = cos_sin(self.rope, spec.rope_dim, pos, ent.dtype)
