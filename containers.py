@@ -27,6 +27,7 @@ from backends.base import (
 )
 from backends.dsa import DSABackend, indexer_workspace_spec, sparse_decode_workspace_spec
 from backends.dsv4 import DSV4Backend
+from backends.dsv4 import decode_workspace_spec as dsv4_decode_workspace_spec
 from backends.dsv4_flashinfer import FlashInferDecode
 from backends.dsv4_flashinfer import load_kernel as load_dsv4_kernel
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
@@ -91,7 +92,7 @@ BACKENDS: dict[str, type] = {
 }
 # Workspaces the report always lists (0 bytes when nobody consumed them); FlashInfer's per-wrapper int
 # workspaces (flashinfer_int:*) appear when a FlashInfer backend acquires them.
-WORKSPACES = ("flashinfer_float", "triton_split_kv", "dsa_sparse_decode", "dsa_indexer")
+WORKSPACES = ("flashinfer_float", "triton_split_kv", "dsa_sparse_decode", "dsa_indexer", "dsv4_decode_splits")
 
 
 class BuildLog:
@@ -309,6 +310,9 @@ class Container(containers.DeclarativeContainer):
     dsa_indexer_workspace = _step(build_log, "workspace:dsa_indexer", providers.Factory(
         workspace_ledger.provided.acquire.call(providers.Factory(
             indexer_workspace_spec, model_spec, config.backend, config.kv, config.graph, device), "dsa")))
+    dsv4_decode_workspace = _step(build_log, "workspace:dsv4_decode_splits", providers.Factory(
+        workspace_ledger.provided.acquire.call(providers.Factory(
+            dsv4_decode_workspace_spec, dsv4_cfg.provided.attention, config.backend, device_info), "dsv4")))
 
     # 5. backends: the selected full-attention backend (only that one is built); for a model with
     #    linear-attention layers also the state pool, the linear backend and the wrapper that routes layers.
@@ -349,7 +353,7 @@ class Container(containers.DeclarativeContainer):
             dsa_decode_workspace, dsa_indexer_workspace, config.backend, device)),
         dsv4=_step(build_log, "backend:dsv4", providers.Factory(
             DSV4Backend, dsv4_pools, config.backend.compute_dtype, config.backend.impl, device, hisparse_coordinator,
-            dsv4_flashinfer)),
+            dsv4_flashinfer, dsv4_decode_workspace)),
         trtllm_mla=_step(build_log, "backend:trtllm_mla", providers.Factory(
             TrtllmMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, trtllm_kernel,
             config.backend, max_batch, device_info.provided.sm_count)),

@@ -15,7 +15,9 @@ The plain-torch implementation of attention (float32 or float64 compute, CPU or 
 the oracle. What each impl runs (class data: :data:`backends.dsv4_flashinfer.DECODE_IMPLS`):
 
 * ``torch``: attention in torch (the oracle); the indexer batched in torch.
-* ``triton`` (``auto`` on CUDA): decode through the Triton kernel of :mod:`backends.kernels.dsv4_decode`, extend
+* ``triton`` (``auto`` on CUDA): decode through the Triton kernel of :mod:`backends.kernels.dsv4_decode` (split
+  over the rows at small batches, its partials in the ledger's ``dsv4_decode_splits`` workspace:
+  :func:`decode_workspace_spec`), extend
   through the Triton kernel of :mod:`backends.kernels.dsv4_extend` (each query token over its own window and
   compressed lists; indices planned once per step in :meth:`DSV4Backend.init_forward_metadata` with tensor ops,
   no loop per request: :mod:`backends.dsv4_extend_plan`), except CSA layers under HiSparse, whose extend reads
@@ -46,16 +48,18 @@ import torch
 from backends.base import BackendCapabilities
 from backends.dsv4_extend_plan import ExtendPlan, plan_extend
 from backends.dsv4_flashinfer import DECODE_IMPLS, FlashInferDecode, flashinfer_problems
-from backends.kernels.dsv4_decode import dsv4_decode
+from backends.kernels.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes, dsv4_decode
 from backends.kernels.dsv4_extend import dsv4_extend
 from backends.kernels.dsv4_indexer import indexer_topk_paged, triton_indexer_fits
 from backends.kernels.dsv4_reference import sink_attention
 from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.device import DeviceInfo
 from runtime.core.dsv4_pools import DSV4Pools
-from runtime.core.dsv4_spec import DSV4LayerType
+from runtime.core.dsv4_spec import DSV4AttentionSpec, DSV4LayerType
 from runtime.core.errors import Problem
 from runtime.core.model_spec import TORCH_DTYPES
 from runtime.core.sparse import SparseKVCoordinator
+from runtime.core.workspace import WorkspaceSpec
 
 
 @runtime_checkable
@@ -90,6 +94,19 @@ def resolve_impl(impl: str, device) -> str:
     return ("triton" if torch.device(device).type == "cuda" else "torch") if impl == "auto" else impl
 
 
+DECODE_WORKSPACE = "dsv4_decode_splits"
+
+
+def decode_workspace_spec(spec: DSV4AttentionSpec, backend_cfg: dict, info: DeviceInfo) -> WorkspaceSpec:
+    """The Triton decode's split partials: room for what its automatic split choice uses at any batch on this
+    GPU (:func:`backends.kernels.dsv4_decode.decode_workspace_bytes`; V4-Flash on an H100: about 13 MB); 0 bytes
+    for the other impls."""
+    nbytes = 0
+    if resolve_impl(backend_cfg["impl"], info.torch_device) == "triton":
+        nbytes = decode_workspace_bytes(spec.num_heads, spec.head_dim, info.sm_count or CPU_SM_COUNT)
+    return WorkspaceSpec(DECODE_WORKSPACE, nbytes=nbytes)
+
+
 class DSV4Backend:
     """V4 attention in plain torch over the V4 pools.
 
@@ -109,6 +126,9 @@ class DSV4Backend:
         HiSparse on: the CSA entries' host pool and device buffers (the pools then hold no CSA entries).
     flashinfer : FlashInferDecode or None
         impl=flashinfer: the kernel call (real or emulated) and its workspace.
+    decode_workspace : torch.Tensor or None
+        impl=triton: the split partials' uint8 ledger buffer (:func:`decode_workspace_spec`); None: the kernel's
+        launcher allocates them per call when it splits.
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
@@ -153,8 +173,10 @@ class DSV4Backend:
         return out
 
     def __init__(self, pools: DSV4Pools, compute_dtype: str, impl: str = "torch", device=None,
-                 hisparse: SparseKVCoordinator | None = None, flashinfer: FlashInferDecode | None = None):
+                 hisparse: SparseKVCoordinator | None = None, flashinfer: FlashInferDecode | None = None,
+                 decode_workspace: torch.Tensor | None = None):
         self.pools, self.spec = pools, pools.spec
+        self.decode_workspace = decode_workspace
         self.compute_dtype = TORCH_DTYPES[str(compute_dtype)]
         self.impl = resolve_impl(impl, pools.window.device if device is None else device)
         if (self.impl == "flashinfer") != (flashinfer is not None):
@@ -312,7 +334,7 @@ class DSV4Backend:
             return self.flashinfer.decode(q, ring, self._win_idx, cmp_pages, cmp_idx, sinks, spec.sm_scale,
                                           batch.positions)
         return dsv4_decode(q.contiguous(), ring.view(-1, d), self._win_idx, cmp_pages.view(-1, d),
-                           cmp_idx.contiguous(), sinks.to(q.dtype), spec.sm_scale)
+                           cmp_idx.contiguous(), sinks.to(q.dtype), spec.sm_scale, workspace=self.decode_workspace)
 
     def forward_extend(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """DeepSeek-V4 decode attention at V4-Flash shapes (64 heads, one 512-wide KV head, window 128, CSA top-512, HCA
 every 128 tokens): the Triton kernel (backends/kernels/dsv4_decode.py) checked against the float64 reference at odd
-lengths, then timed at 8k-128k contexts against the copy bandwidth of the bytes it actually reads (the gathered
-window and compressed rows, q and the output), measured in the same run.
+lengths (the single pass, 3 splits and the automatic choice), then timed at 8k-128k contexts and batch 1, 4 and 64,
+with the automatic split over the rows and with ``num_splits=1`` (the single pass), against the copy bandwidth of
+the bytes it actually reads (the gathered window and compressed rows, q and the output), measured in the same run.
+The ``splits`` column is what the automatic choice picked (1: the grid already has a program per SM).
 
-Run: ``python bench/dsv4_decode_bench.py [--batch 64] [--quick] [--out FILE.json]`` (CUDA only; in bench/run_all.py).
+Run: ``python bench/dsv4_decode_bench.py [--batch 1 4 64] [--quick] [--out FILE.json]`` (CUDA only; in
+bench/run_all.py). The split rows have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -18,7 +21,13 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from backends.kernels.dsv4_decode import dsv4_decode, dsv4_decode_torch  # noqa: E402
+from backends.kernels.dsv4_decode import (  # noqa: E402
+    decode_splits,
+    decode_workspace_bytes,
+    dsv4_decode,
+    dsv4_decode_torch,
+    sm_count,
+)
 from bench.harness import copy_bandwidth_gbs, eager_ms  # noqa: E402
 
 H, D, W, TOPK, CSA, HCA = 64, 512, 128, 512, 4, 128
@@ -54,41 +63,61 @@ def check() -> list[dict]:
             want = dsv4_decode_torch(*(a.double() if a.is_floating_point() else a for a in args), D**-0.5)  # float64
             errs = []
             for cfg in CONFIGS:
-                got = dsv4_decode(*args, D**-0.5, **cfg)
-                errs.append(((got.double() - want).abs().max() / want.abs().max()).item())
+                for splits in (None, 1, 3):  # automatic (batch 5 splits here), single pass, 3 (some tails empty)
+                    got = dsv4_decode(*args, D**-0.5, num_splits=splits, **cfg)
+                    errs.append(((got.double() - want).abs().max() / want.abs().max()).item())
             rows.append({"case": name, "dtype": str(dtype).removeprefix("torch."), "max_rel_err": max(errs),
                          "tol": tol, "ok": max(errs) < tol})
     return rows
 
 
-def timing(batch: int, copy_gbs: float, quick: bool = False) -> list[dict]:
+def _best(args, splits, configs, workspace) -> tuple[float, dict]:
+    best = None
+    for cfg in configs:
+        out = torch.empty_like(args[0])
+        ms = eager_ms(lambda cfg=cfg, out=out: dsv4_decode(*args, D**-0.5, out=out, num_splits=splits,
+                                                           workspace=workspace, **cfg))
+        if best is None or ms < best[0]:
+            best = (ms, cfg)
+    return best
+
+
+def timing(batches: list[int], copy_gbs: float, quick: bool = False) -> list[dict]:
     rows = []
-    for ctx in (8192, 131072) if quick else (8192, 32768, 131072):
-        for kind, n_cmp in (("csa", TOPK), ("hca", ctx // HCA)):
-            pool = batch * ctx // (CSA if kind == "csa" else HCA)
-            args = case(batch, [W], [n_cmp], n_cmp, pool, torch.bfloat16)
-            read = batch * (W + n_cmp) * D * 2 + 2 * batch * H * D * 2 + (W + n_cmp) * 4 * batch
-            best = None
-            for cfg in CONFIGS[:2] if quick else CONFIGS:
-                out = torch.empty_like(args[0])
-                ms = eager_ms(lambda cfg=cfg, out=out, args=args: dsv4_decode(*args, D**-0.5, out=out, **cfg))
-                if best is None or ms < best[0]:
-                    best = (ms, cfg)
-            ms_torch = eager_ms(lambda args=args: dsv4_decode_torch(*args, D**-0.5, compute_dtype=torch.float32))
-            gbs = read / best[0] / 1e6
-            rows.append({"context": ctx, "layer": kind, "batch": batch, "rows_per_req": W + n_cmp,
-                         "bytes_read": read, "us": best[0] * 1e3, "GB/s": gbs, "of_copy": gbs / copy_gbs,
-                         "torch_fp32_us": ms_torch * 1e3,
-                         "config": f"h{best[1]['block_h']} n{best[1]['block_n']} w{best[1]['num_warps']}"})
+    sms = sm_count(torch.device("cuda"))
+    workspace = torch.empty(max(decode_workspace_bytes(H, D, sms, c["block_h"]) for c in CONFIGS), dtype=torch.uint8,
+                            device="cuda")
+    configs = CONFIGS[:2] if quick else CONFIGS
+    for batch in batches:
+        for ctx in (8192, 131072) if quick else (8192, 32768, 131072):
+            for kind, n_cmp in (("csa", TOPK), ("hca", ctx // HCA)):
+                pool = batch * ctx // (CSA if kind == "csa" else HCA)
+                args = case(batch, [W], [n_cmp], n_cmp, pool, torch.bfloat16)
+                read = batch * (W + n_cmp) * D * 2 + 2 * batch * H * D * 2 + (W + n_cmp) * 4 * batch
+                single = _best(args, 1, configs, None)
+                ms_torch = eager_ms(lambda args=args: dsv4_decode_torch(*args, D**-0.5, compute_dtype=torch.float32))
+                for label, (ms, cfg) in (("auto", _best(args, None, configs, workspace)), ("1", single)):
+                    gbs = read / ms / 1e6
+                    picked = decode_splits(batch, H, W + n_cmp, sms, cfg["block_h"], cfg["block_n"]) \
+                        if label == "auto" else 1
+                    rows.append({"context": ctx, "layer": kind, "batch": batch, "num_splits": label,
+                                 "splits": picked, "rows_per_req": W + n_cmp, "bytes_read": read, "us": ms * 1e3,
+                                 "GB/s": gbs, "of_copy": gbs / copy_gbs, "vs_single": single[0] / ms,
+                                 "torch_fp32_us": ms_torch * 1e3,
+                                 "config": f"h{cfg['block_h']} n{cfg['block_n']} w{cfg['num_warps']}"})
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 64])
     ap.add_argument("--out", type=str, default=None)
     ap.add_argument("--quick", action="store_true", help="2 contexts, 2 tile configs")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     print(torch.cuda.get_device_name())
     checks = check()
     for r in checks:
@@ -97,12 +126,14 @@ def main() -> None:
     copy = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy:.0f} GB/s")
     rows = timing(a.batch, copy, a.quick)
-    print(f"{'ctx':>7} {'layer':>5} {'B':>3} {'rows':>5} {'MB read':>8} {'us':>8} {'GB/s':>7} {'of copy':>7} "
-          f"{'torch us':>9} config")
+    print(f"{'ctx':>7} {'layer':>5} {'B':>3} {'split':>5} {'S':>3} {'rows':>5} {'MB read':>8} {'us':>8} {'GB/s':>7} "
+          f"{'of copy':>7} {'vs 1':>5} {'torch us':>9} config")
     for r in rows:
-        print(f"{r['context']:>7} {r['layer']:>5} {r['batch']:>3} {r['rows_per_req']:>5} {r['bytes_read'] / 1e6:>8.2f} "
-              f"{r['us']:>8.1f} {r['GB/s']:>7.0f} {r['of_copy']:>7.1%} {r['torch_fp32_us']:>9.1f} {r['config']}")
-    result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy, "checks": checks, "rows": rows}
+        print(f"{r['context']:>7} {r['layer']:>5} {r['batch']:>3} {r['num_splits']:>5} {r['splits']:>3} "
+              f"{r['rows_per_req']:>5} {r['bytes_read'] / 1e6:>8.2f} {r['us']:>8.1f} {r['GB/s']:>7.0f} "
+              f"{r['of_copy']:>7.1%} {r['vs_single']:>5.2f} {r['torch_fp32_us']:>9.1f} {r['config']}")
+    result = {"device": torch.cuda.get_device_name(), "copy_gbs": copy, "sms": sm_count(torch.device("cuda")),
+              "checks": checks, "rows": rows}
     print("BENCH_JSON " + json.dumps(result))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2))

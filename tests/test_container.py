@@ -34,7 +34,8 @@ def test_build_order_reads_top_to_bottom():
 def test_unconsumed_workspaces_cost_zero_bytes():
     rt = containers.build(compose_config("device=cpu"))
     report = rt.container.workspace_ledger().report()
-    assert report == {"flashinfer_float": 0, "triton_split_kv": 0, "dsa_sparse_decode": 0, "dsa_indexer": 0}
+    assert report == {"flashinfer_float": 0, "triton_split_kv": 0, "dsa_sparse_decode": 0, "dsa_indexer": 0,
+                      "dsv4_decode_splits": 0}
     assert rt.container.workspace_ledger().total_bytes == 0
 
 

@@ -19,6 +19,7 @@ from conftest import compose_config
 from dsv4_harness import saved_reference
 from hf_models import prompt_overrides
 
+from backends.kernels.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes
 from containers import build
 from runtime.core.errors import ConfigError
 
@@ -80,6 +81,10 @@ def test_triton_kernels_in_the_engine(v4):
                      "workload.chunked_prefill_size=5", dtype="float32")
     backend = rt.container.backend()
     assert backend.impl == "triton" and backend.extend_kernel and res.retracted > 0
+    # the decode's split partials come from the ledger, sized by the automatic choice's bound (CPU: a fixed SM count)
+    spec = backend.spec
+    assert rt.container.workspace_ledger().report()["dsv4_decode_splits"] == backend.decode_workspace.numel() \
+        == decode_workspace_bytes(spec.num_heads, spec.head_dim, CPU_SM_COUNT) > 0
     assert [res.outputs[i] for i in range(len(PROMPT_LENS))] == v4[2]
 
 

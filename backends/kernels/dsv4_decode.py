@@ -11,9 +11,21 @@ Arguments (B requests, one query token each, H heads, D = the shared KV row widt
 * ``sinks`` [H] (natural-log logits, not scaled), ``sm_scale``.
 
 Returns [B, H, D] in q's dtype. Triton is imported lazily (the fallback works without it).
+
+Split over the rows (flash-decoding): one program per 16-head block and request is a handful of programs at small
+batches (batch 1, 64 heads: 4 on a 132-SM H100). ``num_splits`` > 1 cuts each request's concatenated list (window
+indices, then compressed indices) into tile-aligned slices of ``split_len`` rows, one program per (head block,
+split, request), whose partial softmax states a second kernel merges with the sink (counted once). The automatic
+choice (:func:`decode_splits`) depends only on B, H, the list widths, the tiles and the SM count (read once per
+device; a fixed :data:`CPU_SM_COUNT` on the CPU and in the interpreter), so it is the same on every replay of a
+shape; no host sync. Partials live in a float32 workspace (:func:`decode_workspace_floats`): the caller's (a
+ledger buffer, :func:`decode_workspace_bytes` bounds what the automatic choice needs for any batch), else
+allocated per call. The split path has run only in Triton's CPU interpreter, never on a GPU (not checked, not timed).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -60,27 +72,132 @@ def tile_options(kernel, q: torch.Tensor, block_h: int, block_n: int, num_warps:
                 UPCAST=interp and q.dtype != torch.float32, **extra)
 
 
+#: Split programs aimed at per SM by the automatic choice (about 1-2 waves of the 16-head programs: q, the
+#: float32 accumulator and two stages of 32-row bf16 tiles fit about twice on an H100 SM). Retune on the GPU with
+#: bench/dsv4_decode_bench.py.
+PROGRAMS_PER_SM = 2
+#: The automatic choice gives every split at least this many BLOCK_N tiles (a split stores H x (D + 2) floats of
+#: partials that the merge reads back; shorter slices cost more in that traffic than they gain).
+MIN_TILES_PER_SPLIT = 2
+#: SM count assumed on the CPU and under the Triton interpreter (fixed, so the choice is reproducible there).
+CPU_SM_COUNT = 8
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, interpreted: bool = False) -> int:
+    """SMs the automatic split choice aims at: the GPU's (read once per device), else :data:`CPU_SM_COUNT`."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreted:
+        return CPU_SM_COUNT
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_len(n_rows: int, num_splits: int, block_n: int) -> int:
+    """Rows per split: ``n_rows / num_splits`` rounded up to whole ``block_n`` tiles (trailing splits may be empty)."""
+    return _cdiv(_cdiv(max(n_rows, 1), max(num_splits, 1)), block_n) * block_n
+
+
+def decode_splits(batch: int, heads: int, n_rows: int, sms: int, block_h: int = 16, block_n: int = 32) -> int:
+    """The automatic split count for ``batch`` requests of ``heads`` heads over lists of ``n_rows`` = Nw + Nc
+    indices: 1 when the unsplit grid (``batch * cdiv(heads, block_h)`` programs) already has a program per SM;
+    else enough splits for about ``PROGRAMS_PER_SM * sms`` programs, each split at least
+    ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` rows, and no empty split. Shapes only (graph friendly)."""
+    programs = batch * _cdiv(heads, block_h)
+    if programs == 0 or programs >= sms:
+        return 1
+    want = min(_cdiv(PROGRAMS_PER_SM * sms, programs), n_rows // (MIN_TILES_PER_SPLIT * block_n))
+    if want <= 1:
+        return 1
+    return _cdiv(n_rows, split_len(n_rows, want, block_n))
+
+
+def decode_workspace_floats(batch: int, heads: int, d: int, num_splits: int) -> int:
+    """float32 values of the split partials: acc [B, S, H, D], then m and l [B, S, 2, H] (0 for one split)."""
+    return 0 if num_splits <= 1 else batch * num_splits * heads * (d + 2)
+
+
+def decode_workspace_bytes(heads: int, d: int, sms: int, block_h: int = 16) -> int:
+    """Bytes that hold the automatic choice's partials at any batch size on a GPU of ``sms`` SMs (it splits only
+    while ``batch * cdiv(heads, block_h) < sms``, into at most ``cdiv(PROGRAMS_PER_SM * sms, that)`` splits)."""
+    hb = _cdiv(heads, block_h)
+    slots = max((b * _cdiv(PROGRAMS_PER_SM * sms, b * hb) for b in range(1, _cdiv(sms, hb) + 1) if b * hb < sms),
+                default=0)
+    return 4 * slots * heads * (d + 2)
+
+
+def _workspace_floats(workspace: torch.Tensor) -> torch.Tensor:
+    """The caller's workspace as flat float32 (a ledger buffer is uint8 [nbytes])."""
+    require(workspace.is_contiguous(), "a contiguous workspace")
+    if workspace.dtype == torch.uint8:
+        return workspace[: workspace.numel() // 4 * 4].view(torch.float32)
+    require(workspace.dtype == torch.float32, f"workspace float32 or uint8 (a ledger buffer); got {workspace.dtype}")
+    return workspace.view(-1)
+
+
 def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float, out: torch.Tensor | None = None,
-                block_h: int = 16, block_n: int = 32, num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
-    """The Triton kernel (:mod:`backends.kernels.dsv4_decode_kernels`); see the module docstring. Tiles:
-    ``block_h`` heads x ``block_n`` rows (both >= 16, tl.dot); D must be a power of two. No host sync, no
-    allocation given ``out``."""
+                block_h: int = 16, block_n: int = 32, num_warps: int = 8, num_stages: int = 2,
+                num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernels (:mod:`backends.kernels.dsv4_decode_kernels`); see the module docstring. Tiles:
+    ``block_h`` heads x ``block_n`` rows (both >= 16, tl.dot); D must be a power of two.
+
+    ``num_splits``: None = :func:`decode_splits` (capped by the workspace's room when one is given), 1 = the
+    single-pass kernel, n > 1 = n splits of :func:`split_len` rows (some may be empty). ``workspace``: float32
+    or uint8, at least :func:`decode_workspace_floats` values for the splits used (None: allocated here when
+    splitting). No host sync; no allocation given ``out`` and ``workspace``."""
     import triton
 
     from backends.kernels import dsv4_decode_kernels as kern
 
     _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks)
-    b, h, _ = q.shape
+    b, h, d = q.shape
     require(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q bf16, fp16 or fp32; got {q.dtype}")
     require(q.stride(-1) == 1, "q with a contiguous last dim")
+    require(num_splits is None or num_splits >= 1, f"num_splits None (automatic) or >= 1; got {num_splits}")
     tiles = tile_options(kern._dsv4_decode_kernel, q, block_h, block_n, num_warps, num_stages)
     if out is None:
         out = torch.empty_like(q)
     if b == 0:
         return out
-    kern._dsv4_decode_kernel[(triton.cdiv(h, block_h), b)](
-        q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, out, float(sm_scale) * kern.LOG2E,
-        q.stride(0), q.stride(1), win_idx.stride(0), cmp_idx.stride(0), out.stride(0), out.stride(1),
-        h, win_idx.shape[1], cmp_idx.shape[1], **tiles,
+    n_rows = win_idx.shape[1] + cmp_idx.shape[1]
+    ws = None if workspace is None else _workspace_floats(workspace)
+    interp = kern._dsv4_split_kernel.__class__.__name__ == "InterpretedFunction"
+    if num_splits is None:
+        num_splits = decode_splits(b, h, n_rows, sm_count(q.device, interp), block_h, block_n)
+        if ws is not None:  # the caller's room caps it (its size is fixed: still a function of shapes only)
+            num_splits = max(1, min(num_splits, ws.numel() // (b * h * (d + 2))))
+    if num_splits == 1:
+        kern._dsv4_decode_kernel[(triton.cdiv(h, block_h), b)](
+            q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, out, float(sm_scale) * kern.LOG2E,
+            q.stride(0), q.stride(1), win_idx.stride(0), cmp_idx.stride(0), out.stride(0), out.stride(1),
+            h, win_idx.shape[1], cmp_idx.shape[1], **tiles,
+        )  # fmt: skip
+        return out
+    need = decode_workspace_floats(b, h, d, num_splits)
+    if ws is None:
+        ws = torch.empty(need, dtype=torch.float32, device=q.device)
+    require(ws.numel() >= need, f"a workspace of at least {need} float32 values ({4 * need} bytes) for B={b}, "
+            f"H={h}, D={d}, num_splits={num_splits}; got {ws.numel()} values (fewer splits, or a larger workspace)")
+    acc = ws[: b * num_splits * h * d].view(b, num_splits, h, d)
+    ml = ws[b * num_splits * h * d : need].view(b, num_splits, 2, h)
+    kern._dsv4_split_kernel[(triton.cdiv(h, block_h), num_splits, b)](
+        q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, acc, ml, float(sm_scale) * kern.LOG2E,
+        q.stride(0), q.stride(1), win_idx.stride(0), cmp_idx.stride(0), acc.stride(0), acc.stride(1),
+        acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), h, win_idx.shape[1], cmp_idx.shape[1],
+        split_len(n_rows, num_splits, block_n), **tiles,
+    )  # fmt: skip
+    block_hm = min(16, triton.next_power_of_2(h))
+    block_dv = d if interp else min(d, 64)
+    kern._dsv4_merge_kernel[(b, triton.cdiv(h, block_hm), d // block_dv)](
+        acc, ml, sinks, out, acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
+        ml.stride(2), out.stride(0), out.stride(1), h, num_splits, BLOCK_HM=block_hm, BLOCK_DV=block_dv,
+        **({} if interp else dict(num_warps=4)),
     )  # fmt: skip
     return out
