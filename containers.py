@@ -74,6 +74,7 @@ from runtime.model.deepseek.weights import ModelWeights, random_weights
 from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights, scan_dsv4_checkpoint
 from runtime.model.dsv4.hf_config import dsv4_config
 from runtime.model.dsv4.model import DSV4Model
+from runtime.model.dsv4.sharding import rank_config
 from runtime.model.dsv4.stored import StoredFormat
 from runtime.model.dump import AttentionDumper
 from runtime.model.indexer import IndexKeyPool
@@ -247,12 +248,13 @@ class Container(containers.DeclarativeContainer):
 
     kv_pool = providers.Selector(model_kind, mla=mla_kv_pool, hybrid=mla_kv_pool, dsv4=providers.Object(None))
     # DeepSeek-V4: window ring, compressed-entry pools and compressor state, sized by the token pages
-    dsv4_cfg = providers.Singleton(dsv4_config, config.model)
+    dsv4_cfg = providers.Singleton(dsv4_config, config.model)  # the full model's (checkpoint shapes, sharding)
+    dsv4_rank_cfg = providers.Singleton(rank_config, dsv4_cfg, tp_group.provided.size)  # this rank's heads, groups
     dsv4_stored = providers.Singleton(StoredFormat.of, config.model)  # the checkpoint's fp8 / fp4 storage
     dsv4_pools = providers.Selector(
         model_kind, mla=providers.Object(None), hybrid=providers.Object(None),
         dsv4=_step(build_log, "dsv4_pools", providers.Factory(
-            DSV4Pools.for_token_pages, dsv4_cfg.provided.attention, config.kv.max_requests,
+            DSV4Pools.for_token_pages, dsv4_rank_cfg.provided.attention, config.kv.max_requests,
             model_spec.provided.max_context, config.kv.num_pages, config.kv.page_size, model_spec.provided.dtype,
             device, config.hisparse.enabled)))  # HiSparse: the CSA entries live in the coordinator's host pool
 
@@ -394,10 +396,11 @@ class Container(containers.DeclarativeContainer):
         checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(load_checkpoint, full_model_spec, device,
                                                                             sharding)),
         dsv4_random=_step(build_log, "weights:random", providers.Factory(
-            random_dsv4_weights, dsv4_cfg, model_spec.provided.weight_seed, model_spec.provided.dtype, device)),
+            random_dsv4_weights, dsv4_cfg, model_spec.provided.weight_seed, model_spec.provided.dtype, device,
+            sharding)),
         dsv4_checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(
             load_dsv4_checkpoint, dsv4_cfg, model_spec.provided.path, dsv4_stored, model_spec.provided.dtype,
-            device)),
+            device, sharding)),
     )
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     decoder_ops = providers.Selector(  # model.fused (auto|on|off) against the ops classes' capabilities
@@ -409,7 +412,7 @@ class Container(containers.DeclarativeContainer):
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,
         decoder_ops, tp_group))
     dsv4_model = _step(build_log, "model", providers.Factory(
-        DSV4Model, model_spec, dsv4_cfg, model_weights, dsv4_pools, backend))
+        DSV4Model, model_spec, dsv4_rank_cfg, model_weights, dsv4_pools, backend, tp_group))
     model = providers.Selector(model_kind, mla=mla_model, hybrid=mla_model, dsv4=dsv4_model)
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first

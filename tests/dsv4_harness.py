@@ -10,6 +10,7 @@ from backends.dsv4 import DSV4Backend
 from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.model_spec import ModelSpec
+from runtime.core.parallel import SingleRank
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.model import DSV4Model
 from runtime.model.dsv4.weights import ModelWeights
@@ -79,7 +80,7 @@ class Driver:
         spec = ModelSpec.from_config({"name": "tiny_v4", "num_layers": cfg.attention.num_layers,
                                       "hidden_size": cfg.hidden_size, "num_heads": cfg.attention.num_heads,
                                       "vocab_size": cfg.vocab_size, "dtype": str(dtype).removeprefix("torch.")})
-        self.model = DSV4Model(spec, cfg, weights, self.pools, self.backend)
+        self.model = DSV4Model(spec, cfg, weights, self.pools, self.backend, SingleRank(torch.device("cpu")))
         self.lens: dict[int, int] = {}
 
     def admit(self, row: int) -> None:

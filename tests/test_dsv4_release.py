@@ -9,18 +9,18 @@ config.json's ``quantization_config`` + ``expert_dtype: fp4``.
 The oracle: transformers' own ``Fp8Dequantize._dequantize_one`` (an independent implementation) dequantizes the
 same stored tensors; a transformers model loaded with those values generates the reference tokens. The quantized
 dims are <= 128 (one partial block) or multiples of 128: transformers derives the block from the scale grid, so for
-other dims it reads DeepSeek's ceil-div grid differently (those are checked against a loop below)."""
+other dims it reads DeepSeek's ceil-div grid differently (those are checked against a loop below). The writer:
+tests/dsv4_release.py."""
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import compose_config
-from dsv4_harness import greedy_reference, randomize_, tiny_hf_config
+from dsv4_harness import greedy_reference
 from hf_models import prompt_overrides
 from safetensors.torch import load_file, save_file
 
@@ -35,85 +35,11 @@ from runtime.model.dsv4.weights import ModelWeights
 from runtime.model.quantized import dequantize_fp4, dequantize_fp8, unpack_fp4
 
 pytest.importorskip("transformers")
-from transformers import DeepseekV4ForCausalLM  # noqa: E402
-from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # noqa: E402
+from dsv4_release import FP4, FP8, QUANT, TF_DEQUANT, fp4_rows, fp8_blocks, stored_scale, write_release  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TF_DEQUANT = Fp8Dequantize(None)._dequantize_one
-FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$|\.shared_experts\.w\d\.weight$")
-FP4 = re.compile(r"\.experts\.\d+\.w\d\.weight$")
-BF16 = re.compile(r"^(embed|head)\.weight$|\.compressor\.(wkv|wgate)\.weight$|\.weights_proj\.weight$")
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
-         "activation_scheme": "dynamic"}
 PROMPTS, NEW = [[5, 17, 3, 60, 8], [41, 2, 2, 90, 33, 7, 12, 71, 19]], 6
-
-
-def _pow2(amax: torch.Tensor, top: float) -> torch.Tensor:
-    """The ue8m0 scale exponent: the smallest power of two with amax / 2**e <= top."""
-    return torch.ceil(torch.log2(amax.clamp_min(2.0**-60) / top))
-
-
-def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (e4m3 [out, in], exponents [ceil(out/128), ceil(in/128)]) (partial edge blocks)."""
-    out, inp = w.shape
-    rb, cb = -(-out // 128), -(-inp // 128)
-    pad = torch.zeros(rb * 128, cb * 128)
-    pad[:out, :inp] = w
-    e = _pow2(pad.view(rb, 128, cb, 128).abs().amax((1, 3)), 448.0)
-    q = (pad.view(rb, 128, cb, 128) / e.exp2()[:, None, :, None]).view(rb * 128, cb * 128)[:out, :inp]
-    return q.to(torch.float8_e4m3fn), e
-
-
-def fp4_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (e2m1 packed int8 [out, in/2], low nibble first; exponents [out, in/32])."""
-    out, inp = w.shape
-    e = _pow2(w.view(out, inp // 32, 32).abs().amax(-1), 6.0)
-    x = (w.view(out, inp // 32, 32) / e.exp2()[..., None]).reshape(out, inp)
-    nib = (x[..., None] - E2M1).abs().argmin(-1)  # nearest e2m1 value
-    return (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8).view(torch.int8), e
-
-
-def _scale(e: torch.Tensor, as_: str) -> torch.Tensor:
-    return {"e8m0": e.exp2().to(torch.float8_e8m0fnu), "u8": (e + 127).to(torch.uint8), "f32": e.exp2()}[as_]
-
-
-def write_release(folder: Path, seed: int = 0) -> tuple[dict, DeepseekV4ForCausalLM]:
-    """The release folder (see the module docstring) -> (stored quantized tensors by release name as (weight,
-    scale), a transformers model holding transformers' dequantization of them)."""
-    model = DeepseekV4ForCausalLM(tiny_hf_config(hidden_size=64, moe_intermediate_size=32, head_dim=64, index_head_dim=16,
-                                                 max_position_embeddings=64)).eval()
-    randomize_(model, seed)
-    plain = folder / "transformers"
-    model.save_pretrained(plain)  # transformers writes DeepSeek's names (model.-prefixed, embed_tokens, hc_head.)
-    release, oracle, stored = {}, {}, {}
-    for i, (name, t) in enumerate(sorted(load_file(plain / "model.safetensors").items())):
-        rel = re.sub(r"^hc_head\.hc_", "hc_head_", name.removeprefix("model.")).replace("embed_tokens.", "embed.")
-        module = rel.removesuffix(".weight")
-        if FP8.search(rel):
-            q, e = fp8_blocks(t)
-            s = _scale(e, ("e8m0", "u8", "f32")[i % 3])
-            release[rel], release[module + (".weight_scale_inv" if "wo_b" in rel else ".scale")] = q, s
-        elif FP4.search(rel):
-            q, e = fp4_rows(t)
-            s = _scale(e, "e8m0")
-            release[rel], release[module + ".scale"] = (q.view(torch.float4_e2m1fn_x2) if ".experts.1.w2" in rel
-                                                        else q), s
-        else:
-            t = t.int() if rel.endswith("tid2eid") else t.bfloat16() if BF16.search(rel) else t
-            release[rel] = oracle[name] = t
-            continue
-        stored[rel] = (release[rel], s)
-        oracle[name] = TF_DEQUANT(release[rel], s, output_dtype=torch.float32)
-    release["mtp.0.ffn.experts.0.w1.weight"] = torch.zeros(3, 5, dtype=torch.int8)  # MTP: never read
-    save_file(release, folder / "model.safetensors")
-    cfg = json.loads((plain / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": QUANT, "expert_dtype": "fp4"}))
-    save_file(oracle, plain / "model.safetensors")
-    ref = DeepseekV4ForCausalLM.from_pretrained(plain, attn_implementation="eager",
-                                                experts_implementation="eager").eval()
-    return stored, ref
 
 
 @pytest.fixture(scope="module")
@@ -248,11 +174,11 @@ def test_block_grids_that_do_not_divide_and_fp4_nibbles_against_loops():
         for c in range(0, 200, 50):
             loop[r, c:c + 50] = q[r, c:c + 50].float() * 2.0 ** float(e[r // 128, c // 128])
     for as_ in ("e8m0", "u8", "f32"):
-        assert torch.equal(dequantize_fp8(q, _scale(e, as_), torch.float32), loop), as_
-    assert (dequantize_fp8(q, _scale(e, "u8"), torch.float32) - w).abs().max() < 0.07 * w.abs().max()
+        assert torch.equal(dequantize_fp8(q, stored_scale(e, as_), torch.float32), loop), as_
+    assert (dequantize_fp8(q, stored_scale(e, "u8"), torch.float32) - w).abs().max() < 0.07 * w.abs().max()
     packed = torch.tensor([[0x21, 0xF8]], dtype=torch.uint8).view(torch.int8)  # 1 -> 0.5, 2 -> 1.0, 8 -> -0, F -> -6
     assert unpack_fp4(packed).tolist() == [[0.5, 1.0, -0.0, -6.0]]
     x, e4 = fp4_rows(torch.randn(3, 64, generator=g))
-    got = dequantize_fp4(x, _scale(e4, "u8"), torch.float32)
-    assert torch.equal(got, TF_DEQUANT(x, _scale(e4, "e8m0"), torch.float32))
+    got = dequantize_fp4(x, stored_scale(e4, "u8"), torch.float32)
+    assert torch.equal(got, TF_DEQUANT(x, stored_scale(e4, "e8m0"), torch.float32))
     assert torch.equal(got[:, 32:], unpack_fp4(x)[:, 32:] * e4[:, 1:].exp2())

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import compose_config
 from hf_models import YARN, Case, make_case, prompt_overrides
-from tp_launch import report_outputs, torchrun
+from tp_launch import assert_same_tokens, run_tp2, tp1
 
 from containers import build
 from runtime.app.parallel_report import disagreements
@@ -33,27 +33,6 @@ V3_TP = Case("v3_tp_even_heads", "deepseek_v3", dict(
     q_lora_rank=32, num_attention_heads=4, num_key_value_heads=4, rope_parameters=YARN, rope_interleave=True,
     first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
     routed_scaling_factor=2.5, norm_topk_prob=True), seed=11, prompt_lens=(1, 5, 16, 17, 30))
-
-
-def tp1(*overrides: str):
-    """The same config at tp=1, in this process: (outputs by rid, greedy margins by rid)."""
-    res = build(compose_config(*overrides, "check=off", "progress=false")).engine.run()
-    return res.outputs, res.margins
-
-
-def assert_same_tokens(got: dict, want: dict, margins: dict) -> None:
-    assert got.keys() == want.keys()
-    for rid in want:
-        if got[rid] != want[rid]:
-            i = next(j for j, (a, b) in enumerate(zip(got[rid], want[rid])) if a != b)
-            raise AssertionError(f"request {rid}: tp=2 {got[rid]} vs tp=1 {want[rid]}; first difference at "
-                                 f"position {i}, where tp=1's top-2 margin is {margins[rid][i]:.3e}")
-
-
-def run_tp2(tmp_path, *overrides: str):
-    p = torchrun("parallel.tp=2", "progress=false", *overrides, out_dir=tmp_path / "run")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return report_outputs(tmp_path / "run")
 
 
 def test_synthetic_moe_ep_tp2_equals_tp1_and_report(tmp_path):

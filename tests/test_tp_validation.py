@@ -17,6 +17,7 @@ from runtime.core.errors import ConfigError
 from runtime.core.parallel import LaunchEnv
 
 CPU = DeviceInfo("cpu", "cpu", 0, False, None, "cpu")
+V4 = ("model=deepseek_v4_flash", "backend=dsv4")
 MOE = ("model.mlp=deepseek", "model.intermediate_size=128", "model.moe_intermediate_size=64",
        "model.n_routed_experts=4", "model.num_experts_per_tok=2", "model.n_shared_experts=1",
        "model.first_k_dense_replace=1")
@@ -38,6 +39,8 @@ def one(found, fragment: str):
 def test_a_valid_tp2_config_has_no_problem():
     assert problems("parallel.tp=2", *MOE) == []
     assert problems("parallel.tp=2", "parallel.moe=ep", *MOE) == []
+    for tp in (2, 4, 8, 16):  # DeepSeek-V4-Flash: 64 heads in 8 output groups, 256 experts of width 2048
+        assert problems(f"parallel.tp={tp}", *V4) == [] and problems(f"parallel.tp={tp}", "parallel.moe=ep", *V4) == []
 
 
 def test_world_size_must_equal_tp_and_the_fix_is_the_torchrun_command():
@@ -60,8 +63,17 @@ def test_world_size_must_equal_tp_and_the_fix_is_the_torchrun_command():
      "parallel.tp in"),
     (("parallel.tp=2", "model=ring_hybrid_tiny"), "linear-attention layers", "use parallel.tp=1 for hybrid models"),
     (("parallel.tp=2", "+dump_dir=/tmp/x"), "+dump_dir", "drop +dump_dir"),
-    (("parallel.tp=2", "model=deepseek_v4_flash", "backend=dsv4"), "a DeepSeek-V4 model",
-     "use parallel.tp=1 for DeepSeek-V4"),
+    (("parallel.tp=4", *V4, "model.num_heads=48", "model.v4.o_groups=6"), "model.v4.o_groups: got 6 with "
+     "parallel.tp=4; expected o_groups a multiple of tp", "use parallel.tp in [1, 2, 3, 6, 12, 24, 48]"),
+    (("parallel.tp=3", *V4), "model.num_heads: got 64, not divisible by parallel.tp=3",
+     "parallel.tp in [1, 2, 4, 8, 16, 32, 64]"),
+    (("parallel.tp=2", *V4, "model.moe_intermediate_size=2047"),
+     "model.moe_intermediate_size (parallel.moe=tp: routed and shared experts): got 2047", "or parallel.moe=ep"),
+    (("parallel.tp=4", *V4, "parallel.moe=ep", "model.n_routed_experts=254"),
+     "model.n_routed_experts (parallel.moe=ep): got 254", "parallel.tp in [1, 2], or parallel.moe=tp"),
+    (("parallel.tp=2", *V4, "parallel.moe=ep", "model.moe_intermediate_size=2047"),
+     "the shared expert's intermediate size (model.moe_intermediate_size): got 2047", "split by its width"),
+    (("parallel.tp=2", *V4, "model.vocab_size=129281"), "model.vocab_size: got 129281", "split by vocabulary"),
     (("parallel.tp=0",), "parallel.tp: got 0", "set parallel.tp=1"),
 ])
 def test_each_refusal_names_the_fix(overrides, fragment, fix):
@@ -92,6 +104,30 @@ def test_backends_see_this_ranks_heads():
     """The attention backend's own rules apply to the heads one rank runs (128 heads at tp=2: 64 per rank)."""
     cfg = containers.to_plain(compose_config("device=cpu", "model=deepseek_v3", "parallel.tp=2"))
     assert rank_view(cfg)["model"]["num_heads"] == 64 and cfg["model"]["num_heads"] == 128
+
+
+def test_dsv4_every_problem_at_once_and_its_backend_sees_this_ranks_heads_and_groups():
+    """V4 at tp=4 with 48 heads in 6 output groups and 6 experts under moe=ep: heads divide, but a rank would hold
+    neither whole groups nor one group's share, nor whole experts; the validation of the whole config lists them
+    together. Each rank's view: its heads and groups (the V4 checks of heads / groups and the backends' head rules
+    apply to it)."""
+    view = rank_view(containers.to_plain(compose_config("device=cpu", *V4, "parallel.tp=4")))["model"]
+    assert (view["num_heads"], view["v4"]["o_groups"]) == (16, 2)
+    view = rank_view(containers.to_plain(compose_config("device=cpu", *V4, "parallel.tp=16")))["model"]
+    assert (view["num_heads"], view["v4"]["o_groups"]) == (4, 1)  # two ranks share each group
+    bad = (*V4, "parallel.tp=4", "model.num_heads=48", "model.v4.o_groups=6")
+    unchanged = rank_view(containers.to_plain(compose_config("device=cpu", *bad)))["model"]
+    assert (unchanged["num_heads"], unchanged["v4"]["o_groups"]) == (48, 6)  # the split is refused: whole view
+    found = problems(*bad, "parallel.moe=ep", "model.n_routed_experts=6", "model.num_experts_per_tok=4", world=2)
+    text = "\n".join(map(str, found))
+    for fragment in ("WORLD_SIZE=2", "model.v4.o_groups: got 6", "model.n_routed_experts (parallel.moe=ep): got 6"):
+        assert fragment in text, fragment
+    assert "model.num_heads" not in text and len(found) == 3
+    container = containers.Container()
+    container.launch.override(providers.Object(LaunchEnv(world_size=4, launched=True)))
+    with pytest.raises(ConfigError) as e:
+        containers.build(compose_config("device=cpu", *bad), container=container)
+    assert "model.v4.o_groups" in str(e.value) and container.build_log().names == []
 
 
 def test_cli_refuses_tp2_without_torchrun(tmp_path):

@@ -3,12 +3,15 @@ process group is started.
 
 * the launch: ``WORLD_SIZE`` (torchrun) equal to ``parallel.tp``; on CUDA a GPU for every local rank;
 * the model: heads, vocabulary, the dense MLP's and every expert's intermediate sizes (moe=tp) or the number of
-  routed experts (moe=ep), and the shared experts' intermediate size, divisible by tp;
-* what is not supported with tp > 1, each with its fix: DeepSeek-V4 and hybrid models (their attention is not
-  sharded) and attention dumps.
+  routed experts (moe=ep), and the shared experts' intermediate size, divisible by tp; DeepSeek-V4
+  (:func:`dsv4_parallel_problems`): heads, ``o_groups`` (a multiple or a divisor of tp: the grouped output
+  projection is cut by groups, or each group by heads), vocabulary, the experts' intermediate size (moe=tp) or their number (moe=ep), and the shared expert's width;
+* what is not supported with tp > 1, each with its fix: hybrid models (linear-attention layers are not sharded)
+  and attention dumps.
 
 The other checks (:func:`runtime.app.validation.validate`) see :func:`rank_view` of the config: the model with
-this rank's share of the heads, which is what the attention backend runs with (its head-count rules apply to it).
+this rank's share of the heads (and, DeepSeek-V4, of the output groups), which is what the attention backend runs
+with (its head-count rules apply to it).
 """
 
 from __future__ import annotations
@@ -35,12 +38,20 @@ def _tp_choices(n: int, tp: int) -> str:
 
 
 def rank_view(cfg: Mapping) -> dict:
-    """``cfg`` as one rank runs it: ``model.num_heads / parallel.tp`` heads (unchanged when tp does not divide
-    them: :func:`parallel_problems` reports that)."""
-    tp, heads = cfg["parallel"]["tp"], cfg["model"]["num_heads"]
+    """``cfg`` as one rank runs it: ``model.num_heads / parallel.tp`` heads, and for DeepSeek-V4 also
+    ``model.v4.o_groups / parallel.tp`` output groups (one when tp is a multiple of them); unchanged when tp does
+    not split them (:func:`parallel_problems` reports that)."""
+    tp, model = cfg["parallel"]["tp"], cfg["model"]
+    heads, v4 = model["num_heads"], model.get("v4")
+    if model.get("model_type") == DSV4_MODEL_TYPE and v4:
+        groups = v4.get("o_groups") or 0
+        if tp <= 1 or groups < 1 or not dsv4_output_tp(heads, groups, tp):
+            return dict(cfg)
+        local = {**v4, "o_groups": max(groups // tp, 1)}  # as runtime.model.dsv4.sharding.rank_config
+        return {**cfg, "model": {**model, "num_heads": heads // tp, "v4": local}}
     if tp <= 1 or heads % tp:
         return dict(cfg)
-    return {**cfg, "model": {**cfg["model"], "num_heads": heads // tp}}
+    return {**cfg, "model": {**model, "num_heads": heads // tp}}
 
 
 def parallel_problems(cfg: Mapping, launch: LaunchEnv, device: DeviceInfo) -> list[Problem]:
@@ -68,11 +79,8 @@ def parallel_problems(cfg: Mapping, launch: LaunchEnv, device: DeviceInfo) -> li
                         "(several nodes: --nnodes), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"))
     if tp == 1:
         return out
-    if model.get("model_type") == DSV4_MODEL_TYPE:  # its own attention and pools, not sharded
-        out.append(Problem(f"parallel.tp={tp} with model '{model['name']}'", "a DeepSeek-V4 model",
-                           "an MLA model (DeepSeek-V2/V3/V3.2: the V4 attention, pools and weights are not sharded)",
-                           "use parallel.tp=1 for DeepSeek-V4"))
-        return out
+    if model.get("model_type") == DSV4_MODEL_TYPE:  # its own attention, pools and weights (+dump_dir: its checks)
+        return out + dsv4_parallel_problems(model, tp, moe)
     spec = ModelSpec.from_config(model)
     fix_tp = _tp_choices(spec.num_heads, tp)
     _divisible(out, "model.num_heads", spec.num_heads, tp, f"use {fix_tp} (attention heads are split over the ranks)")
@@ -100,4 +108,39 @@ def parallel_problems(cfg: Mapping, launch: LaunchEnv, device: DeviceInfo) -> li
     if cfg.get("dump_dir"):
         add(Problem(f"parallel.tp={tp} with +dump_dir", "attention dumps of one rank's heads",
                     "dumps with one rank (they hold every head of layer 0)", "drop +dump_dir, or use parallel.tp=1"))
+    return out
+
+
+def dsv4_output_tp(heads: int, groups: int, tp: int) -> bool:
+    """Whether tp ranks can split DeepSeek-V4's heads and its grouped output projection: heads divisible by tp,
+    and each rank whole groups (``groups % tp == 0``) or one group's share (``tp % groups == 0``)."""
+    return heads % tp == 0 and (groups % tp == 0 or tp % groups == 0)
+
+
+def dsv4_parallel_problems(model: Mapping, tp: int, moe: str) -> list[Problem]:
+    """A DeepSeek-V4 model under tp > 1 (:mod:`runtime.model.dsv4.sharding`): query heads split over the ranks,
+    each rank holding whole output groups or a share of one (``o_groups`` a multiple or a divisor of tp), the
+    vocabulary, and the routed experts' width (moe=tp) or number (moe=ep) and the shared expert's width, each
+    divisible by tp. ``model.v4`` has passed its own checks when this runs, or is reported there."""
+    v4, out = model.get("v4") or {}, []
+    heads, groups = model["num_heads"], v4.get("o_groups") or 0
+    if groups < 1:
+        return out  # reported by runtime.app.dsv4_validation
+    fits = [t for t in range(1, heads + 1) if dsv4_output_tp(heads, groups, t)]
+    _divisible(out, "model.num_heads", heads, tp, f"use parallel.tp in {fits} (query heads are split over the ranks)")
+    if groups % tp and tp % groups:
+        out.append(Problem("model.v4.o_groups", f"{groups} with parallel.tp={tp}",
+                           "o_groups a multiple of tp (each rank whole output groups) or a divisor of it (each group "
+                           "split over tp / o_groups ranks)", f"use parallel.tp in {fits}"))
+    _divisible(out, "model.vocab_size", model["vocab_size"], tp,
+               f"use {_tp_choices(model['vocab_size'], tp)} (the embedding and LM head are split by vocabulary)")
+    width, experts = model["moe_intermediate_size"], model["n_routed_experts"]
+    if moe == "ep":
+        _divisible(out, "model.n_routed_experts (parallel.moe=ep)", experts, tp,
+                   f"use {_tp_choices(experts, tp)}, or parallel.moe=tp")
+        _divisible(out, "the shared expert's intermediate size (model.moe_intermediate_size)", width, tp,
+                   f"use {_tp_choices(width, tp)} (the shared expert is split by its width)")
+    else:
+        _divisible(out, "model.moe_intermediate_size (parallel.moe=tp: routed and shared experts)", width, tp,
+                   f"use {_tp_choices(width, tp)}, or parallel.moe=ep")
     return out

@@ -33,6 +33,7 @@ from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.rope import rope_tables
 from runtime.model.deepseek.weights import ModelWeights
 from runtime.model.dump import AttentionDumper
+from runtime.model.layers import embed_vocab_parallel
 
 
 class MLAModel:
@@ -121,10 +122,7 @@ class MLAModel:
 
     def _embed_vocab_parallel(self, input_ids: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the embedding, zeros for ids outside its slice, summed over the ranks."""
-        local = input_ids - self.weights.vocab_start
-        mine = (local >= 0) & (local < self.weights.embed.shape[0])
-        x = self.weights.embed[torch.where(mine, local, 0)]
-        return self.group.all_reduce(torch.where(mine[:, None], x, 0.0).to(x.dtype))
+        return embed_vocab_parallel(self.weights.embed, self.weights.vocab_start, input_ids, self.group)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (this rank's vocabulary slice, all-gathered: the same on every rank)."""

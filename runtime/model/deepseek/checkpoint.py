@@ -13,7 +13,8 @@ model, or the release's MTP layer) are not read.
 
 Tensor parallelism: each rank reads only its slice of each tensor (``safe_open(...).get_slice``; the cuts are
 :mod:`runtime.model.deepseek.sharding`'s), for fp8 weights with the block-scale rows and columns that cover the
-slice (dequantised, then trimmed to it); with expert parallelism the other ranks' experts are not read at all.
+slice (dequantised, then trimmed to it; the same for DeepSeek-V4's fp4 experts, whose scales cover a row and
+32 inputs); with expert parallelism the other ranks' experts are not read at all.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ from runtime.model.deepseek.weights import (
     split_kv_b,
 )
 from runtime.model.indexer import IndexerWeights
-from runtime.model.quantized import FP8_BLOCK, ScaledTensor, StoredKind, dequantize_fp8
+from runtime.model.quantized import FP8_BLOCK, ScaledTensor, StoredKind, apply_block_scales, unpack_fp4
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FP8 = "F8_E4M3"
+F4 = "F4"  # safetensors' float4 (DeepSeek-V4 fp4 experts; its header counts fp4 elements)
 # safetensors dtype names we serve -> torch dtypes
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           FP8: torch.float8_e4m3fn}
@@ -273,18 +275,27 @@ class _Reader:
         return stored.dequantize(t.to(self.device), scale.to(self.device), want)
 
     def _piece(self, name: str, info: TensorInfo, piece: tuple[slice, ...], want: torch.dtype) -> torch.Tensor:
-        t = self._open(info.file).get_slice(name)[piece]
+        """One piece of a cut: ``piece`` indexes the tensor's (unpacked) elements. A block-scaled weight reads the
+        stored bytes that cover it and the scale blocks that cover those, dequantizes, then trims: fp8 [out, in];
+        fp4 packed two per byte ([out, in / 2] ``I8``: the bytes that hold the piece's columns; a ``F4`` tensor is
+        read whole and cut on the host, as safetensors cannot slice it)."""
         stored = self.scaled.get(name)
         if stored is None:
-            return t.to(device=self.device, dtype=want)
-        if stored.kind != StoredKind.fp8:
-            raise ValueError(f"{name}: {stored.kind.value} weights are read whole; tensor-parallel slices of them "
-                             "are not built")
+            return self._open(info.file).get_slice(name)[piece].to(device=self.device, dtype=want)
+        fp4 = stored.kind == StoredKind.fp4
+        rows, cols = info.shape[0], info.shape[1] * (2 if fp4 and info.dtype != F4 else 1)
         (br, bc), (r0, r1), (c0, c1) = stored.block, *(_span(s, n) for s, n in zip(piece + (slice(None),) * 2,
-                                                                                  info.shape))
+                                                                                  (rows, cols)))
+        b0, b1 = (c0 // 2, -(-c1 // 2)) if fp4 else (c0, c1)  # the stored columns (fp4: bytes) that hold the piece
+        if info.dtype == F4:
+            t = self._open(info.file).get_tensor(name)[r0:r1, b0:b1]
+        else:
+            t = self._open(info.file).get_slice(name)[r0:r1, b0:b1]
+        t = t.to(self.device)
+        values = unpack_fp4(t)[:, c0 - 2 * b0: c1 - 2 * b0] if fp4 else t.float()
         blocks = (slice(r0 // br, -(-r1 // br)), slice(c0 // bc, -(-c1 // bc)))
         scale = self._open(self.index[stored.scale].file).get_slice(stored.scale)[blocks]
-        return dequantize_fp8(t.to(self.device), scale.to(self.device), want, r0 % br, c0 % bc, stored.block)
+        return apply_block_scales(values, scale.to(self.device), stored.block, want, r0 % br, c0 % bc)
 
 
 def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_RANK) -> ModelWeights:

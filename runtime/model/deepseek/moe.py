@@ -77,10 +77,16 @@ def local_expert_ids(w: MoEWeights, ids: torch.Tensor) -> tuple[torch.Tensor, to
     """Expert parallelism: ids [T, k] global expert ids -> (the same pairs' ids among this rank's experts
     ``w.first_expert ...``, with ``n_local`` for other ranks' experts: one extra group, sorted last and dropped;
     the [T, k] mask of this rank's pairs). A rank that holds every expert (no EP) gets ``(ids, None)``."""
-    n_local = w.gate_up.shape[0]
-    if n_local == w.gate.shape[0]:
+    return local_ids(ids, w.first_expert, w.gate_up.shape[0], w.gate.shape[0])
+
+
+def local_ids(ids: torch.Tensor, first_expert: int, n_local: int, n_experts: int
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`local_expert_ids` from the numbers (V3 and V4): this rank holds experts ``first_expert ..
+    first_expert + n_local - 1`` of ``n_experts``."""
+    if n_local == n_experts:
         return ids, None
-    local = ids - w.first_expert
+    local = ids - first_expert
     mine = (local >= 0) & (local < n_local)
     return torch.where(mine, local, n_local), mine
 

@@ -71,17 +71,25 @@ def tensor_cut(name: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shardi
         return _rows(part(s.num_heads, s.qk_nope_head_dim + s.v_head_dim))
     if name.endswith("self_attn.o_proj.weight"):
         return _cols(part(s.num_heads, s.v_head_dim))
+    return mlp_cut(name, shape, s.n_routed_experts, shard)
+
+
+def mlp_cut(name: str, shape: tuple[int, ...], n_experts: int, shard: Sharding) -> Cut | None:
+    """The cut of an MLP tensor (routed experts, per expert or transformers' fused ones; a dense MLP's or the
+    shared experts' ``gate_proj`` / ``up_proj`` / ``down_proj``), shared by DeepSeek-V3 and V4; any other name is
+    replicated. None: another rank's expert (moe=ep)."""
+    part = shard.part
     expert = _EXPERT.search(name)
     if expert is not None and shard.expert_parallel:
-        return FULL if int(expert.group(1)) in range(s.n_routed_experts)[part(s.n_routed_experts)] else None
+        return FULL if int(expert.group(1)) in experts_of(n_experts, shard) else None
     if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused [E, 2I, D]
         if shard.expert_parallel:
-            return _rows(part(s.n_routed_experts))
+            return _rows(part(n_experts))
         i = shape[1] // 2
         own = part(i)
         return Cut(((ALL, own), (ALL, slice(i + own.start, i + own.stop))), dim=1)
     if name.endswith("mlp.experts.down_proj"):  # fused [E, D, I]
-        return _rows(part(s.n_routed_experts)) if shard.expert_parallel else Cut(((ALL, ALL, part(shape[2])),))
+        return _rows(part(n_experts)) if shard.expert_parallel else Cut(((ALL, ALL, part(shape[2])),))
     if name.endswith(("gate_proj.weight", "up_proj.weight")):  # dense MLP, shared experts, routed experts (tp)
         return _rows(part(shape[0]))
     if name.endswith("down_proj.weight"):
@@ -89,10 +97,15 @@ def tensor_cut(name: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shardi
     return FULL
 
 
+def experts_of(n_experts: int, shard: Sharding) -> range:
+    """The routed experts a rank computes: all ``n_experts`` (moe=tp, every one cut), or its own (moe=ep)."""
+    experts = range(n_experts)
+    return experts[shard.part(n_experts)] if shard.expert_parallel else experts
+
+
 def expert_range(spec: ModelSpec, shard: Sharding) -> range:
     """The routed experts this rank computes: all of them (moe=tp, every one cut), or its own (moe=ep)."""
-    experts = range(spec.n_routed_experts)
-    return experts[shard.part(spec.n_routed_experts)] if shard.expert_parallel else experts
+    return experts_of(spec.n_routed_experts, shard)
 
 
 def local_shape(shape: tuple[int, ...], cut: Cut) -> tuple[int, ...]:

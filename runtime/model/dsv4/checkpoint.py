@@ -10,6 +10,9 @@ scales (``<module>.scale``) and fp4 e2m1 routed experts, as config.json's ``quan
 (:mod:`runtime.model.dsv4.stored` checks them from the headers); those are dequantized to the model dtype as each
 tensor is read (:mod:`runtime.model.quantized`), so the loaded model holds ~2x the fp8 bytes (bf16) and ~4x the fp4
 bytes; computing in fp8 / fp4 is not built. Layers past ``num_layers`` and the MTP layers are not read.
+
+Tensor parallelism: each rank reads only its slice of each tensor (:mod:`runtime.model.dsv4.sharding`), block-scaled
+ones with the scale blocks that cover the slice; the seeded weights draw every full tensor and keep the slice.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import torch
 
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.errors import CheckpointError, Problem
+from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.checkpoint import TensorInfo, _Reader, checkpoint_index, tensor_problems
 from runtime.model.dsv4.config import DSV4Config, MlpType
+from runtime.model.dsv4.sharding import dsv4_experts, dsv4_tensor_cut
 from runtime.model.dsv4.stored import StoredFormat, check_tensor, scale_names
 from runtime.model.dsv4.weights import ModelWeights
 from runtime.model.quantized import ScaledTensor
@@ -159,48 +164,60 @@ def scan_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat
 
 
 def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat, dtype: torch.dtype,
-                         device: torch.device) -> ModelWeights:
+                         device: torch.device, shard: Sharding = ONE_RANK) -> ModelWeights:
     """Every tensor of :func:`expected_tensors` from ``folder``, in file order, one on the host at a time, cast to
     ``dtype`` (``tid2eid`` to int64; fp8 / fp4 tensors dequantized with their scales as they are read);
-    per-expert tensors are stacked. Raises :class:`CheckpointError` listing every problem before reading."""
+    per-expert tensors are stacked. Under tensor parallelism (``shard``) only this rank's slice of each tensor is
+    read (:mod:`runtime.model.dsv4.sharding`; fp8 / fp4 slices with the scale blocks that cover them), and with
+    moe=ep other ranks' experts not at all. ``cfg`` is the full model's. Raises :class:`CheckpointError` listing
+    every problem before reading."""
     start = time.perf_counter()
     index, names, expected, scaled, problems = scan_dsv4_checkpoint(cfg, folder, fmt)
     if problems:
         raise CheckpointError(problems)
+    cuts = {n: dsv4_tensor_cut(n, shape, cfg, shard) for n, shape in expected.items()}
+    mine = [n for n in expected if cuts[n] is not None]
     reader = _Reader(index, torch.device(device), dtype, scaled)
     state: dict[str, torch.Tensor] = {}
     try:
-        for name in sorted(expected, key=lambda n: (str(index[names[n]].file), n)):
-            state[name] = reader.get(names[name], torch.int64 if _is_int(name) else dtype)
+        for name in sorted(mine, key=lambda n: (str(index[names[n]].file), n)):
+            state[name] = reader.get(names[name], torch.int64 if _is_int(name) else dtype, cut=cuts[name])
     finally:
         reader.close()
+    experts = dsv4_experts(cfg, shard)
     for i in range(cfg.attention.num_layers):  # the release layout: one tensor per expert
         p = f"model.layers.{i}.mlp.experts."
-        if p + "0.gate_proj.weight" in state:
-            e = range(cfg.n_routed_experts)
+        if p + f"{experts.start}.gate_proj.weight" in state:
             state[p + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{p}{x}.gate_proj.weight"),
-                                                                state.pop(f"{p}{x}.up_proj.weight")]) for x in e])
-            state[p + "down_proj"] = torch.stack([state.pop(f"{p}{x}.down_proj.weight") for x in e])
-    weights = ModelWeights.load(state, cfg=cfg)
+                                                                state.pop(f"{p}{x}.up_proj.weight")]) for x in experts])
+            state[p + "down_proj"] = torch.stack([state.pop(f"{p}{x}.down_proj.weight") for x in experts])
+    weights = ModelWeights.load(state, cfg=cfg, first_expert=experts.start,
+                                vocab_start=shard.part(cfg.vocab_size).start)
     weights.source = str(folder)
-    weights.stored_dtypes = dict(Counter(index[names[n]].dtype for n in expected))
+    weights.stored_dtypes = dict(Counter(index[names[n]].dtype for n in mine))
     weights.load_seconds = time.perf_counter() - start
     weights.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return weights
 
 
-def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: torch.device,
+                        shard: Sharding = ONE_RANK) -> ModelWeights:
     """Seeded random weights of the shapes :func:`expected_tensors` lists, drawn on ``device``: matrices with
-    std ``fan_in ** -0.5``, norms 1, sinks / position biases / mHC bases small, ``tid2eid`` uniform expert ids."""
+    std ``fan_in ** -0.5``, norms 1, sinks / position biases / mHC bases small, ``tid2eid`` uniform expert ids.
+    Under tensor parallelism (``shard``) every full tensor is drawn in the same order and this rank keeps its
+    slice, so tp=1 and tp=N serve the same model (``cfg`` is the full model's)."""
     g = torch.Generator(device=device).manual_seed(int(seed))
     state: dict[str, torch.Tensor] = {}
     for name, shape in expected_tensors(cfg).items():
         if _is_int(name):
-            state[name] = torch.randint(0, cfg.n_routed_experts, shape, generator=g, device=device)
+            t = torch.randint(0, cfg.n_routed_experts, shape, generator=g, device=device)
         elif name.endswith(("norm.weight", "layernorm.weight", "scale", "hc_scale")):
-            state[name] = torch.ones(shape, dtype=dtype, device=device)
+            t = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias")):
-            state[name] = 0.1 * torch.randn(shape, generator=g, dtype=dtype, device=device)
+            t = 0.1 * torch.randn(shape, generator=g, dtype=dtype, device=device)
         else:
-            state[name] = torch.randn(shape, generator=g, dtype=dtype, device=device) * shape[-1] ** -0.5
-    return ModelWeights.load(state, cfg=cfg)
+            t = torch.randn(shape, generator=g, dtype=dtype, device=device) * shape[-1] ** -0.5
+        cut = dsv4_tensor_cut(name, shape, cfg, shard)  # never None: the experts are fused tensors here
+        state[name] = t if cut.replicated else cut.apply(t).contiguous()
+    return ModelWeights.load(state, cfg=cfg, first_expert=dsv4_experts(cfg, shard).start,
+                             vocab_start=shard.part(cfg.vocab_size).start)

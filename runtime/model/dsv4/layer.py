@@ -14,6 +14,10 @@ Attention block (per step, T new tokens of B requests, flattened as in :class:`r
    (``o_a_proj`` block-diagonal over ``o_groups`` head groups, then ``o_b_proj``).
 
 Decoder layer: mHC collapse -> RMSNorm -> attention -> mHC expand; mHC collapse -> RMSNorm -> MoE -> mHC expand.
+
+Tensor parallelism: ``cfg`` and the weights are this rank's (its heads, their sinks and output groups; its experts
+or expert width); the attention output (after ``o_b_proj``) and the MoE output are partial sums, added over the
+ranks by the injected group (one all-reduce each) before mHC expands them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from backends.dsv4 import DSV4AttentionBackend
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.dsv4_pools import CompressorStatePool, DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
+from runtime.core.parallel import SingleRank, TPGroup
 from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_post, hc_pre
@@ -100,20 +105,22 @@ class DSV4Attention:
 
 
 class DSV4DecoderLayer:
-    """mHC around attention and MoE. ``forward(streams [T, n, hidden], input_ids [T], batch)``; ``grouped_mm``:
-    the routed experts run as two grouped GEMMs (see :mod:`runtime.model.dsv4.moe`)."""
+    """mHC around attention and MoE. ``forward(streams [T, n, hidden], input_ids [T], batch)``; ``group`` sums the
+    attention and MoE outputs over the tensor-parallel ranks; ``grouped_mm``: the routed experts run as two grouped
+    GEMMs (see :mod:`runtime.model.dsv4.moe`)."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, weights: LayerWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend, grouped_mm: bool = False):
-        self.cfg, self.layer_id, self.w, self.grouped_mm = cfg, layer_id, weights, grouped_mm
+                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup, grouped_mm: bool = False):
+        self.cfg, self.layer_id, self.w, self.group, self.grouped_mm = cfg, layer_id, weights, group, grouped_mm
         self.attention = DSV4Attention(cfg, layer_id, weights.attn, pools, backend)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg, w = self.cfg, self.w
         it, he, ne = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         post, comb, x = hc_pre(w.attn_hc, streams, it, he, ne)
-        a = self.attention.forward(rms_norm(x, w.input_layernorm, ne), batch)
+        a = self.group.all_reduce(self.attention.forward(rms_norm(x, w.input_layernorm, ne), batch))
         streams = hc_post(post, comb, a, streams)
         post, comb, x = hc_pre(w.ffn_hc, streams, it, he, ne)
-        m = moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg, self.grouped_mm)
+        m = self.group.all_reduce(moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg,
+                                              self.grouped_mm))
         return hc_post(post, comb, m, streams)

@@ -5,6 +5,10 @@ parameter names; every matrix in HF layout ``[out, in]``.
 has dequantized FP8 / renamed the original checkpoint's keys to HF names) with ``prefix`` such as
 ``"model.layers.3."``. :data:`HF_NAMES` of each class maps field -> name suffix, so the loader can list every
 name a layer needs before reading anything.
+
+Under tensor parallelism the tensors are a rank's slices (:mod:`runtime.model.dsv4.sharding`): the shapes below
+with this rank's heads, output groups, vocabulary rows, experts or expert width; ``first_expert`` and
+``vocab_start`` say where its experts and vocabulary rows start.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class MoEWeights(_Named):
     shared_down_proj: torch.Tensor  # [hidden, Is]
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32 (top-k routed layers)
     tid2eid: torch.Tensor | None = None  # [vocab, top_k] int64 (hash layers)
+    first_expert: int = 0  # global id of gate_up_proj[0] (moe=ep: this rank's first expert; else 0)
     HF_NAMES: ClassVar[dict[str, str]] = {
         "gate": "gate.weight", "gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj",
         "shared_gate_proj": "shared_experts.gate_proj.weight", "shared_up_proj": "shared_experts.up_proj.weight",
@@ -138,7 +143,8 @@ class LayerWeights(_Named):
     ffn_hc: HyperConnectionWeights
 
     @classmethod
-    def load(cls, state: dict, prefix: str, *, cfg: DSV4Config, layer_id: int) -> LayerWeights:
+    def load(cls, state: dict, prefix: str, *, cfg: DSV4Config, layer_id: int, first_expert: int = 0
+             ) -> LayerWeights:
         kind = cfg.attention.layer_types[layer_id]
         a = prefix + "self_attn."
         comp = idx = None
@@ -153,7 +159,7 @@ class LayerWeights(_Named):
             routed["e_score_correction_bias"] = _read(state, prefix + "mlp.gate.e_score_correction_bias")
         return cls(
             attn=AttentionWeights.load(state, a, compressor=comp, indexer=idx),
-            mlp=MoEWeights.load(state, prefix + "mlp.", **routed),
+            mlp=MoEWeights.load(state, prefix + "mlp.", **routed, first_expert=first_expert),
             input_layernorm=_read(state, prefix + "input_layernorm.weight"),
             post_attention_layernorm=_read(state, prefix + "post_attention_layernorm.weight"),
             attn_hc=HyperConnectionWeights.load(state, prefix + "attn_hc."),
@@ -170,21 +176,26 @@ class ModelWeights(_Named):
     hc_head: HyperHeadWeights
     norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor  # [vocab, hidden]
+    vocab_start: int = 0  # first vocabulary id of embed_tokens / lm_head (tensor parallelism: this rank's slice)
     source: str = "random"  # where they came from: "random" (a preset) or the checkpoint folder
     stored_dtypes: dict = field(default_factory=dict)  # checkpoint dtype -> tensors read in it (dequantized / cast)
     load_seconds: float = 0.0
     peak_host_bytes: int = 0
 
     @classmethod
-    def load(cls, state: dict, prefix: str = "", *, cfg: DSV4Config) -> ModelWeights:
+    def load(cls, state: dict, prefix: str = "", *, cfg: DSV4Config, first_expert: int = 0,
+             vocab_start: int = 0) -> ModelWeights:
+        """``state`` holds the whole model's tensors, or a rank's slices whose experts start at ``first_expert``
+        and vocabulary rows at ``vocab_start``."""
         m = prefix + "model."
         return cls(
             embed_tokens=_read(state, m + "embed_tokens.weight"),
-            layers=[LayerWeights.load(state, f"{m}layers.{i}.", cfg=cfg, layer_id=i)
+            layers=[LayerWeights.load(state, f"{m}layers.{i}.", cfg=cfg, layer_id=i, first_expert=first_expert)
                     for i in range(cfg.attention.num_layers)],
             hc_head=HyperHeadWeights.load(state, m + "hc_head."),
             norm=_read(state, m + "norm.weight"),
             lm_head=_read(state, prefix + "lm_head.weight"),
+            vocab_start=vocab_start,
         )
 
     @property
