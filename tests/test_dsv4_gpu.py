@@ -11,7 +11,7 @@ from dsv4_harness import randomize_, saved_reference, tiny_hf_config
 from hf_models import prompt_overrides
 
 from containers import build
-from runtime.model.deepseek.moe import grouped_mm_usable
+from runtime.model.deepseek.moe import GROUPED_MM
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.moe import moe_forward
 from runtime.model.dsv4.weights import ModelWeights
@@ -35,7 +35,7 @@ def _model(seed: int, **over):
 @pytest.mark.parametrize("tokens", [1, 7, 63])
 def test_grouped_experts_match_the_per_expert_loop(tokens):
     """hidden 64, experts of 32: the widths torch._grouped_mm takes; layer 0 hash-routed, layer 1 top-k."""
-    if not grouped_mm_usable(torch.device("cuda"), torch.bfloat16, (64, 32)):
+    if not GROUPED_MM.usable(torch.device("cuda"), torch.bfloat16, (64, 32)):
         pytest.skip("torch._grouped_mm needs an SM90+ GPU")
     ref = _model(1, hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3)
     cfg = DSV4Config.from_hf_config(ref.config.to_dict())

@@ -28,7 +28,7 @@ from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import SingleRank, TPGroup
 from runtime.model.deepseek.attention import MLAAttention, linear_attention
-from runtime.model.deepseek.moe import grouped_mm_usable
+from runtime.model.deepseek.moe import GROUPED_MM
 from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.rope import rope_tables
 from runtime.model.deepseek.weights import ModelWeights
@@ -87,7 +87,7 @@ class MLAModel:
         self.attention = MLAAttention(spec, kv_pool, backend, mha_prefill, dumper, sparse, dump_layer, ops)
         self.rope_cos, self.rope_sin = rope_tables(spec, device)
         moe_dims = [d for k, lw in zip(spec.mlp_kinds, self.layers) if k == MLPLayer.moe for d in lw.mlp.down.shape[1:]]
-        self.grouped_mm = spec.has_moe and grouped_mm_usable(device, spec.dtype, tuple(moe_dims))
+        self.grouped_mm = spec.has_moe and GROUPED_MM.usable(device, spec.dtype, tuple(moe_dims))
 
     @property
     def weight_bytes(self) -> int:

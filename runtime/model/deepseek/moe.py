@@ -21,6 +21,8 @@ weighted and summed back per token in float32 in a fixed order (graph replays eq
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -64,13 +66,26 @@ def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -
     return mask[:, :, None].expand(t, g, num_experts // g).reshape(t, num_experts)
 
 
-def grouped_mm_usable(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
-    """Whether ``torch._grouped_mm`` serves the expert GEMMs: CUDA, bf16, compute capability >= 9.0, rows of
-    16-byte multiples."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0) and all(d % 8 == 0 for d in dims)
+@dataclass(frozen=True)
+class GroupedMMSupport:
+    """Where ``torch._grouped_mm`` serves the expert GEMMs, as data: device type, dtype, least compute
+    capability, and the multiple every GEMM dim must be (16-byte rows in bf16)."""
+
+    device_type: str
+    dtype: torch.dtype
+    min_capability: tuple[int, int]
+    dim_multiple: int
+
+    def usable(self, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
+        device = torch.device(device)
+        if device.type != self.device_type or dtype != self.dtype:
+            return False
+        return (torch.cuda.get_device_capability(device) >= self.min_capability
+                and all(d % self.dim_multiple == 0 for d in dims))
+
+
+#: the grouped expert GEMM (V3 and V4 MoE): CUDA, bf16, SM90+, dims multiples of 8
+GROUPED_MM = GroupedMMSupport("cuda", torch.bfloat16, (9, 0), 8)
 
 
 def local_expert_ids(w: MoEWeights, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -20,7 +20,7 @@ from runtime.core.batch import ForwardBatch
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import SingleRank, TPGroup
-from runtime.model.deepseek.moe import grouped_mm_usable
+from runtime.model.deepseek.moe import GROUPED_MM
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_head
 from runtime.model.dsv4.layer import DSV4DecoderLayer
@@ -58,7 +58,7 @@ class DSV4Model:
         self.group = group
         self.device = weights.embed_tokens.device
         dims = (cfg.hidden_size, weights.layers[0].mlp.down_proj.shape[2])  # the expert width this rank holds
-        self.grouped_mm = grouped_mm_usable(self.device, weights.embed_tokens.dtype, dims)  # V4 experts: see moe.py
+        self.grouped_mm = GROUPED_MM.usable(self.device, weights.embed_tokens.dtype, dims)  # V4 experts: see moe.py
         self.layers = [DSV4DecoderLayer(cfg, i, lw, pools, backend, self.group, self.grouped_mm)
                        for i, lw in enumerate(weights.layers)]
 
