@@ -35,6 +35,9 @@ class BackendCapabilities:
     forward_modes : frozenset of ForwardMode
     cuda_graph : tuple of (ForwardMode, CudaGraphLevel)
         Graph level per mode; a mode not listed is NEVER.
+    graph_impls : frozenset of str or None
+        The ``backend.impl`` values whose steps run inside a graph (``auto`` counts as its CUDA choice, which must
+        be listed); None: every impl, or the backend has no ``impl`` switch. Validation refuses the others.
     mha_chunked_prefill : bool
         Implements :class:`MHAChunkPrefill` (decompressed-KV ragged prefill with prefix chunks).
     sparse : bool
@@ -78,6 +81,7 @@ class BackendCapabilities:
 
     forward_modes: frozenset[ForwardMode]
     cuda_graph: tuple[tuple[ForwardMode, CudaGraphLevel], ...] = ()
+    graph_impls: frozenset[str] | None = None
     mha_chunked_prefill: bool = False
     sparse: bool = False
     builds_own_kv_indices: bool = False

@@ -97,7 +97,8 @@ class DSABackend:
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
-        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),  # impl=triton (validation)
+        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),
+        graph_impls=frozenset({"triton"}),  # the torch impl loops on the host
         mha_chunked_prefill=False,
         sparse=True,
         builds_own_kv_indices=True,

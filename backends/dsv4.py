@@ -28,8 +28,13 @@ the oracle. What each impl runs (class data: :data:`backends.dsv4_flashinfer.DEC
   in torch.
 
 The indexer (:meth:`DSV4Backend.select_topk`) has no loop per request with any impl; its semantics are the
-per-request reference's (:func:`backends.kernels.dsv4_reference.indexer_topk`). The Triton extend kernel and the
-DSA indexer path have been checked only in Triton's CPU interpreter, never on a GPU.
+per-request reference's (:func:`backends.kernels.dsv4_reference.indexer_topk`). The Triton decode and extend
+kernels passed on an H100 at V4-Flash shapes; the DSA indexer path has been checked only in Triton's CPU
+interpreter.
+
+CUDA graphs (decode, ``impl=triton``, no HiSparse: validation): the graph hooks keep fixed-width lists in static
+buffers, refreshed in place by device ops before each replay (see the graph hooks section below). Not yet captured
+on a GPU.
 
 HiSparse (``hisparse``, a :class:`runtime.core.sparse.SparseKVCoordinator`, built before this backend): the CSA
 entries live in the coordinator's host pool. The compressors' entries go there (:meth:`DSV4Backend.store_entries`);
@@ -45,7 +50,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from backends.base import BackendCapabilities
+from backends.base import BackendCapabilities, CudaGraphLevel
 from backends.dsv4_extend_plan import ExtendPlan, plan_extend
 from backends.dsv4_flashinfer import DECODE_IMPLS, FlashInferDecode, flashinfer_problems
 from backends.kernels.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes, dsv4_decode
@@ -135,7 +140,9 @@ class DSV4Backend:
         # The compressors' partial-window state is not rewindable (as in the reference), so speculative verify /
         # draft-extend are not offered until the state pools learn to snapshot and roll back.
         forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
-        cuda_graph=(),  # never inside a graph (the torch paths and the model's compressors loop on the host)
+        # decode in CUDA graphs with impl=triton (validation refuses the others, and HiSparse): fixed-width lists
+        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),
+        graph_impls=frozenset({"triton"}),
         mha_chunked_prefill=False,
         sparse=False,  # its own top-k over compressed entries, not DSA's SparseDecode (HiSparse: see dsv4_validation)
         builds_own_kv_indices=True,
@@ -190,34 +197,70 @@ class DSV4Backend:
         self._rows: list[int] = []
         self._prefix: list[int] = []
         self._qo: list[int] = [0]
-        self._win_idx = self._hca_idx = None
+        self._win_idx = self._hca_idx = self._hca_len = None
         self._extend: ExtendPlan | None = None
+        self._fixed = False  # a graphed decode step: lists of fixed width (see the graph hooks below)
+        self._graph: dict[str, torch.Tensor] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._rows = batch.req_pool_indices_cpu.tolist()
         self._prefix = batch.prefix_lens_cpu.tolist()
         self._qo = batch.qo_indptr_cpu.tolist()
+        self._fixed = False
         if self.hisparse is not None:
             self.hisparse.begin_step(batch)
         if self.impl != "torch" and batch.mode == ForwardMode.DECODE:
-            self._plan_decode()
+            hca = self.pools.hca
+            width = 0 if hca is None else max(1, max(((p + 1) // hca.rate for p in self._prefix), default=0))
+            self._win_idx, self._hca_idx, self._hca_len = self._decode_lists(batch, width)
         self._extend = plan_extend(batch, self.spec.sliding_window) \
             if self.extend_kernel and batch.mode == ForwardMode.EXTEND else None
 
-    def _plan_decode(self) -> None:
-        """The kernel's indices for this decode step, shared by every layer: window rows (ring row ``r * W +
-        p % W`` of positions ``P - W + 1 .. P``, the new token's included) and the HCA entries' slots."""
-        w, dev = self.spec.sliding_window, self.pools.window.device
-        rows = torch.tensor(self._rows, dtype=torch.int64)
-        pos = torch.tensor(self._prefix, dtype=torch.int64)[:, None] - torch.arange(w - 1, -1, -1)[None, :]
-        self._win_idx = torch.where(pos >= 0, rows[:, None] * w + pos % w, -1).to(dev, torch.int32)
+    def _decode_lists(self, batch: ForwardBatch, hca_width: int):
+        """The kernel's indices for a decode step, shared by every layer, from the batch's device tensors (no host
+        value but ``hca_width``): window rows [B, W] (ring row ``r * W + p % W`` of positions ``P - W + 1 .. P``,
+        the new token's included), the HCA entries' slots [B, hca_width] (-1 past each request's ``(P + 1) //
+        rate`` entries) and those counts [B] int32 (None without HCA layers)."""
+        w = self.spec.sliding_window
+        rows = batch.req_pool_indices.long()
+        pos = batch.positions.long()[:, None] - torch.arange(w - 1, -1, -1, device=rows.device)[None, :]
+        win = torch.where(pos >= 0, rows[:, None] * w + pos % w, -1).to(torch.int32)
         hca = self.pools.hca
+        if hca is None:
+            return win, None, None
+        counts = ((batch.positions.long() + 1) // hca.rate).to(torch.int32)
+        idx = hca.table[rows, :hca_width]
+        keep = torch.arange(hca_width, device=rows.device)[None, :] < counts[:, None]
+        return win, torch.where(keep, idx, -1), counts
+
+    # ------------------------------------------------------------------------------------ graph hooks
+    # A graphed decode step (impl=triton, no HiSparse: validation) reads fixed-shape lists from static buffers
+    # that the replay hook refreshes with device ops: the window rows, every HCA entry a request could have
+    # (the table's width, -1 past its count; the kernel visits only its count), and the indexer scores every
+    # entry column of the CSA table (its causal bound masks the rest).
+
+    def init_graph_state(self, batch: ForwardBatch) -> None:
+        n, dev, w = batch.batch_size, self.pools.window.device, self.spec.sliding_window
+        hca = self.pools.hca
+        self._graph = {"win": torch.full((n, w), -1, dtype=torch.int32, device=dev)}
         if hca is not None:
-            counts = [(p + 1) // hca.rate for p in self._prefix]
-            width = max(1, max(counts, default=0))
-            idx = hca.table[torch.tensor(self._rows, device=dev), :width].to(torch.int32)
-            keep = torch.arange(width, device=dev)[None, :] < torch.tensor(counts, device=dev)[:, None]
-            self._hca_idx = torch.where(keep, idx, -1).contiguous()
+            self._graph["hca"] = torch.full((n, hca.table.shape[1]), -1, dtype=torch.int32, device=dev)
+            self._graph["hca_len"] = torch.zeros(n, dtype=torch.int32, device=dev)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self.init_forward_metadata_replay(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        n, g = batch.batch_size, self._graph
+        self._fixed = True
+        hca = self.pools.hca
+        win, idx, counts = self._decode_lists(batch, 0 if hca is None else hca.table.shape[1])
+        self._win_idx = g["win"][:n]
+        self._win_idx.copy_(win)
+        if hca is not None:
+            self._hca_idx, self._hca_len = g["hca"][:n], g["hca_len"][:n]
+            self._hca_idx.copy_(idx)
+            self._hca_len.copy_(counts)
 
     # ------------------------------------------------------------------------------------------ indexer
     def select_topk(self, index_q: torch.Tensor, index_weights: torch.Tensor, layer_id: int,
@@ -230,10 +273,10 @@ class DSV4Backend:
         entry ids, -1 padding.
         """
         spec, pool = self.spec, self.pools.csa
+        entries = pool.table.shape[1] if self._fixed else pool.entries_for(batch.max_seq_len)
         return indexer_topk_paged(index_q, index_weights, pool.flat(layer_id, "index"), pool.table,
                                   batch.req_pool_indices, batch.qo_indptr, batch.positions, spec.csa_rate,
-                                  spec.index_topk, pool.entries_for(batch.max_seq_len), self.indexer_impl,
-                                  self.compute_dtype)
+                                  spec.index_topk, entries, self.indexer_impl, self.compute_dtype)
 
     # ------------------------------------------------------------------------------ compressed entries
     def store_entries(self, layer_id: int, name: str, row: int, first: int, values: torch.Tensor) -> None:
@@ -318,9 +361,11 @@ class DSV4Backend:
         ring[rows, batch.positions % w] = kv.to(ring.dtype)
         kind = spec.layer_types[layer_id]
         d = spec.head_dim
+        cmp_len = None
         if kind == DSV4LayerType.hca:
             pool = self.pools.hca
             cmp_pages, cmp_idx = pool.flat(layer_id, "kv").view(-1, pool.page_size, d), self._hca_idx
+            cmp_len = self._hca_len
         elif kind == DSV4LayerType.csa and locs is not None:
             cmp_pages, cmp_idx = self.hisparse.device_rows(layer_id).view(ring.shape[0], -1, d), locs
         elif kind == DSV4LayerType.csa:
@@ -334,7 +379,8 @@ class DSV4Backend:
             return self.flashinfer.decode(q, ring, self._win_idx, cmp_pages, cmp_idx, sinks, spec.sm_scale,
                                           batch.positions)
         return dsv4_decode(q.contiguous(), ring.view(-1, d), self._win_idx, cmp_pages.view(-1, d),
-                           cmp_idx.contiguous(), sinks.to(q.dtype), spec.sm_scale, workspace=self.decode_workspace)
+                           cmp_idx.contiguous(), sinks.to(q.dtype), spec.sm_scale, workspace=self.decode_workspace,
+                           cmp_len=cmp_len)
 
     def forward_extend(self, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, topk: torch.Tensor | None,
                        layer_id: int, batch: ForwardBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ from backends.kernels.dsv4_decode import (
     decode_workspace_bytes,
     decode_workspace_floats,
     dsv4_decode,
+    dsv4_decode_torch,
     split_len,
 )
 from runtime.core.batch import ForwardMode, make_batch
@@ -83,6 +84,27 @@ def test_split_matches_float64(num_splits, dtype):
         assert seen_masked
     if num_splits == 7:
         assert seen_empty
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_lengths_bound_a_padded_compressed_list(num_splits):
+    """cmp_len (CUDA graphs' fixed-width HCA lists): request b reads only its first cmp_len[b] compressed
+    indices. The padding here holds valid slots (not -1), so a kernel or fallback that read past cmp_len fails."""
+    w, n_cmp, fills = CASES["odd fills"]
+    q, win, win_idx, cmp_rows, cmp_idx, sinks = _case(w, n_cmp, fills, torch.float32)
+    lens = torch.tensor([nc for _, nc in fills], dtype=torch.int32, device=DEV)
+    pad = 23
+    garbage = torch.randint(0, cmp_rows.shape[0], (len(fills), n_cmp + pad), dtype=torch.int32, device=DEV)
+    cols = torch.arange(n_cmp + pad, device=DEV)[None, :]
+    padded = torch.where(cols < lens[:, None], torch.cat([cmp_idx, garbage[:, n_cmp:]], dim=1), garbage)
+    want = _oracle(q, win, win_idx, cmp_rows, cmp_idx, sinks, D**-0.5)
+    for got in (dsv4_decode(q, win, win_idx, cmp_rows, padded, sinks, D**-0.5, block_n=BLOCK_N,
+                            num_splits=num_splits, cmp_len=lens),
+                dsv4_decode_torch(q, win, win_idx, cmp_rows, padded, sinks, D**-0.5, cmp_len=lens)):
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < TOL[torch.float32], f"num_splits={num_splits}: relative error {err:.2e}"
+    bad = dsv4_decode_torch(q, win, win_idx, cmp_rows, padded, sinks, D**-0.5)  # without the lengths
+    assert ((bad.double() - want).abs().max() / want.abs().max()).item() > 1e-3  # the padding is not inert
 
 
 def test_automatic_choice_splits_here_and_needs_no_more_workspace_than_the_bound():

@@ -144,7 +144,8 @@ def test_greedy_tokens_match_generate(pair):
 def test_backend_declares_what_it_supports():
     caps = DSV4Backend.capabilities
     assert caps.forward_modes == {ForwardMode.EXTEND, ForwardMode.DECODE}
-    assert all(caps.graph_level(m) == CudaGraphLevel.NEVER for m in ForwardMode)
+    assert caps.graph_level(ForwardMode.DECODE) == CudaGraphLevel.SINGLE_TOKEN_DECODE and caps.graph_impls == {"triton"}
+    assert all(caps.graph_level(m) == CudaGraphLevel.NEVER for m in ForwardMode if m != ForwardMode.DECODE)
     assert not caps.sparse and caps.builds_own_kv_indices
 
 

@@ -8,7 +8,9 @@ Arguments (B requests, one query token each, H heads, D = the shared KV row widt
   flattened, ``row * W + p % W``), ``-1`` = none;
 * ``cmp_rows`` [Sc, D] and ``cmp_idx`` [B, Nc] int32: the compressed entries (CSA: the indexer's top-k slots; HCA:
   every closed entry's slot), ``-1`` = none; ``Nc`` may be 0 (sliding-only layers);
-* ``sinks`` [H] (natural-log logits, not scaled), ``sm_scale``.
+* ``sinks`` [H] (natural-log logits, not scaled), ``sm_scale``;
+* ``cmp_len`` [B] int32 or None: request ``b`` reads only its first ``cmp_len[b]`` compressed indices (a list
+  padded to a fixed width for CUDA graphs: the padding's tiles are not visited); None = all ``Nc``.
 
 Returns [B, H, D] in q's dtype. Triton is imported lazily (the fallback works without it).
 
@@ -35,9 +37,11 @@ from backends.kernels.checks import require
 from backends.kernels.dsv4_reference import sink_attention
 
 
-def _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks) -> None:
+def _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, cmp_len=None) -> None:
     require(q.dim() == 3, f"q [B, H, D]; got shape {tuple(q.shape)}")
     b, h, d = q.shape
+    require(cmp_len is None or (cmp_len.shape == (b,) and cmp_len.dtype == torch.int32 and cmp_len.is_contiguous()),
+            f"cmp_len None or contiguous int32 [B={b}]; got {None if cmp_len is None else (cmp_len.dtype, tuple(cmp_len.shape))}")
     for name, rows in (("win_rows", win_rows), ("cmp_rows", cmp_rows)):
         require(rows.dim() == 2 and rows.shape[1] == d and rows.is_contiguous(), f"{name} contiguous [S, {d}]")
         require(rows.dtype == q.dtype, f"{name} in q's dtype {q.dtype}; got {rows.dtype}")
@@ -48,9 +52,12 @@ def _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks) -> None:
 
 
 def dsv4_decode_torch(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float,
-                      compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+                      compute_dtype: torch.dtype = torch.float64, cmp_len: torch.Tensor | None = None) -> torch.Tensor:
     """The fallback (and the kernel's oracle in float64): gather, then one joint softmax with the sinks."""
-    _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks)
+    _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, cmp_len)
+    if cmp_len is not None:
+        cols = torch.arange(cmp_idx.shape[1], device=cmp_idx.device)
+        cmp_idx = torch.where(cols[None, :] < cmp_len[:, None], cmp_idx, -1)
     parts = []
     for rows, idx in ((win_rows, win_idx), (cmp_rows, cmp_idx)):
         if idx.shape[1]:
@@ -147,7 +154,8 @@ def _workspace_floats(workspace: torch.Tensor) -> torch.Tensor:
 
 def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float, out: torch.Tensor | None = None,
                 block_h: int = 16, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-                num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                num_splits: int | None = None, workspace: torch.Tensor | None = None,
+                cmp_len: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernels (:mod:`backends.kernels.dsv4_decode_kernels`); see the module docstring. Tiles:
     ``block_h`` heads x ``block_n`` rows (both >= 16, tl.dot); D must be a power of two. The defaults (16 x 64, 8
     warps) were the fastest of bench/dsv4_decode_bench.py's tiles on an H100 at V4-Flash shapes in most rows.
@@ -160,7 +168,7 @@ def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float,
 
     from backends.kernels import dsv4_decode_kernels as kern
 
-    _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks)
+    _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, cmp_len)
     b, h, d = q.shape
     require(q.dtype in (torch.bfloat16, torch.float16, torch.float32), f"q bf16, fp16 or fp32; got {q.dtype}")
     require(q.stride(-1) == 1, "q with a contiguous last dim")
@@ -177,11 +185,12 @@ def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float,
         num_splits = decode_splits(b, h, n_rows, sm_count(q.device, interp), block_h, block_n)
         if ws is not None:  # the caller's room caps it (its size is fixed: still a function of shapes only)
             num_splits = max(1, min(num_splits, ws.numel() // (b * h * (d + 2))))
+    lens = cmp_idx if cmp_len is None else cmp_len  # (an unread placeholder pointer without HAS_LEN)
     if num_splits == 1:
         kern._dsv4_decode_kernel[(triton.cdiv(h, block_h), b)](
-            q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, out, float(sm_scale) * kern.LOG2E,
+            q, win_rows, win_idx, cmp_rows, cmp_idx, lens, sinks, out, float(sm_scale) * kern.LOG2E,
             q.stride(0), q.stride(1), win_idx.stride(0), cmp_idx.stride(0), out.stride(0), out.stride(1),
-            h, win_idx.shape[1], cmp_idx.shape[1], **tiles,
+            h, win_idx.shape[1], cmp_idx.shape[1], **tiles, HAS_LEN=cmp_len is not None,
         )  # fmt: skip
         return out
     need = decode_workspace_floats(b, h, d, num_splits)
@@ -192,10 +201,10 @@ def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float,
     acc = ws[: b * num_splits * h * d].view(b, num_splits, h, d)
     ml = ws[b * num_splits * h * d : need].view(b, num_splits, 2, h)
     kern._dsv4_split_kernel[(triton.cdiv(h, block_h), num_splits, b)](
-        q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, acc, ml, float(sm_scale) * kern.LOG2E,
+        q, win_rows, win_idx, cmp_rows, cmp_idx, lens, sinks, acc, ml, float(sm_scale) * kern.LOG2E,
         q.stride(0), q.stride(1), win_idx.stride(0), cmp_idx.stride(0), acc.stride(0), acc.stride(1),
         acc.stride(2), ml.stride(0), ml.stride(1), ml.stride(2), h, win_idx.shape[1], cmp_idx.shape[1],
-        split_len(n_rows, num_splits, block_n), **tiles,
+        split_len(n_rows, num_splits, block_n), **tiles, HAS_LEN=cmp_len is not None,
     )  # fmt: skip
     block_hm = min(16, triton.next_power_of_2(h))
     block_dv = d if interp else min(d, 64)

@@ -4,7 +4,8 @@ online softmax that starts from each head's sink logit. Only ``@triton.jit`` cod
 torch fallback are :mod:`backends.kernels.dsv4_decode`.
 
 Grid ``(head_blocks, B)``: program ``(h, b)`` loads ``BLOCK_H`` query heads of request ``b`` once, then runs over
-the request's window indices and compressed indices in tiles of ``BLOCK_N`` gathered rows; each tile is loaded
+the request's window indices and compressed indices (with ``HAS_LEN``, only the first ``CMP_LEN[b]`` of them: a
+list padded to a fixed width for CUDA graphs) in tiles of ``BLOCK_N`` gathered rows; each tile is loaded
 once and serves both products (scores ``q . k``, output ``p @ k``) of every head in the block. Index ``-1`` is
 masked. The softmax works in base 2 (``qk_scale = sm_scale * log2(e)``); the sink enters as the initial running
 max with weight 1 (``exp(sink - m)``) and no value.
@@ -79,31 +80,40 @@ def _store_heads(OUT_ROW, acc, l_i, stride_o_h, H, hb, D: tl.constexpr, BLOCK_H:
              mask=(heads < H)[:, None])
 
 
+@triton.jit
+def _cmp_count(CMP_LEN, b, n_cmp, HAS_LEN: tl.constexpr):
+    """Compressed indices request ``b`` reads: all ``n_cmp``, or its ``CMP_LEN[b]`` first (a padded list)."""
+    if HAS_LEN:
+        return tl.minimum(n_cmp, tl.load(CMP_LEN + b))
+    return n_cmp
+
+
 @triton.jit(do_not_specialize=["H", "n_win", "n_cmp"])
-def _dsv4_decode_kernel(Q, WIN, WIN_IDX, CMP, CMP_IDX, SINKS, OUT, qk_scale, stride_q_b, stride_q_h, stride_wi_b,
-                        stride_ci_b, stride_o_b, stride_o_h, H, n_win, n_cmp, D: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _dsv4_decode_kernel(Q, WIN, WIN_IDX, CMP, CMP_IDX, CMP_LEN, SINKS, OUT, qk_scale, stride_q_b, stride_q_h,
+                        stride_wi_b, stride_ci_b, stride_o_b, stride_o_h, H, n_win, n_cmp, D: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                        HAS_LEN: tl.constexpr):
     hb, b = tl.program_id(0), tl.program_id(1)
     q, m_i, l_i, acc = _start_heads(Q + b * stride_q_b, SINKS, stride_q_h, H, hb, D, BLOCK_H)
     m_i, l_i, acc = _dsv4_part(q, m_i, l_i, acc, WIN, WIN_IDX + b * stride_wi_b, n_win, qk_scale, D, BLOCK_N,
                                PREC, UPCAST)
-    m_i, l_i, acc = _dsv4_part(q, m_i, l_i, acc, CMP, CMP_IDX + b * stride_ci_b, n_cmp, qk_scale, D, BLOCK_N,
-                               PREC, UPCAST)
+    m_i, l_i, acc = _dsv4_part(q, m_i, l_i, acc, CMP, CMP_IDX + b * stride_ci_b, _cmp_count(CMP_LEN, b, n_cmp,
+                               HAS_LEN), qk_scale, D, BLOCK_N, PREC, UPCAST)
     _store_heads(OUT + b * stride_o_b, acc, l_i, stride_o_h, H, hb, D, BLOCK_H)
 
 
 @triton.jit(do_not_specialize=["H", "n_win", "n_cmp", "split_len"])
-def _dsv4_split_kernel(Q, WIN, WIN_IDX, CMP, CMP_IDX, SINKS, PACC, PML, qk_scale, stride_q_b, stride_q_h,
+def _dsv4_split_kernel(Q, WIN, WIN_IDX, CMP, CMP_IDX, CMP_LEN, SINKS, PACC, PML, qk_scale, stride_q_b, stride_q_h,
                        stride_wi_b, stride_ci_b, stride_pa_b, stride_pa_s, stride_pa_h, stride_pm_b, stride_pm_s,
                        stride_pm_l, H, n_win, n_cmp, split_len, D: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                       BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_LEN: tl.constexpr):
     """One split of one request and head block: rows ``[lo, hi)`` of its window-then-compressed list ->
     PACC [B, S, H, D] (acc, unnormalized), PML [B, S, 2, H] (m base 2, then l); float32."""
     hb, s, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q, m_i, l_i, acc = _start_heads(Q + b * stride_q_b, SINKS, stride_q_h, H, hb, D, BLOCK_H)
     l_i = l_i * 0.0  # the sink sets the running max only; the merge counts it (once)
     lo = s * split_len
-    hi = tl.minimum(lo + split_len, n_win + n_cmp)
+    hi = tl.minimum(lo + split_len, n_win + _cmp_count(CMP_LEN, b, n_cmp, HAS_LEN))
     m_i, l_i, acc = _dsv4_range(q, m_i, l_i, acc, WIN, WIN_IDX + b * stride_wi_b, lo, tl.minimum(hi, n_win),
                                 qk_scale, D, BLOCK_N, PREC, UPCAST)
     m_i, l_i, acc = _dsv4_range(q, m_i, l_i, acc, CMP, CMP_IDX + b * stride_ci_b, tl.maximum(lo - n_win, 0),

@@ -1,7 +1,8 @@
 """Startup checks of a DeepSeek-V4 configuration (``model.model_type=deepseek_v4``), part of the one validation
 pass of :mod:`runtime.app.validation`: the ``model.v4`` fields, and the features the V4 path does not offer
-(attention dumps, attention-only layers) and what HiSparse offload of the CSA entries needs. Which backend serves V4, and
-speculative decoding or an fp8 cache with it, are decided from backend capabilities in the generic checks."""
+(attention dumps, attention-only layers, CUDA graphs with HiSparse) and what HiSparse offload of the CSA
+entries needs. Which backend serves V4, and speculative decoding, CUDA graphs or an fp8 cache with it, are decided
+from backend capabilities in the generic checks."""
 
 from __future__ import annotations
 
@@ -67,6 +68,10 @@ def dsv4_problems(cfg: dict[str, Any]) -> list[Problem]:
                     "drop model.mlp"))
     if cfg["hisparse"]["enabled"]:
         out += dsv4_hisparse_problems(cfg)
+        if cfg["graph"]["enabled"]:
+            add(Problem("graph.enabled=true", "hisparse.enabled=true with DeepSeek-V4",
+                        "graph=off with HiSparse (a V4 decode step moves the CSA entries between the host pool "
+                        "and the device on the host)", "use graph=off, or hisparse=off"))
     if cfg.get("dump_dir"):
         add(Problem("+dump_dir", f"DeepSeek-V4 model '{name}'", "an MLA model (dumps record MLA attention inputs)",
                     "drop +dump_dir"))

@@ -27,6 +27,7 @@ from runtime.core.errors import Problem
 from runtime.core.model_spec import DSV4_MODEL_TYPE, TORCH_DTYPES
 from runtime.engine.prompts import capped, check_workload
 from runtime.engine.workload import RequestSpec
+from runtime.model.deepseek.moe import GROUPED_MM
 from runtime.model.deepseek.ops import ops_problems
 
 FLASHINFER_WORKSPACE = "flashinfer_float"
@@ -114,14 +115,18 @@ def validate(
             add(Problem("graph.batch_sizes", str(g["batch_sizes"]), "a non-empty list of sizes >= 1",
                         "e.g. graph.batch_sizes=[1,2,4,8,16,32]"))
         moe = str(cfg["model"].get("mlp")) == "deepseek" and cfg["model"].get("n_routed_experts") and \
-            cfg["model"]["first_k_dense_replace"] < cfg["model"]["num_layers"]
+            (cfg["model"]["first_k_dense_replace"] or 0) < cfg["model"]["num_layers"]
         if moe and str(cfg["model"]["dtype"]) != "bfloat16":
             add(Problem("graph.enabled=true", f"MoE layers with model.dtype={cfg['model']['dtype']}",
                         "bfloat16 (graphed MoE runs torch._grouped_mm; other dtypes loop over experts with a host sync)",
                         "set model.dtype=bfloat16, or graph=off"))
-        if caps is not None and caps.sparse and cfg["backend"].get("impl") == "torch":
-            add(Problem("graph.enabled=true", f"backend '{name}' with impl=torch (host loops, host syncs)",
-                        "impl=triton (auto on CUDA) for graphed decode", "use backend.impl=auto, or graph=off"))
+        if moe and device.kind == "cuda":
+            problems += _grouped_mm_problems(cfg["model"], device)
+        impl = str(cfg["backend"].get("impl", "auto"))
+        if caps is not None and caps.graph_impls is not None and impl != "auto" and impl not in caps.graph_impls:
+            add(Problem("graph.enabled=true", f"backend '{name}' with impl={impl} (host loops, host syncs)",
+                        f"backend.impl in {sorted(caps.graph_impls)} (or auto on CUDA) for graphed decode",
+                        "use backend.impl=auto, or graph=off"))
 
     # --- KV cache and workload
     problems += _kv_dtype_problems(cfg, name, caps, serving, device)
@@ -251,6 +256,23 @@ def _backend_problems(name, backend_cls: type, cfg, device: DeviceInfo, package_
         add(Problem("workspace.skip=true", f"backend '{name}' consumes the shared FlashInfer workspace",
                     "a backend that needs no shared workspace, or workspace.skip=false",
                     "drop workspace=skip, or use backend=triton_mla"))
+    return out
+
+
+def _grouped_mm_problems(model: Mapping[str, Any], device: DeviceInfo) -> list[Problem]:
+    """Graphed MoE needs ``torch._grouped_mm`` (:data:`runtime.model.deepseek.moe.GROUPED_MM`): its least compute
+    capability, and expert GEMM dims that are multiples of its ``dim_multiple`` (else the experts loop with a
+    host sync, which a graph capture refuses)."""
+    out, g = [], GROUPED_MM
+    cc = device.compute_capability
+    if cc is not None and cc < g.min_capability:
+        out.append(Problem("graph.enabled=true", f"MoE layers on a GPU of compute capability {cc[0]}.{cc[1]}",
+                           f"{g.min_capability[0]}.{g.min_capability[1]} or newer (torch._grouped_mm)", "use graph=off"))
+    dims = {k: model.get(k) or 0 for k in ("hidden_size", "moe_intermediate_size")}
+    bad = {k: v for k, v in dims.items() if v % g.dim_multiple}
+    if bad:
+        out.append(Problem("graph.enabled=true", f"MoE dims {bad}",
+                           f"multiples of {g.dim_multiple} (torch._grouped_mm's rows)", "use graph=off"))
     return out
 
 

@@ -9,6 +9,7 @@ a linear ramp between them mixing interpolated (``/ factor``) and extrapolated f
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,10 +38,17 @@ def inv_freq(p: RopeParams, rope_dim: int) -> torch.Tensor:
     return interpolated * (1 - keep) + extrapolated * keep
 
 
+@functools.cache
+def _inv_freq_on(p: RopeParams, rope_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`inv_freq` on ``device`` in ``dtype``, made once: a decode step captured in a CUDA graph must not copy
+    it from the host (the eager warm-up runs before capture make it)."""
+    return inv_freq(p, rope_dim).to(device=device, dtype=dtype)
+
+
 def cos_sin(p: RopeParams, rope_dim: int, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """positions [n] int64 -> (cos, sin) [n, rope_dim // 2] in ``dtype`` (at least float32 math)."""
     cd = torch.float64 if dtype == torch.float64 else torch.float32
-    freqs = positions.to(cd)[:, None] * inv_freq(p, rope_dim).to(device=positions.device, dtype=cd)[None, :]
+    freqs = positions.to(cd)[:, None] * _inv_freq_on(p, rope_dim, positions.device, cd)[None, :]
     return freqs.cos() * p.attention_factor, freqs.sin() * p.attention_factor
 
 
