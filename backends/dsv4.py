@@ -244,7 +244,7 @@ class DSV4Backend:
         hca = self.pools.hca
         self._graph = {"win": torch.full((n, w), -1, dtype=torch.int32, device=dev)}
         if hca is not None:
-            self._graph["hca"] = torch.full((n, hca.table.shape[1]), -1, dtype=torch.int32, device=dev)
+            self._graph["hca"] = torch.full((n, hca.max_entries), -1, dtype=torch.int32, device=dev)
             self._graph["hca_len"] = torch.zeros(n, dtype=torch.int32, device=dev)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
@@ -254,7 +254,7 @@ class DSV4Backend:
         n, g = batch.batch_size, self._graph
         self._fixed = True
         hca = self.pools.hca
-        win, idx, counts = self._decode_lists(batch, 0 if hca is None else hca.table.shape[1])
+        win, idx, counts = self._decode_lists(batch, 0 if hca is None else hca.max_entries)
         self._win_idx = g["win"][:n]
         self._win_idx.copy_(win)
         if hca is not None:
@@ -273,7 +273,7 @@ class DSV4Backend:
         entry ids, -1 padding.
         """
         spec, pool = self.spec, self.pools.csa
-        entries = pool.table.shape[1] if self._fixed else pool.entries_for(batch.max_seq_len)
+        entries = pool.max_entries if self._fixed else pool.entries_for(batch.max_seq_len)
         return indexer_topk_paged(index_q, index_weights, pool.flat(layer_id, "index"), pool.table,
                                   batch.req_pool_indices, batch.qo_indptr, batch.positions, spec.csa_rate,
                                   spec.index_topk, entries, self.indexer_impl, self.compute_dtype)

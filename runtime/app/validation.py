@@ -268,8 +268,7 @@ def _grouped_mm_problems(model: Mapping[str, Any], device: DeviceInfo) -> list[P
     if cc is not None and cc < g.min_capability:
         out.append(Problem("graph.enabled=true", f"MoE layers on a GPU of compute capability {cc[0]}.{cc[1]}",
                            f"{g.min_capability[0]}.{g.min_capability[1]} or newer (torch._grouped_mm)", "use graph=off"))
-    dims = {k: model.get(k) or 0 for k in ("hidden_size", "moe_intermediate_size")}
-    bad = {k: v for k, v in dims.items() if v % g.dim_multiple}
+    bad = g.odd_dims({k: model.get(k) or 0 for k in ("hidden_size", "moe_intermediate_size")})
     if bad:
         out.append(Problem("graph.enabled=true", f"MoE dims {bad}",
                            f"multiples of {g.dim_multiple} (torch._grouped_mm's rows)", "use graph=off"))

@@ -115,7 +115,8 @@ class CompressedKVPool:
         self.dtype, self.device = dtype, torch.device(device)
         self._index = _index(layer_ids)
         self.pages = PageAllocator(num_pages, page_size)
-        self.table = torch.zeros(max_requests + 1, max(1, max_entries), dtype=torch.int32, device=device)
+        self.max_entries = max(1, int(max_entries))  # entries per request (the table's width)
+        self.table = torch.zeros(max_requests + 1, self.max_entries, dtype=torch.int32, device=device)
         self.buffers = {name: torch.zeros(len(layer_ids), num_pages, page_size, d, dtype=dtype, device=device)
                         for name, d in self.dims.items()}
         self._req_pages: dict[int, list[int]] = {}
@@ -134,8 +135,8 @@ class CompressedKVPool:
         """Room for the entries of a request of ``num_tokens`` tokens; raises :class:`PoolExhausted` and changes
         nothing when the pool or the table row is too small."""
         row, n = int(row), self.entries_for(num_tokens)
-        if n > self.table.shape[1]:
-            raise PoolExhausted(f"compressed-entry table (rate {self.rate})", n, self.table.shape[1], "entries per row")
+        if n > self.max_entries:
+            raise PoolExhausted(f"compressed-entry table (rate {self.rate})", n, self.max_entries, "entries per row")
         pages = self._req_pages[row]
         grow = -(-n // self.page_size) - len(pages)
         if grow <= 0:
@@ -144,7 +145,7 @@ class CompressedKVPool:
         pages.extend(self.pages.alloc(grow))
         e = torch.arange(old, len(pages) * self.page_size)
         slots = torch.tensor(pages, dtype=torch.int64)[e // self.page_size] * self.page_size + e % self.page_size
-        keep = e < self.table.shape[1]
+        keep = e < self.max_entries
         self.table[row, e[keep].to(self.device)] = slots[keep].to(self.table.device, torch.int32)
 
     def release(self, row: int) -> None:
@@ -172,7 +173,7 @@ class CompressedKVPool:
         entry (read by nobody before the window closes and overwrites it), or, for an entry past the table or
         without a page yet, in the padding page."""
         e = entry_ids.long()
-        width = self.table.shape[1]
+        width = self.max_entries
         slots = self.table[rows.long(), e.clamp(max=width - 1)].long()
         self.flat(layer_id, name)[torch.where(e < width, slots, 0)] = values.to(self.dtype)
 

@@ -76,12 +76,16 @@ class GroupedMMSupport:
     min_capability: tuple[int, int]
     dim_multiple: int
 
+    def odd_dims(self, dims: dict[str, int]) -> dict[str, int]:
+        """The named dims that are not multiples of ``dim_multiple`` (empty: every one serves)."""
+        return {k: v for k, v in dims.items() if v % self.dim_multiple}
+
     def usable(self, device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
         device = torch.device(device)
         if device.type != self.device_type or dtype != self.dtype:
             return False
         return (torch.cuda.get_device_capability(device) >= self.min_capability
-                and all(d % self.dim_multiple == 0 for d in dims))
+                and not self.odd_dims(dict(enumerate(dims))))
 
 
 #: the grouped expert GEMM (V3 and V4 MoE): CUDA, bf16, SM90+, dims multiples of 8
