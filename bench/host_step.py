@@ -16,7 +16,14 @@ request running at once, overlap on) give:
 The GPU's host cost per torch op (a kernel launch) is larger than the CPU's, so this measures the Python
 side; the GPU effect is measured by ``bench.bench_engine_decode`` / ``bench.decode_roofline`` on a device.
 
-Run: ``python -m bench.host_step [--quick] [--batches 1 32] [--out-len 256] [--repeats 3] [--cprofile 25]``
+``--preset NAME --layers N`` (on a GPU): the real model of that ``+deploy`` preset instead of the stub, with the
+graph launch split into its parts (input copies, the backend's replay hook, ``cudaGraphLaunch``), the fence wait
+and the CUDA event marks. ``step_us`` is then the GPU's step period (the longer of host and GPU), and the
+phases are per decode step but include the prefill's share of the run (its eager forward lands in "model
+(forward, logits)").
+
+Run: ``python -m bench.host_step [--quick] [--batches 1 32] [--out-len 256] [--repeats 3] [--cprofile 25]
+[--preset h100_dsv3_tp8 --layers 8]``
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ if __package__ in (None, ""):  # run as a file: the repository root on the path
 import torch  # noqa: E402
 
 from bench.engine_config import compose_config, fixed_workload  # noqa: E402
-from bench.harness import Ceilings, Table, report  # noqa: E402
+from bench.harness import Ceilings, Table, measure_ceilings, report  # noqa: E402
 
 
 class StubModel:
@@ -83,11 +90,22 @@ class PhaseTimer:
         return timed
 
 
-def build_runtime(batch: int, prompt: int, out_len: int, overrides: list[str]):
+def build_runtime(batch: int, prompt: int, out_len: int, overrides: list[str], preset: str | None = None,
+                  layers: int = 8):
+    """The stub-model CPU engine, or with ``preset`` the real model of that ``+deploy`` preset (``layers``
+    layers; on its device, CUDA graphs as the preset says)."""
     from dependency_injector import providers
 
     import containers
 
+    if preset is not None:
+        pages = batch * -(-(prompt + out_len + 1) // 64) + 16
+        cfg = compose_config([
+            f"+deploy={preset}", "check=off", "progress=false", "engine.overlap=on", f"model.num_layers={layers}",
+            *fixed_workload(batch, prompt, out_len), f"kv.num_pages={pages}", f"kv.max_requests={max(batch, 8)}",
+            f"graph.batch_sizes=[{batch}]", *overrides,
+        ])
+        return containers.build(cfg)
     pages = batch * -(-(prompt + out_len + 1) // 16) + 16
     cfg = compose_config([
         "device=cpu", "model=tiny_mla", "check=off", "progress=false", "engine.overlap=on",
@@ -105,7 +123,11 @@ def build_runtime(batch: int, prompt: int, out_len: int, overrides: list[str]):
 def decode_period_us(res, batch: int) -> float:
     """Median start-to-start period of consecutive full-batch decode steps (the first few skipped)."""
     starts = [s.marks[0] for s in res.steps if s.phase == "decode" and s.batch_size == batch]
-    periods = [(b - a) * 1e6 for a, b in zip(starts[:-1], starts[1:])][4:]
+    if res.gpu_marks:  # the real model on a GPU: CUDA events (ms), the GPU's period
+        torch.cuda.synchronize()
+        periods = [a.elapsed_time(b) * 1e3 for a, b in zip(starts[:-1], starts[1:])][4:]
+    else:
+        periods = [(b - a) * 1e6 for a, b in zip(starts[:-1], starts[1:])][4:]
     return statistics.median(periods)
 
 
@@ -122,9 +144,18 @@ def timed_phases(rt, batch: int) -> tuple[dict[str, float], int]:
         setattr(eng, attr, timer.wrap(name, getattr(eng, attr)))
     slots = eng.slots
     slots.reserve_many = timer.wrap("reserve_many (slots, table write)", slots.reserve_many)
+    eng.clock.wait = timer.wrap("fence wait (GPU started the previous step)", eng.clock.wait)
+    eng.clock.mark = timer.wrap("clock marks (CUDA events)", eng.clock.mark)
+    eng.clock.to_host = timer.wrap("to_host (pinned copies)", eng.clock.to_host)
+    graphs = eng.graphs.get("decode")
+    if graphs is not None and graphs.decision.graphed:  # the real model with graphs: the launch in its parts
+        graphs.prepare = timer.wrap("graph prepare (input copies)", graphs.prepare)
+        graphs.replay = timer.wrap("graph replay (cudaGraphLaunch)", graphs.replay)
+        graphs.hooks.init_forward_metadata_replay = timer.wrap("backend replay hook (plan)",
+                                                               graphs.hooks.init_forward_metadata_replay)
     eng.backend.init_forward_metadata = timer.wrap("backend metadata", eng.backend.init_forward_metadata)
-    eng.model.forward = timer.wrap("model stub", eng.model.forward)
-    eng.model.logits = timer.wrap("model stub", eng.model.logits)
+    eng.model.forward = timer.wrap("model (forward, logits)", eng.model.forward)
+    eng.model.logits = timer.wrap("model (forward, logits)", eng.model.logits)
     make_batch = engine_mod.make_batch
     engine_mod.make_batch = timer.wrap("make_batch", make_batch)
     outputs_cls = engine_mod.StepOutputs
@@ -165,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="runs per batch, the best median is reported; default 3 (--quick: 1)")
     ap.add_argument("--cprofile", type=int, default=0, help="print this many top functions (own time) per batch")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    ap.add_argument("--preset", default=None,
+                    help="time the real model of this +deploy preset on its device instead of the CPU stub "
+                         "(e.g. h100_dsv3_tp8 on a GPU)")
+    ap.add_argument("--layers", type=int, default=8, help="with --preset: model.num_layers")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides (e.g. engine.overlap=off)")
     return ap
 
@@ -176,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows, phase_rows = [], []
     for b in args.batches:
-        rt = build_runtime(b, args.prompt, args.out_len, args.overrides)
+        rt = build_runtime(b, args.prompt, args.out_len, args.overrides, args.preset, args.layers)
         rt.engine.run(record_hidden=False)  # warm-up
         periods = [decode_period_us(rt.engine.run(record_hidden=False), b) for _ in range(args.repeats)]
         runs = " ".join(f"{p:.1f}" for p in periods)
@@ -187,14 +222,18 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"batch": b, "step_us": min(periods), "runs_us": runs, "decode_steps": steps})
         for name, us in sorted(phases.items(), key=lambda kv: -kv[1]):
             phase_rows.append({"batch": b, "phase": name, "us_per_step": us})
-    ceil = Ceilings("cpu", float("nan"), float("nan"))
+    if args.preset is None:
+        ceil, what = Ceilings("cpu", float("nan"), float("nan")), "stub model (CPU, tiny_mla"
+    else:
+        ceil, what = measure_ceilings(), f"{args.preset}, {args.layers} layers ({torch.cuda.get_device_name()}"
     tables = [
-        Table(rows, title=f"host time per decode step, stub model (CPU, tiny_mla, prompt {args.prompt}, "
+        Table(rows, title=f"host time per decode step, {what}, prompt {args.prompt}, "
                           f"output {args.out_len})", formats={"step_us": ".1f"}, name="steps"),
         Table(phase_rows, title="µs per decode step by phase (exclusive; timing adds ~1 µs per call)",
               formats={"us_per_step": ".1f"}, name="phases"),
     ]
     report("host_step", ceil, tables, meta={"prompt": args.prompt, "out_len": args.out_len, "quick": args.quick,
+                                             "preset": args.preset, "layers": args.layers,
                                              "overrides": args.overrides, "threads": args.threads})
 
 

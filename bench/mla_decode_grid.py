@@ -8,6 +8,7 @@ line (``BENCH_JSON {...}``).
 
     python -m bench.mla_decode_grid                         # the whole grid
     python -m bench.mla_decode_grid --heads 128 --shapes 64x4096 --variants tma,ptr  # a sweep
+    python -m bench.mla_decode_grid --heads 16 --dtypes fp8 --variants default,tma.s4,ptr.p2  # knobs
 """
 
 from __future__ import annotations
@@ -129,6 +130,27 @@ VARIANTS = {  # name -> our kernel keywords (None: the defaults for the head cou
     "ptr": dict(use_tma=False),
     "tma": dict(use_tma=True),
 }
+_KNOBS = {"h": "block_h", "n": "block_n", "w": "num_warps", "s": "num_stages", "r": "max_regs"}
+
+
+def variant_kwargs(name: str, sms: int) -> dict:
+    """A named variant, or a sweep spec of dot-separated knobs over the defaults: ``tma`` / ``ptr``, ``h16``
+    (block_h), ``n128`` (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1
+    programs per SM). E.g. ``tma.s3.n128``."""
+    if name in VARIANTS:
+        return dict(VARIANTS[name])
+    kw: dict = {}
+    for tok in name.split("."):
+        if tok in ("tma", "ptr"):
+            kw["use_tma"] = tok == "tma"
+        elif tok[:1] == "p" and tok[1:].isdigit():
+            kw["target_programs"] = int(tok[1:]) * sms
+        elif tok[:1] in _KNOBS and tok[1:].isdigit():
+            kw[_KNOBS[tok[:1]]] = int(tok[1:])
+        else:
+            raise SystemExit(f"unknown variant '{name}' (knob '{tok}'): expected one of {sorted(VARIANTS)} or "
+                             f"dot-separated knobs tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, p<N> (e.g. tma.s3.n128)")
+    return kw
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     ceil = measure_ceilings()
     print(ceil.summary(), flush=True)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    variants = {var: variant_kwargs(var, sms) for var in a.variants.split(",")}  # a bad spec fails here
     g = torch.Generator().manual_seed(0)
     rows = []
     for shape in a.shapes.split(","):
@@ -168,9 +192,9 @@ def main(argv: list[str] | None = None) -> None:
                         fi_ms = eager_ms(fn, rep_ms=a.rep_ms)
                     except Exception as e:  # noqa: BLE001 - a bench row says what failed
                         print(f"  flashinfer H{h} {shape} {dt}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                for var in a.variants.split(","):
+                for var, kw in variants.items():
                     try:
-                        fn, out = ours(case, fp8, **VARIANTS[var])
+                        fn, out = ours(case, fp8, **kw)
                         out.fill_(float("nan"))
                         fn()
                         err = _rel(out, ref)

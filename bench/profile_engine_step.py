@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=None, help="default 61 (--quick: 8)")
     ap.add_argument("--steps", type=int, default=None, help="output tokens per request; default 24 (--quick: 8)")
     ap.add_argument("--top", type=int, default=28, help="rows printed")
+    ap.add_argument("--trace", default=None, help="also write the chrome trace (with Python stacks) to this file")
     return ap
 
 
@@ -47,8 +48,10 @@ def main(argv: list[str] | None = None) -> None:
                           f"kv.num_pages={b * 10 + 16}", f"kv.max_requests={max(b, 8)}", f"graph.batch_sizes=[{b}]"])
     rt = build(cfg)
     rt.engine.run(record_hidden=False)  # warm-up: capture, JIT, allocator caches
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.trace is not None) as prof:
         res = rt.engine.run(record_hidden=False)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     steps = len(res.steps)
     top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
     rows = [{"op": e.key[:59], "calls": e.count, "self_cpu_us_per_step": e.self_cpu_time_total / steps} for e in top]

@@ -194,4 +194,25 @@ def test_host_step_runs_on_the_cpu_with_the_stub_model(capsys):
     assert [r["batch"] for r in steps] == [1, 2] and all(r["decode_steps"] == 11 for r in steps)
     assert all(r["step_us"] > 0 for r in steps)
     phases = {r["phase"] for r in out["rows"] if r["table"] == "phases"}
-    assert {"make_batch", "backend metadata", "model stub"} <= phases
+    assert {"make_batch", "backend metadata", "model (forward, logits)"} <= phases
+
+
+def test_decode_roofline_gaps_split_graph_bubbles_from_host_waits():
+    """bench.decode_roofline: idle gaps between GPU activities inside the window, overlaps merged, clipped."""
+    from bench.decode_roofline import BUBBLE_US, gaps_us
+
+    iv = [(0, 5, "k"), (6, 10, "k"), (8, 12, "m"), (30, 40, "k"), (50, 70, "k"), (90, 95, "k")]
+    gaps = gaps_us(iv, 2, 60)
+    assert gaps == [1, 18, 10]
+    assert [g for g in gaps if g < BUBBLE_US] == [1]  # a bubble; 18 and 10 count as waits for the host
+
+
+def test_mla_decode_grid_variant_knobs_and_a_bad_one():
+    from bench.mla_decode_grid import variant_kwargs
+
+    assert variant_kwargs("default", 132) == {}
+    assert variant_kwargs("tma.s3.n128.w4.p2", 132) == dict(use_tma=True, num_stages=3, block_n=128, num_warps=4,
+                                                            target_programs=264)
+    assert variant_kwargs("ptr.h32.r128", 132) == dict(use_tma=False, block_h=32, max_regs=128)
+    with pytest.raises(SystemExit, match="knob 'x3'"):
+        variant_kwargs("tma.x3", 132)

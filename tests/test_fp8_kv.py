@@ -133,6 +133,29 @@ def test_decode_reads_fp8_cache(qdtype, tol):
     assert _rel(out, ref) < tol
 
 
+def test_decode_fp8_cache_clamps_a_bf16_query_to_fp16_range():
+    """Over an fp8 cache a bf16 query runs in fp16: entries past 65504 are clamped, never inf / NaN."""
+    g, scale, H = _gen(4), 0.5, 2
+    lens = [5, 20]
+    kv, pt = _fp8_cache(lens, 16, g, scale)
+    qn = (torch.randn(len(lens), H, D_CKV, generator=g) * 4e4).to(torch.bfloat16)
+    qp = torch.randn(len(lens), H, D_PE, generator=g).to(torch.bfloat16)
+    assert qn.abs().max() > 65504
+    sm = 1e-9  # keeps the clamped logits moderate, so the softmax is not one-hot
+    ref = torch.zeros(len(lens), H, D_CKV, dtype=torch.float64)
+    qc = qn.double().clamp(-65504, 65504)
+    for b, n in enumerate(lens):
+        r = _rows(kv, pt, b, n, scale)
+        s = (qc[b] @ r[:, :D_CKV].T + qp[b].double() @ r[:, D_CKV:].T) * sm
+        ref[b] = torch.softmax(s, -1) @ r[:, :D_CKV]
+    out = torch.full((len(lens), H, D_CKV), float("nan"), dtype=torch.bfloat16, device=DEV)
+    po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
+    pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)
+    mla_decode(qn.to(DEV), qp.to(DEV), kv.to(DEV), pt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
+               sm, out, po, pl, max_splits=4, min_tokens_per_split=16, block_n=16, block_h=16, kv_scale=scale)
+    assert _rel(out, ref) < 2e-2
+
+
 def test_extend_reads_fp8_cache():
     g, scale, H = _gen(2), 1.5, 2
     q_lens, kv_lens = [3, 1], [19, 5]

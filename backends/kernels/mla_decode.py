@@ -93,12 +93,15 @@ def _interpreting() -> bool:
     return _mla_decode_stage1_kernel.__class__.__name__ == "InterpretedFunction"
 
 
-def default_decode_config(heads: int, dtype: torch.dtype) -> dict:
+def default_decode_config(heads: int, dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     """Default kernel parameters for ``heads`` query heads (see bench/triton_mla_kernels_gpu.py and
     bench/TRITON_NOTES.md to retune). ``use_tma``: TMA tile loads where the cache allows them (Hopper,
-    bf16/fp16, page_size % block_n == 0); the launcher falls back to pointer loads otherwise."""
+    bf16/fp16, page_size % block_n == 0); the launcher falls back to pointer loads otherwise. ``dtype``: the
+    products' dtype; ``kv_fp8``: the cache is fp8 (half the bytes per tile, so 16 heads keep 3 tiles in flight:
+    891.6 against 966.5 us with 2 at 64x32768 on an H100, ``python -m bench.mla_decode_grid --heads 16
+    --shapes 64x32768 --dtypes fp8 --variants default,tma.s3``; 128 heads were 1.4x slower with 3)."""
     if heads <= 16:
-        cfg = dict(block_h=16, block_n=64, num_warps=8, num_stages=2, use_tma=True)
+        cfg = dict(block_h=16, block_n=64, num_warps=8, num_stages=3 if kv_fp8 else 2, use_tma=True)
     elif heads <= 32:
         cfg = dict(block_h=32, block_n=64, num_warps=8, num_stages=2, use_tma=True)
     else:
@@ -173,8 +176,8 @@ def mla_decode(
     ----------
     q_nope : [B, H, D_CKV]; q_pe : [B, H, D_PE] (last dims contiguous; any dtype, cast to the cache's)
     kv_cache : [num_pages, page_size, D_CKV + D_PE] bf16/fp16/fp32, or float8_e4m3fn (dequantized in the
-        kernel: products in q's dtype, ``kv_scale`` folded into the score scale and the output), last dim
-        contiguous
+        kernel: products in fp16, fp32 for an fp32 q; ``kv_scale`` folded into the score scale and the
+        output), last dim contiguous
     page_table : int32 [B, max_pages]; seq_lens : int32 [B] (device)
     out : [B, H, D_CKV] written in place (any float dtype)
     partial_out : float32 [R, H, max_splits, D_CKV]; partial_lse : float32 [R, H, max_splits]
@@ -214,9 +217,9 @@ def mla_decode(
         "kv_cache dtype bfloat16, float16, float32 or float8_e4m3fn",
     )
     require(not kv_fp8 or q_nope.dtype in (torch.bfloat16, torch.float16, torch.float32),
-            "an fp8 cache needs a bf16 / fp16 / fp32 query (the products run in q's dtype)")
-    # the dtype the products run in: the cache's, or q's over an fp8 cache
-    cdt = q_nope.dtype if kv_fp8 else kv_cache.dtype
+            "an fp8 cache needs a bf16 / fp16 / fp32 query (the products run in fp16, or fp32 for an fp32 query)")
+    # the dtype the products run in: the cache's; over an fp8 cache fp16 (fp32 for an fp32 q), see _q_to
+    cdt = (torch.float32 if q_nope.dtype == torch.float32 else torch.float16) if kv_fp8 else kv_cache.dtype
     require(
         page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32,
         "page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32",
@@ -246,7 +249,7 @@ def mla_decode(
     if B == 0:
         return
 
-    cfg = default_decode_config(H, cdt)
+    cfg = default_decode_config(H, cdt, kv_fp8)
     block_h = cfg["block_h"] if block_h is None else block_h
     block_n = cfg["block_n"] if block_n is None else block_n
     num_warps = cfg["num_warps"] if num_warps is None else num_warps

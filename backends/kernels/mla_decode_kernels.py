@@ -259,6 +259,15 @@ def _mla_attn_loop_tma(
 
 
 @triton.jit
+def _q_to(x, CDT: tl.constexpr):
+    """q in the products' dtype. Over an fp8 cache a bf16 q runs in fp16 (the cache widens to fp16 in one
+    instruction): values past fp16's range (65504) are clamped there instead of becoming inf."""
+    if CDT == tl.float16 and x.dtype == tl.bfloat16:
+        x = tl.clamp(x.to(tl.float32), -65504.0, 65504.0)
+    return x.to(CDT)
+
+
+@triton.jit
 def _store_piece(
     o, m_i, l_i, cols, offs_h, mask_h, b64, split, slot, slot_div, PO, PL, OUT,
     stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
@@ -288,9 +297,13 @@ def _decode_piece(
     KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """Tokens [start, end) of request b64 for BLOCK_H heads -> OUT (split False) or workspace slot. With an
-    fp8 cache (KV_FP8) the products run in q's dtype and ``out_scale`` (the cache scale) rescales the output."""
+    fp8 cache (KV_FP8) the products run in fp16 (fp32 for an fp32 q; see _q_to) and ``out_scale`` (the cache
+    scale) rescales the output."""
     if KV_FP8:
-        CDT: tl.constexpr = QN.dtype.element_ty
+        if QN.dtype.element_ty == tl.float32:
+            CDT: tl.constexpr = tl.float32
+        else:  # e4m3 -> fp16 is one cvt per two values on sm_89+; -> bf16 goes through fp32
+            CDT: tl.constexpr = tl.float16
     else:
         CDT: tl.constexpr = KV.dtype.element_ty
     offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -302,15 +315,16 @@ def _decode_piece(
         QP + b64 * stride_qp_b + offs_h[:, None] * stride_qp_h + offs_pe[None, :],
         mask=mask_h[:, None],
         other=0.0,
-    ).to(CDT)
+    )
+    qpe = _q_to(qpe, CDT)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if USE_TMA:
         D_HALF: tl.constexpr = D_CKV // 2
         cols = tl.arange(0, D_HALF)
         q_base = QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + cols[None, :]
-        q_lo = tl.load(q_base, mask=mask_h[:, None], other=0.0).to(CDT)
-        q_hi = tl.load(q_base + D_HALF, mask=mask_h[:, None], other=0.0).to(CDT)
+        q_lo = _q_to(tl.load(q_base, mask=mask_h[:, None], other=0.0), CDT)
+        q_hi = _q_to(tl.load(q_base + D_HALF, mask=mask_h[:, None], other=0.0), CDT)
         acc_lo = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
         acc_hi = tl.zeros([BLOCK_H, D_HALF], dtype=tl.float32)
         m_i, l_i, acc_lo, acc_hi = _mla_attn_loop_tma(
@@ -337,7 +351,8 @@ def _decode_piece(
             QN + b64 * stride_qn_b + offs_h[:, None] * stride_qn_h + offs_d[None, :],
             mask=mask_h[:, None],
             other=0.0,
-        ).to(CDT)
+        )
+        q = _q_to(q, CDT)
         acc = tl.zeros([BLOCK_H, D_CKV], dtype=tl.float32)
         m_i, l_i, acc = _mla_attn_loop(
             q, qpe, m_i, l_i, acc, KV, PT_row, stride_kv_p, stride_kv_t, start, full_end, m_i, qk_scale,
