@@ -234,7 +234,8 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
     res = rt.engine.run(record_hidden=False)
     torch.cuda.synchronize()
     starts = [s.marks[0] for s in res.steps if s.phase == "decode" and s.batch_size == bs]
-    period = statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(starts[:-1], starts[1:]))
+    periods = [a.elapsed_time(b) * 1e3 for a, b in zip(starts[:-1], starts[1:])]
+    period = statistics.median(periods) if periods else span_us / n  # one decode step: the profiled span
     b = step_bytes(rt, bs, prompt + out_len / 2)
     total = sum(b.values())
     kernel_us = busy / n
