@@ -29,12 +29,12 @@ the oracle. What each impl runs (class data: :data:`backends.dsv4_flashinfer.DEC
 
 The indexer (:meth:`DSV4Backend.select_topk`) has no loop per request with any impl; its semantics are the
 per-request reference's (:func:`backends.kernels.dsv4_reference.indexer_topk`). The Triton decode and extend
-kernels passed on an H100 at V4-Flash shapes; the DSA indexer path has been checked only in Triton's CPU
-interpreter.
+kernels passed on an H100 at V4-Flash shapes; the DSA indexer path passed there in a tiny served model
+(tests/test_dsv4_gpu.py, ``index_head_dim`` 16).
 
 CUDA graphs (decode, ``impl=triton``, no HiSparse: validation): the graph hooks keep fixed-width lists in static
-buffers, refreshed in place by device ops before each replay (see the graph hooks section below). Not yet captured
-on a GPU.
+buffers, refreshed in place by device ops before each replay (see the graph hooks section below). Captured and
+replayed on an H100 (tests/test_dsv4_gpu.py: graphed decode gives the eager tokens); not timed.
 
 HiSparse (``hisparse``, a :class:`runtime.core.sparse.SparseKVCoordinator`, built before this backend): the CSA
 entries live in the coordinator's host pool. The compressors' entries go there (:meth:`DSV4Backend.store_entries`);

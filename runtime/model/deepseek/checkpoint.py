@@ -34,7 +34,7 @@ from safetensors import safe_open
 from runtime.core.errors import CheckpointError, Problem
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import ONE_RANK, Sharding
-from runtime.model.deepseek.sharding import FULL, Cut, expert_range, local_shape, tensor_cut
+from runtime.model.deepseek.sharding import FULL, Cut, experts_of, local_shape, tensor_cut
 from runtime.model.deepseek.weights import (
     AttentionWeights,
     DecoderLayerWeights,
@@ -312,7 +312,7 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
     r = _Reader(index, torch.device(device), spec.dtype, v3_scales(index))
     got: dict[str, torch.Tensor] = {}
     stacks: dict[str, torch.Tensor] = {}
-    mine, d = expert_range(spec, shard), spec.hidden_size
+    mine, d = experts_of(spec.n_routed_experts, shard), spec.hidden_size
     try:
         for name in order:
             if ".mlp.experts." in name and name.split(".mlp.experts.")[1][0].isdigit():

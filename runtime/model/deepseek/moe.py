@@ -135,27 +135,38 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
     all experts, possibly cut to a slice of their intermediate dim, or with expert parallelism experts
     ``w.first_expert ...`` whole; the other pairs contribute 0 here and are summed in by the caller's all-reduce).
     x [T, D]; weights [T, k] float32; ids [T, k] global expert ids -> [T, D] float32."""
+    return routed_expert_sum(x, weights, ids, w.gate_up, w.down, w.first_expert, w.gate.shape[0], swiglu,
+                             grouped_mm, torch.float32)
+
+
+def routed_expert_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, first_expert: int, n_experts: int, act, grouped_mm: bool,
+                      acc: torch.dtype) -> torch.Tensor:
+    """The routed experts of V3 and V4 from the numbers: the (token, slot) pairs sorted by expert with no host
+    sync, two grouped GEMMs for every expert (``grouped_mm``) or a GEMM pair per active expert (one host sync),
+    then back to (token, slot) order and summed with the routing ``weights`` in ``acc`` (a fixed-order sum,
+    deterministic: no atomics). gate_up [E_local, 2 I, D], down [E_local, D, I] hold experts ``first_expert ..``
+    of ``n_experts`` (other ranks' pairs add 0 here); ``act``: [n, 2 I] -> [n, I]. -> [T, D] in ``acc``."""
     t, k = ids.shape
-    n_local = w.gate_up.shape[0]
-    local, mine = local_expert_ids(w, ids)
-    order, counts = sort_by_expert(local.reshape(-1), n_local + 1)
+    n_local = gate_up.shape[0]
+    local, mine = local_ids(ids, first_expert, n_local, n_experts)
+    order, counts = sort_by_expert(local.reshape(-1), n_local + 1)  # other ranks' pairs: one last group, dropped
     counts = counts[:n_local]
     xs = x[order // k]  # [T * k, D], grouped by expert
     if grouped_mm:
-        offsets = counts.cumsum(0).to(torch.int32)
-        y = grouped_expert_mlp(xs, w.gate_up, w.down, offsets, swiglu)
+        y = grouped_expert_mlp(xs, gate_up, down, counts.cumsum(0).to(torch.int32), act)
     else:
         y = torch.zeros_like(xs)
         start = 0
-        for e, n in enumerate(counts.tolist()):  # one host sync; a GEMM per active expert only
+        for e, n in enumerate(counts.tolist()):  # one host sync; a GEMM pair per active expert only
             if n:
-                y[start : start + n] = F.linear(swiglu(F.linear(xs[start : start + n], w.gate_up[e])), w.down[e])
+                y[start : start + n] = F.linear(act(F.linear(xs[start : start + n], gate_up[e])), down[e])
                 start += n
-    unsorted = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
-    unsorted[order] = y.float()  # back to (token, slot) order: a fixed-order sum, deterministic (no atomics)
+    unsorted = torch.empty(t * k, x.shape[1], dtype=acc, device=x.device)
+    unsorted[order] = y.to(acc)
     if mine is not None:  # other ranks' pairs: rows past the last group, not computed here
         unsorted = torch.where(mine.view(-1, 1), unsorted, 0.0)
-    return (unsorted.view(t, k, -1) * weights[:, :, None]).sum(dim=1)
+    return (unsorted.view(t, k, -1) * weights.to(acc)[:, :, None]).sum(dim=1)
 
 
 def moe(spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:

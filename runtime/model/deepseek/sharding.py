@@ -103,11 +103,6 @@ def experts_of(n_experts: int, shard: Sharding) -> range:
     return experts[shard.part(n_experts)] if shard.expert_parallel else experts
 
 
-def expert_range(spec: ModelSpec, shard: Sharding) -> range:
-    """The routed experts this rank computes: all of them (moe=tp, every one cut), or its own (moe=ep)."""
-    return experts_of(spec.n_routed_experts, shard)
-
-
 def local_shape(shape: tuple[int, ...], cut: Cut) -> tuple[int, ...]:
     """The shape ``cut`` leaves of a tensor of ``shape`` (without materialising it)."""
     out = list(shape)

@@ -22,7 +22,7 @@ import torch
 from runtime.core.config import LayerKind
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import ONE_RANK, Sharding
-from runtime.model.deepseek.sharding import FULL, expert_range, tensor_cut
+from runtime.model.deepseek.sharding import FULL, experts_of, tensor_cut
 from runtime.model.indexer import IndexerWeights
 
 
@@ -232,7 +232,7 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
             layer.mlp_norm, layer.mlp = ones(d), mlp(s.intermediate_size, f"{p}.mlp")
         elif mkind == MLPLayer.moe:
             e, im = s.n_routed_experts, s.moe_intermediate_size
-            mine = expert_range(s, shard)
+            mine = experts_of(s.n_routed_experts, shard)
             im_local = im if shard.expert_parallel else len(range(im)[shard.part(im)])
             gate_ups = torch.empty(len(mine), 2 * im_local, d, dtype=s.dtype, device=device)
             downs = torch.empty(len(mine), d, im_local, dtype=s.dtype, device=device)

@@ -29,8 +29,9 @@ from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.errors import CheckpointError, Problem
 from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.checkpoint import TensorInfo, _Reader, checkpoint_index, tensor_problems
+from runtime.model.deepseek.sharding import experts_of
 from runtime.model.dsv4.config import DSV4Config, MlpType
-from runtime.model.dsv4.sharding import dsv4_experts, dsv4_tensor_cut
+from runtime.model.dsv4.sharding import dsv4_tensor_cut
 from runtime.model.dsv4.stored import StoredFormat, check_tensor, scale_names
 from runtime.model.dsv4.weights import ModelWeights
 from runtime.model.quantized import ScaledTensor
@@ -184,7 +185,7 @@ def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat,
             state[name] = reader.get(names[name], torch.int64 if _is_int(name) else dtype, cut=cuts[name])
     finally:
         reader.close()
-    experts = dsv4_experts(cfg, shard)
+    experts = experts_of(cfg.n_routed_experts, shard)
     for i in range(cfg.attention.num_layers):  # the release layout: one tensor per expert
         p = f"model.layers.{i}.mlp.experts."
         if p + f"{experts.start}.gate_proj.weight" in state:
@@ -219,5 +220,5 @@ def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: 
             t = torch.randn(shape, generator=g, dtype=dtype, device=device) * shape[-1] ** -0.5
         cut = dsv4_tensor_cut(name, shape, cfg, shard)  # never None: the experts are fused tensors here
         state[name] = t if cut.replicated else cut.apply(t).contiguous()
-    return ModelWeights.load(state, cfg=cfg, first_expert=dsv4_experts(cfg, shard).start,
+    return ModelWeights.load(state, cfg=cfg, first_expert=experts_of(cfg.n_routed_experts, shard).start,
                              vocab_start=shard.part(cfg.vocab_size).start)

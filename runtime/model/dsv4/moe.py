@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.model.deepseek.moe import grouped_expert_mlp, local_ids, sort_by_expert
+from runtime.model.deepseek.moe import routed_expert_sum
 from runtime.model.dsv4.config import DSV4Config, ScoringFunc
 from runtime.model.dsv4.weights import MoEWeights
 
@@ -60,28 +60,9 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, 
     """x [T, hidden] -> routed + shared expert output [T, hidden] in x's dtype (a rank's partial sum under tensor
     parallelism, see the module docstring)."""
     ids, weights = route(w, x, input_ids, cfg)
-    t, k = ids.shape
     limit = cfg.swiglu_limit
-    n_local = w.gate_up_proj.shape[0]
-    local, mine = local_ids(ids, w.first_expert, n_local, cfg.n_routed_experts)
-    order, counts = sort_by_expert(local.reshape(-1), n_local + 1)  # other ranks' pairs: one last group, dropped
-    counts = counts[:n_local]
-    xs = x[order // k]  # [T * k, hidden], grouped by expert
-    if grouped_mm:
-        y = grouped_expert_mlp(xs, w.gate_up_proj, w.down_proj, counts.cumsum(0).to(torch.int32),
-                               lambda h: swiglu(*h.chunk(2, dim=-1), limit))
-    else:
-        y, start = torch.zeros_like(xs), 0
-        for e, n in enumerate(counts.tolist()):  # one host sync; a GEMM pair per active expert only
-            if n:
-                g, u = F.linear(xs[start:start + n], w.gate_up_proj[e]).chunk(2, dim=-1)
-                y[start:start + n] = F.linear(swiglu(g, u, limit), w.down_proj[e])
-                start += n
     acc = torch.promote_types(x.dtype, torch.float32)
-    routed = torch.empty(t * k, x.shape[1], dtype=acc, device=x.device)
-    routed[order] = y.to(acc)  # back to (token, slot) order: a fixed-order sum, no atomics
-    if mine is not None:  # other ranks' pairs: rows past the last group, not computed here
-        routed = torch.where(mine.view(-1, 1), routed, 0.0)
-    routed = (routed.view(t, k, -1) * weights.to(acc)[:, :, None]).sum(dim=1)
+    routed = routed_expert_sum(x, weights, ids, w.gate_up_proj, w.down_proj, w.first_expert, cfg.n_routed_experts,
+                               lambda h: swiglu(*h.chunk(2, dim=-1), limit), grouped_mm, acc)
     shared = swiglu(F.linear(x, w.shared_gate_proj), F.linear(x, w.shared_up_proj), limit)
     return (routed + F.linear(shared, w.shared_down_proj).to(acc)).to(x.dtype)

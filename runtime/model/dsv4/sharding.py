@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from runtime.core.parallel import Sharding
-from runtime.model.deepseek.sharding import ALL, FULL, Cut, experts_of, mlp_cut
+from runtime.model.deepseek.sharding import ALL, FULL, Cut, mlp_cut
 from runtime.model.dsv4.config import DSV4Config
 
 
@@ -63,11 +63,6 @@ def output_slices(cfg: DSV4Config, shard: Sharding) -> tuple[slice, slice]:
     group, j = divmod(shard.rank, per_group)
     width = cfg.attention.num_heads * cfg.attention.head_dim // groups // per_group
     return slice(group * r, (group + 1) * r), slice(j * width, (j + 1) * width)
-
-
-def dsv4_experts(cfg: DSV4Config, shard: Sharding) -> range:
-    """The routed experts a rank computes: all of them (moe=tp, each cut), or its own whole ones (moe=ep)."""
-    return experts_of(cfg.n_routed_experts, shard)
 
 
 def rank_config(cfg: DSV4Config, tp: int) -> DSV4Config:
