@@ -31,6 +31,7 @@ BENCHES: dict[str, list[str]] = {
     "bench_flashinfer": ["--quick", "--kernels", "fa3"],
     "mla_decode_grid": ["--quick"],
     "triton_mla_kernels_gpu": ["--quick"],
+    "gemv_bench": ["--quick"],
     "bench_dsa": ["--quick"],
     "bench_engine_decode": ["--quick"],
     "bench_speculative": ["--quick"],

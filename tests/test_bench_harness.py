@@ -21,7 +21,7 @@ from bench.harness import Ceilings, Table, format_table, json_line, parse_json_l
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_MODULES = ["bench_dsa", "bench_engine_decode", "bench_flashinfer", "bench_speculative", "profile_engine_step",
                  "triton_mla_kernels_gpu", "mla_decode_grid", "ceilings", "run_all", "tp_decode", "host_step",
-                 "dsv4_decode_bench"]
+                 "dsv4_decode_bench", "gemv_bench"]
 CEIL = Ceilings("Fake GPU", copy_gbs=2000.0, matmul_tflops=500.0)
 
 

@@ -176,3 +176,9 @@ def test_flashinfer_needs_the_shared_workspace():
     h100 = DeviceInfo("cuda", "cuda", 0, True, (9, 0), "H100")
     text = "\n".join(map(str, validate(plain, containers.BACKENDS, h100, package_present=lambda n: True)))
     assert "workspace.skip=true" in text and "shared FlashInfer workspace" in text
+
+
+@pytest.mark.parametrize("rows", [-1, 17])
+def test_gemv_rows_out_of_range_is_refused_with_its_fix(rows):
+    (p,) = [p for p in _problems(f"model.gemv_rows={rows}") if p.what == "model.gemv_rows"]
+    assert p.got == str(rows) and "0 .. 16" in p.expected and p.fix == "model.gemv_rows=16"

@@ -28,7 +28,7 @@ from runtime.core.model_spec import DSV4_MODEL_TYPE, TORCH_DTYPES
 from runtime.engine.prompts import capped, check_workload
 from runtime.engine.workload import RequestSpec
 from runtime.model.deepseek.moe import GROUPED_MM
-from runtime.model.deepseek.ops import ops_problems
+from runtime.model.deepseek.ops import GEMV_MAX_ROWS, ops_problems
 
 FLASHINFER_WORKSPACE = "flashinfer_float"
 
@@ -95,6 +95,10 @@ def validate(
             add(Problem(f"model.fused={fused}", f"device {device.kind} ({device.name}), model.dtype={model['dtype']}",
                         f"the fused decoder kernels' requirement: {reason}",
                         "use model.fused=auto (fused where supported, torch elsewhere) or model.fused=off"))
+        rows = model.get("gemv_rows", 16)
+        if not 0 <= int(rows) <= GEMV_MAX_ROWS:
+            add(Problem("model.gemv_rows", str(rows), f"0 .. {GEMV_MAX_ROWS} (the few-row kernels use one "
+                        f"{GEMV_MAX_ROWS}-row tile; 0 turns them off)", f"model.gemv_rows={GEMV_MAX_ROWS}"))
         if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
             problems += _linear_problems(cfg, linear_backend, device, package_present)
         if cfg["hisparse"]["enabled"]:

@@ -305,6 +305,9 @@ class ModelConfig:
     weight_seed: int = 1234
     v4: DSV4ModelConfig | None = None  # DeepSeek-V4 (model_type deepseek_v4): its own attention, mHC and MoE
     fused: FusedMode = FusedMode.auto  # decoder ops: fused Triton kernels (auto: where the device supports them)
+    # with fused ops: products of at most this many rows (decode at small batch) take the few-row Triton kernels
+    # (linear layers, router, routed + shared experts in two kernels); 0: cuBLAS / grouped GEMM always; <= 16
+    gemv_rows: int = 16
 
 
 # Values of the optional model fields when neither the preset nor a checkpoint sets them.

@@ -19,7 +19,6 @@ every rank. With one rank the group does nothing and the embedding is a plain lo
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from backends.base import AttentionBackend, MHAChunkPrefill, SparseDecode
 from runtime.core.batch import ForwardBatch, ForwardMode
@@ -126,4 +125,5 @@ class MLAModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (this rank's vocabulary slice, all-gathered: the same on every rank)."""
-        return self.group.all_gather(F.linear(hidden.to(self.weights.lm_head.dtype), self.weights.lm_head)).float()
+        lm_head = self.weights.lm_head
+        return self.group.all_gather(self.ops.linear(hidden.to(lm_head.dtype), lm_head)).float()

@@ -58,9 +58,9 @@ class MLAAttention:
         """xn [T, D] normed hidden states -> attention output [T, D] (before the residual add)."""
         s, ops = self.spec, self.ops
         t, h, ql = xn.shape[0], s.num_heads, lw.q_lora
-        qkv = F.linear(xn, lw.qkv_a)  # [T, q_lora + kv_lora + rope]
+        qkv = ops.linear(xn, lw.qkv_a)  # [T, q_lora + kv_lora + rope]
         q_in = ops.rms_norm(qkv[:, :ql], lw.q_a_norm, s.rms_norm_eps) if ql else xn
-        q = F.linear(q_in, lw.q_b).view(t, h, s.qk_head_dim)
+        q = ops.linear(q_in, lw.q_b).view(t, h, s.qk_head_dim)
         q_nope, q_pe = ops.rope_q(s, q, cos, sin)
         ckv, kpe = ops.latent(s, self.kv_pool, layer_id, batch.out_cache_loc, qkv[:, ql:], lw.kv_a_norm, cos, sin)
         index = None
@@ -83,7 +83,7 @@ class MLAAttention:
                 self.dumper.save_absorbed(layer_id, batch, self.kv_pool, q_abs, q_pe, o_lat, s.kv_lora_rank, s.sm_scale)
             o = torch.empty(t, h, s.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
             torch.bmm(o_lat.transpose(0, 1), lw.w_uv, out=o.transpose(0, 1))
-        return F.linear(o.reshape(t, h * s.v_head_dim), lw.o)
+        return ops.linear(o.reshape(t, h * s.v_head_dim), lw.o)
 
     def decompress(self, lw: AttentionWeights, ckv: torch.Tensor, kpe: torch.Tensor):
         """Latent rows -> per-head keys and values: ckv [N, kv_lora], kpe [N, rope] -> k [N, H, qk_head],

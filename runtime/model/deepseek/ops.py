@@ -7,6 +7,9 @@
   counting sort with the grouped GEMM's offsets) and the weighted combine plus the shared experts.
   Where a kernel does not apply (an fp8 KV cache: the torch write counts clipped values; softmax routing; MoE
   without ``torch._grouped_mm``) the op takes the torch path for that case.
+  Products of at most ``gemv_rows`` rows (``model.gemv_rows``: decode at small batch) take the few-row kernels of
+  :mod:`backends.kernels.skinny` instead of cuBLAS: the linear layers (bf16 / fp16), the router (float32, no cast
+  kernels) and the routed + shared experts in two kernels (no sort, no grouped GEMM, no combine pass).
 
 Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
 ``model.fused`` (``auto|on|off``) and the classes' :class:`OpsCapabilities`, never from a type check.
@@ -29,6 +32,9 @@ from runtime.model.deepseek.moe import moe as torch_moe
 from runtime.model.deepseek.rope import apply_rope
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.layers import rms_norm
+
+#: the most rows the few-row kernels take (``backends.kernels.skinny.MAX_ROWS``: one 16-row tensor-core tile)
+GEMV_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,10 @@ class TorchOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, K] @ w [N, K].T -> [T, N]."""
+        return F.linear(x, w)
+
     def rope_q(self, spec: ModelSpec, q: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, qk_head] -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated)."""
@@ -93,7 +103,7 @@ class TorchOps:
 
     def dense_mlp(self, w: DenseMLPWeights, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> down(silu(gate x) * up x) [T, D]."""
-        return F.linear(self.silu_mul(F.linear(x, w.gate_up)), w.down)
+        return self.linear(self.silu_mul(self.linear(x, w.gate_up)), w.down)
 
     def moe(self, spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
         """x [T, D] -> routed + shared experts [T, D] in x's dtype."""
@@ -107,11 +117,22 @@ class FusedOps:
     capabilities: ClassVar[OpsCapabilities] = OpsCapabilities(
         ("cuda",), (8, 0), (torch.float32, torch.bfloat16, torch.float16))
 
-    def __init__(self):
-        from backends.kernels import decoder_ops  # imports triton: only where the fused ops are built
+    def __init__(self, gemv_rows: int = GEMV_MAX_ROWS):
+        from backends.kernels import decoder_ops, skinny  # imports triton: only where the fused ops are built
 
-        self.k = decoder_ops
+        if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"model.gemv_rows: got {gemv_rows}; expected 0 .. {GEMV_MAX_ROWS}. Fix: "
+                             f"model.gemv_rows={GEMV_MAX_ROWS}")
+        self.k, self.s, self.gemv_rows = decoder_ops, skinny, gemv_rows
         self.torch = TorchOps()
+
+    def _few_rows(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
+        """x's rows and dtype take the few-row kernels, with weights of x's dtype and contiguous rows."""
+        return (0 < x.shape[0] <= self.gemv_rows and x.dtype in self.s.DOT_DTYPES and x.stride(-1) == 1
+                and all(w.dtype == x.dtype and w.is_contiguous() for w in weights))
+
+    def linear(self, x, w):
+        return self.s.linear(x, w) if self._few_rows(x, w) else F.linear(x, w)
 
     def add_rms_norm(self, x, delta, weight, eps):
         return self.k.add_rms_norm(x, delta, weight, eps)
@@ -136,13 +157,15 @@ class FusedOps:
         return self.k.silu_mul(h)
 
     def dense_mlp(self, w, x):
-        return F.linear(self.silu_mul(F.linear(x, w.gate_up)), w.down)
+        return self.linear(self.silu_mul(self.linear(x, w.gate_up)), w.down)
 
     def moe(self, spec, w, x, grouped_mm):
-        if not grouped_mm:  # the per-expert loop (host sync) stays torch
+        shared = (w.shared.gate_up, w.shared.down) if w.shared is not None else ()
+        few = self._few_rows(x, w.gate_up, w.down, *shared)
+        if not grouped_mm and not few:  # the per-expert loop (host sync) stays torch
             return self.torch.moe(spec, w, x, grouped_mm)
         if spec.scoring_func == "sigmoid":
-            logits = F.linear(x.float(), w.gate.float())
+            logits = self.s.linear_f32(x, w.gate) if few else F.linear(x.float(), w.gate.float())
             weights, ids = self.k.route_sigmoid(logits, w.bias, spec.n_group, spec.topk_group,
                                                 spec.num_experts_per_tok, spec.norm_topk_prob,
                                                 spec.routed_scaling_factor)
@@ -150,6 +173,9 @@ class FusedOps:
             weights, ids = route(spec, w, x)
         n_local = w.gate_up.shape[0]
         local, mine = local_expert_ids(w, ids)  # expert parallelism: other ranks' pairs in one last group
+        if few:  # every (token, slot) pair streams its expert once; other ranks' experts (id n_local) add 0
+            return self.s.moe_experts(x, local.contiguous(), weights.contiguous(), w.gate_up, w.down,
+                                      *(shared or (None, None)))
         tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
         offsets = offsets[:n_local]
         y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)

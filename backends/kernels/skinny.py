@@ -1,0 +1,152 @@
+"""Launchers of the few-row matrix-product kernels (:mod:`backends.kernels.skinny_kernels`): the linear layers
+and the routed + shared experts of a decode step at small batch.
+
+CUDA-graph safe (outputs from ``torch.empty``, grids from shapes, no host sync). The torch equivalents, which
+the tests compare against: ``F.linear`` for :func:`linear` and :func:`linear_f32`, and
+:func:`runtime.model.deepseek.moe.routed_expert_sum` plus the shared experts' MLP for :func:`moe_experts`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from backends.kernels import skinny_kernels as k
+from backends.kernels.checks import require
+
+#: the most rows :func:`linear` takes (one 16-row tensor-core tile)
+MAX_ROWS = 16
+DOT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A launch: output columns per program (``block_n``), reduction step (``block_k``), warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=8)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def default_config(n: int, k_dim: int, device: torch.device) -> TileConfig:
+    """64 weight rows x 256 per step when that still gives half the SMs a program, else 16 x 512 (the same bytes
+    per step, four times the programs); 4 stages in flight. From ``python -m bench.gemv_bench --sweep`` on an
+    H100 at DeepSeek-V3's TP8 shapes: fewer, wider programs read faster than two per SM of 16 rows."""
+    if triton.cdiv(n, 64) * 2 >= _sms(device):
+        block_n, block_k = 64, 256
+    else:
+        block_n, block_k = 16, 512
+    return TileConfig(block_n, min(block_k, triton.next_power_of_2(max(k_dim, 16))), 4, 4)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, float32 accumulation, M <= 16. bf16 / fp16 through one
+    16-row tensor-core tile per program, float32 one program per row (no TF32)."""
+    m, kd = x.shape
+    n = w.shape[0]
+    require(m <= MAX_ROWS and w.shape == (n, kd) and w.dtype == x.dtype and x.stride(-1) == 1
+            and w.stride(-1) == 1 and x.dtype in (*DOT_DTYPES, torch.float32),
+            f"x [M <= {MAX_ROWS}, K] and w [N, K] of one dtype (bf16, fp16, float32), last dims contiguous; got x "
+            f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    cfg = config or default_config(n, kd, x.device)
+    if x.dtype == torch.float32:
+        return _rows(x, w, y, cfg)
+    k._linear_dot_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, y, m, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    """``F.linear(x.float(), w.float())`` for few rows (the MoE router: bf16 hidden states, float32 weights)
+    without the cast kernels: x [M, K] any float dtype, w [N, K] -> [M, N] float32."""
+    m, kd = x.shape
+    n = w.shape[0]
+    require(w.shape == (n, kd) and x.stride(-1) == 1 and w.stride(-1) == 1 and x.is_floating_point()
+            and w.is_floating_point(), f"x [M, K] and w [N, K] floating point, last dims contiguous; got x "
+            f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    return _rows(x, w, y, config or TileConfig(2 if n <= 1024 else 16, 1024))
+
+
+def _rows(x, w, y, cfg: TileConfig) -> torch.Tensor:
+    m, kd = x.shape
+    n = w.shape[0]
+    k._linear_rows_kernel[(triton.cdiv(n, cfg.block_n), m)](
+        x, w, y, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """:func:`moe_experts` launches: gate/up rows and reduction step per program of the first kernel, output
+    columns and hidden step per program of the second."""
+
+    up_block_i: int = 16
+    up_block_k: int = 256
+    down_block_d: int = 32
+    down_block_i: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
+                config: ExpertConfig | None = None) -> torch.Tensor:
+    """The routed experts' weighted sum plus the shared experts, for few tokens, in two kernels (no sort, no
+    grouped GEMM, no combine pass): every (token, slot) pair streams its expert's rows once.
+
+    x [T, D]; ids [T, k] int64 local expert ids (``n_local = gate_up.shape[0]`` marks other ranks' experts, which
+    add 0); weights [T, k] float32; gate_up [E, 2 I, D], down [E, D, I]; shared_gate_up [2 I_s, D] and
+    shared_down [D, I_s] or both None -> [T, D] in x's dtype, rounded as the grouped-GEMM path with the combine
+    kernel rounds (each GEMM output, SiLU, the product, the weighted sum, the shared add)."""
+    t, d = x.shape
+    top_k = ids.shape[1] if ids.dim() == 2 else 0
+    n_local, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    has_shared = shared_gate_up is not None
+    s_inter = shared_gate_up.shape[0] // 2 if has_shared else 0
+    require(ids.shape == (t, top_k) and ids.is_contiguous() and weights.shape == (t, top_k)
+            and weights.dtype == torch.float32 and weights.is_contiguous() and x.stride(-1) == 1
+            and gate_up.shape[2] == d and down.shape == (n_local, d, inter) and gate_up.is_contiguous()
+            and down.is_contiguous() and gate_up.dtype == x.dtype and down.dtype == x.dtype
+            and (shared_down is None) == (not has_shared)
+            and (not has_shared or (shared_gate_up.shape == (2 * s_inter, d) and shared_down.shape == (d, s_inter)
+                                    and shared_gate_up.is_contiguous() and shared_down.is_contiguous())),
+            f"x [T, D], ids / weights [T, k] (int64 / float32, contiguous), gate_up [E, 2 I, D], down [E, D, I], "
+            f"shared [2 I_s, D] / [D, I_s] or None, contiguous, of x's dtype; got x {tuple(x.shape)} {x.dtype}, "
+            f"ids {tuple(ids.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, shared "
+            f"{None if not has_shared else (tuple(shared_gate_up.shape), tuple(shared_down.shape))}")
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    n_pairs = t * top_k
+    h = torch.empty(n_pairs + (t if has_shared else 0), max(inter, s_inter), dtype=x.dtype, device=x.device)
+    sgu = shared_gate_up if has_shared else gate_up
+    sdn = shared_down if has_shared else down
+    c = config or ExpertConfig()
+    k._moe_up_kernel[(h.shape[0], triton.cdiv(h.shape[1], c.up_block_i))](
+        x, ids, gate_up, sgu, h, n_pairs, d, inter, s_inter, n_local, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), sgu.stride(0), h.stride(0), TOPK=max(top_k, 1), BLOCK_I=c.up_block_i,
+        BLOCK_K=c.up_block_k, DOT=x.dtype in DOT_DTYPES, num_warps=c.num_warps, num_stages=c.num_stages)
+    k._moe_down_kernel[(t, triton.cdiv(d, c.down_block_d))](
+        h, ids, weights, down, sdn, out, n_pairs, d, inter, s_inter, n_local, h.stride(0), down.stride(0),
+        down.stride(1), sdn.stride(0), out.stride(0), TOPK=top_k, HAS_SHARED=has_shared,
+        BLOCK_D=c.down_block_d, BLOCK_I=min(c.down_block_i, triton.next_power_of_2(max(inter, s_inter, 16))),
+        DOT=x.dtype in DOT_DTYPES, num_warps=c.num_warps, num_stages=c.num_stages)
+    return out

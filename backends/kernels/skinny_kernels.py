@@ -1,0 +1,160 @@
+"""Triton kernels for matrix products with few rows (decode at small batch), launchers in
+:mod:`backends.kernels.skinny`.
+
+At one to sixteen rows a linear layer only streams its weight matrix, and cuBLAS picks tiles made for many rows
+(on an H100 at one row it read DeepSeek-V3's TP8 weights at 24-83% of copy bandwidth, the grouped expert GEMM at
+~50%). These kernels give each program a block of output columns (weight rows) and stream the whole reduction
+dim, so every weight byte is read once and the reads of all programs are in flight together.
+
+Row independence: a row's result never depends on how many rows the call has (bf16 / fp16 go through one
+16-row tensor-core tile, padded rows are zeros; float32 runs one program per row), so a CUDA graph captured
+for a padded batch gives the eager run's bits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _linear_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[:M, n-block] = X[:M] @ W[n-block].T for M <= 16: acc[BLOCK_N, 16] += W tile @ X tile.T, float32."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    nmask = rn < N
+    mmask = rm < M
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = X + rm[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+    out = tl.trans(acc).to(Y.dtype.element_ty)
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out, mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _linear_rows_kernel(X, W, Y, N, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """One row per program (axis 1), float32 products: Y[m, n-block] = sum_k float(W[n, k]) * float(X[m, k])."""
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(X + m * stride_xm + rk, mask=kmask, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    tl.store(Y + m * stride_ym + rn, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stride_x, stride_ge, stride_gn,
+                   stride_sn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT: tl.constexpr):
+    """Program (p, i-block): pair p < n_pairs is (token p // TOPK, expert IDS[p]) over GU[e] [2 I, K]; p >= n_pairs
+    is token p - n_pairs over the shared experts SGU [2 I_s, K]. H[p, i] = silu(gate) * up, each GEMM output
+    rounded to H's dtype, silu rounded, the product rounded (as the grouped GEMM + SiLU * up kernels).
+    Pairs of other ranks' experts (IDS[p] >= n_local) compute nothing."""
+    p = tl.program_id(0)
+    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    DT: tl.constexpr = H.dtype.element_ty
+    routed = p < n_pairs
+    e = tl.load(IDS + p, mask=routed, other=0).to(tl.int64)
+    t = tl.where(routed, p // TOPK, p - n_pairs)
+    width = tl.where(routed, inter, s_inter)
+    stride = tl.where(routed, stride_gn, stride_sn)
+    live = ri < tl.where(e < n_local, width, 0)  # a shared row loaded e = 0
+    base = tl.where(routed, GU + e * stride_ge, SGU)
+    g_rows = base + ri.to(tl.int64)[:, None] * stride
+    u_rows = base + (ri + width).to(tl.int64)[:, None] * stride
+    if DOT:  # 16-bit: the x row as row 0 of a 16-row tensor-core tile (the weight loads feed a dot: pipelined)
+        r16 = tl.arange(0, 16)
+        acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            x = tl.load(X + t * stride_x + r16[:, None] * 0 + rk[None, :], mask=(r16 < 1)[:, None] & kmask[None, :],
+                        other=0.0)
+            m2 = live[:, None] & kmask[None, :]
+            acc_g = tl.dot(tl.load(g_rows + rk[None, :], mask=m2, other=0.0), tl.trans(x), acc_g)
+            acc_u = tl.dot(tl.load(u_rows + rk[None, :], mask=m2, other=0.0), tl.trans(x), acc_u)
+        g = tl.sum(acc_g, axis=1)  # columns 1..15 are zeros
+        u = tl.sum(acc_u, axis=1)
+    else:
+        acc_g2 = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
+        acc_u2 = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            x = tl.load(X + t * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
+            m2 = live[:, None] & kmask[None, :]
+            acc_g2 += tl.load(g_rows + rk[None, :], mask=m2, other=0.0).to(tl.float32) * x[None, :]
+            acc_u2 += tl.load(u_rows + rk[None, :], mask=m2, other=0.0).to(tl.float32) * x[None, :]
+        g = tl.sum(acc_g2, axis=1)
+        u = tl.sum(acc_u2, axis=1)
+    g = g.to(DT).to(tl.float32)
+    u = u.to(DT).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+    tl.store(H + p * stride_h + ri, (s * u).to(DT), mask=ri < width)
+
+
+@triton.jit
+def _row_product(rows, h_row, dmask, width, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr):
+    """[BLOCK_D] float32: rows[d, :width] (pointers to each row's start) . h_row[:width]; DOT: through a 16-row
+    tensor-core tile whose row 0 is h (the weight loads feed the dot, so they are pipelined)."""
+    if DOT:
+        r16 = tl.arange(0, 16)
+        acc = tl.zeros([BLOCK_D, 16], dtype=tl.float32)
+        for i0 in range(0, width, BLOCK_I):
+            ri = i0 + tl.arange(0, BLOCK_I)
+            imask = ri < width
+            h = tl.load(h_row + r16[:, None] * 0 + ri[None, :], mask=(r16 < 1)[:, None] & imask[None, :], other=0.0)
+            w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(h), acc)
+        return tl.sum(acc, axis=1)
+    else:
+        acc2 = tl.zeros([BLOCK_D, BLOCK_I], dtype=tl.float32)
+        for i0 in range(0, width, BLOCK_I):
+            ri = i0 + tl.arange(0, BLOCK_I)
+            imask = ri < width
+            h = tl.load(h_row + ri, mask=imask, other=0.0).to(tl.float32)
+            acc2 += tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0).to(tl.float32) \
+                * h[None, :]
+        return tl.sum(acc2, axis=1)
+
+
+@triton.jit
+def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_local, stride_h, stride_de,
+                     stride_dd, stride_sd, stride_o, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr):
+    """Program (t, d-block): out[t] = round(sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j])) (float32, j in
+    order; other ranks' experts add 0) (+ round(SDN @ H[n_pairs + t]), the sum rounded), as the grouped GEMM and
+    the combine kernel."""
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = rd < D
+    DT: tl.constexpr = OUT.dtype.element_ty
+    out = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        e = tl.load(IDS + p).to(tl.int64)
+        width = tl.where(e < n_local, inter, 0)  # other ranks' experts: nothing
+        y = _row_product(DN + e * stride_de + rd.to(tl.int64)[:, None] * stride_dd, H + p * stride_h, dmask, width,
+                         BLOCK_D, BLOCK_I, DOT)
+        out += y.to(DT).to(tl.float32) * tl.load(WTS + p)
+    res = out.to(DT)
+    if HAS_SHARED:
+        y = _row_product(SDN + rd.to(tl.int64)[:, None] * stride_sd, H + (n_pairs + t) * stride_h, dmask, s_inter,
+                         BLOCK_D, BLOCK_I, DOT)
+        res = (res.to(tl.float32) + y.to(DT).to(tl.float32)).to(DT)
+    tl.store(OUT + t * stride_o + rd, res, mask=dmask)

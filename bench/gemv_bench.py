@@ -1,0 +1,194 @@
+"""Few-row products: the Triton kernels of ``backends/kernels/skinny.py`` against cuBLAS and the grouped expert GEMM.
+
+Shapes are DeepSeek-V3's as one TP8 rank holds them (``--tp 1``: the whole model). Per case: the float64
+check (relative error), cuBLAS / grouped-GEMM µs, ours µs, each as % of the copy bandwidth measured in the same
+run (bytes: the weights the call reads, plus activations), and the speedup. L2 is flushed before every timed
+call (bench/harness.py ``eager_ms``).
+
+    python -m bench.gemv_bench                  # linear layers at 1, 4, 16 rows; the MoE at 1, 4, 8, 16 tokens
+    python -m bench.gemv_bench --quick          # 1 and 16 rows, 1 and 8 tokens
+    python -m bench.gemv_bench --sweep          # also every tile config per shape (the best is printed)
+    python -m bench.gemv_bench --sweep moe      # the expert and router kernels' configs only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):  # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import Table, eager_ms, measure_ceilings, report  # noqa: E402
+
+BF = torch.bfloat16
+D, Q_LORA, KV_ROW, HEADS, E, TOP_K = 7168, 1536, 576, 128, 256, 8
+
+
+def linear_shapes(tp: int) -> list[tuple[str, int, int]]:
+    """(name, N, K) of every linear layer of one rank (weights [N, K])."""
+    h = HEADS // tp
+    return [("qkv_a", Q_LORA + KV_ROW, D), ("q_b", h * 192, Q_LORA), ("o", D, h * 128),
+            ("dense gate_up", 2 * 18432 // tp, D), ("dense down", D, 18432 // tp), ("lm_head (vocab 129280)",
+                                                                                 129280 // tp, D)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bench_linear(args, ceil, skinny) -> list[dict]:
+    rows = []
+    for name, n, kd in linear_shapes(args.tp):
+        w = torch.randn(n, kd, device="cuda", dtype=BF) / kd**0.5
+        for m in args.rows:
+            x = torch.randn(m, kd, device="cuda", dtype=BF)
+            ref = F.linear(x.double(), w.double())
+            err = _rel(skinny.linear(x, w), ref)
+            nbytes = (n * kd + m * (kd + n)) * 2
+            t_cublas = eager_ms(lambda x=x, w=w: F.linear(x, w))
+            t_ours = eager_ms(lambda x=x, w=w: skinny.linear(x, w))
+            cfg = skinny.default_config(n, kd, x.device)
+            row = {"layer": name, "N": n, "K": kd, "rows": m, "rel_err": err, "cublas_us": t_cublas * 1e3,
+                   "ours_us": t_ours * 1e3, "cublas_copy_pct": ceil.pct_copy(nbytes, t_cublas),
+                   "ours_copy_pct": ceil.pct_copy(nbytes, t_ours), "speedup": t_cublas / t_ours,
+                   "config": f"n{cfg.block_n}.k{cfg.block_k}.w{cfg.num_warps}.s{cfg.num_stages}"}
+            if "linear" in args.sweep and m == args.rows[0]:  # the config does not depend on the row count
+                best = min(((_try_ms(lambda c=c, x=x, w=w: skinny.linear(x, w, c)), c) for c in _linear_configs(skinny)),
+                           key=lambda p: p[0])
+                row["best_us"] = best[0] * 1e3
+                row["best_config"] = f"n{best[1].block_n}.k{best[1].block_k}.w{best[1].num_warps}.s{best[1].num_stages}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def _linear_configs(skinny):
+    return [skinny.TileConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)
+            for s in (2, 3, 4) if bn * bk <= 16384]
+
+
+def _moe_weights(tp: int):
+    from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
+
+    i = 2048 // tp
+    dev = "cuda"
+    return MoEWeights(gate=torch.randn(E, D, device=dev) / D**0.5, bias=torch.randn(E, device=dev) * 0.01,
+                      gate_up=(torch.randn(E, 2 * i, D, device=dev) / D**0.5).to(BF),
+                      down=(torch.randn(E, D, i, device=dev) / i**0.5).to(BF),
+                      shared=DenseMLPWeights((torch.randn(2 * i, D, device=dev) / D**0.5).to(BF),
+                                             (torch.randn(D, i, device=dev) / i**0.5).to(BF)))
+
+
+def bench_moe(args, ceil, skinny) -> list[dict]:
+    from types import SimpleNamespace
+
+    from runtime.model.deepseek.moe import route
+    from runtime.model.deepseek.ops import FusedOps, TorchOps
+    from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
+
+    spec = SimpleNamespace(num_experts_per_tok=TOP_K, n_group=8, topk_group=4, scoring_func="sigmoid",
+                           topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=2.5)
+    w = _moe_weights(args.tp)
+    few, grouped, ref_ops = FusedOps(16), FusedOps(0), TorchOps()
+    w32 = MoEWeights(w.gate, w.bias, w.gate_up.float(), w.down.float(),
+                     DenseMLPWeights(w.shared.gate_up.float(), w.shared.down.float()))
+    i = w.gate_up.shape[1] // 2
+    sh = (w.shared.gate_up, w.shared.down)
+    rows = []
+    for t in args.tokens:
+        x = torch.randn(t, D, device="cuda", dtype=BF)
+        experts = int(route(spec, w, x)[1].unique().numel())
+        nbytes = (experts * 3 * i * D + 3 * i * D) * 2 + E * D * 4 + t * D * 4
+        ref = ref_ops.moe(spec, w32, x.float(), False)  # float32 weights, a GEMM pair per active expert
+        err = _rel(few.moe(spec, w, x, True), ref)
+        err_grouped = _rel(grouped.moe(spec, w, x, True), ref)
+        t_grouped = eager_ms(lambda x=x: grouped.moe(spec, w, x, True))
+        t_few = eager_ms(lambda x=x: few.moe(spec, w, x, True))
+        weights, ids = route(spec, w, x)
+        t_kernels = eager_ms(lambda x=x, i_=ids, w_=weights: skinny.moe_experts(x, i_, w_, w.gate_up, w.down, *sh))
+        t_router = eager_ms(lambda x=x: skinny.linear_f32(x, w.gate))
+        row = {"tokens": t, "experts_read": experts, "rel_err": err, "rel_err_grouped": err_grouped,
+               "grouped_us": t_grouped * 1e3, "ours_us": t_few * 1e3, "speedup": t_grouped / t_few,
+               "experts_kernels_us": t_kernels * 1e3,
+               "experts_copy_pct": ceil.pct_copy(nbytes - E * D * 4, t_kernels), "router_us": t_router * 1e3,
+               "router_copy_pct": ceil.pct_copy(E * D * 4, t_router)}
+        if "moe" in args.sweep and t == args.tokens[0]:
+            row.update(_sweep_experts(skinny, x, ids, weights, w, sh), **_sweep_router(skinny, x, w.gate))
+        rows.append(row)
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _best(timed: list[tuple[float, str]]) -> tuple[float, str]:
+    return min(timed, key=lambda p: p[0])
+
+
+def _try_ms(fn) -> float:
+    """``eager_ms(fn)``, or infinity for a config that does not fit the GPU (shared memory, registers)."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return eager_ms(fn)
+    except OutOfResources:
+        return float("inf")
+
+
+def _sweep_experts(skinny, x, ids, weights, w, sh) -> dict:
+    """Up-kernel knobs with the default down kernel, then down-kernel knobs with the default up kernel."""
+    base = skinny.ExpertConfig()
+    run = lambda c: _try_ms(lambda: skinny.moe_experts(x, ids, weights, w.gate_up, w.down, *sh, config=c))  # noqa: E731
+    ups = [(run(c), f"up i{c.up_block_i}.k{c.up_block_k}.s{c.num_stages}") for bi in (16, 32, 64)
+           for bk in (128, 256, 512) for st in (3, 4)
+           if (c := skinny.ExpertConfig(bi, bk, base.down_block_d, base.down_block_i, 4, st))]
+    downs = [(run(c), f"down d{c.down_block_d}.i{c.down_block_i}.s{c.num_stages}") for bd in (16, 32, 64)
+             for bi in (64, 128, 256) for st in (3, 4)
+             if (c := skinny.ExpertConfig(base.up_block_i, base.up_block_k, bd, bi, 4, st))]
+    (tu, cu), (td, cd) = _best(ups), _best(downs)
+    return {"sweep_best_up_us": tu * 1e3, "sweep_best_up": cu, "sweep_best_down_us": td * 1e3, "sweep_best_down": cd}
+
+
+def _sweep_router(skinny, x, gate) -> dict:
+    timed = [(_try_ms(lambda c=c: skinny.linear_f32(x, gate, c)), f"n{c.block_n}.k{c.block_k}.w{c.num_warps}")
+             for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048) for nw in (4, 8)
+             if (c := skinny.TileConfig(bn, bk, nw, 3))]
+    t, c = _best(timed)
+    return {"sweep_best_router_us": t * 1e3, "sweep_best_router": c}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.gemv_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks the shapes are cut for")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="rows of the linear layers (default 1 4 16)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="MoE tokens (default 1 4 8 16)")
+    ap.add_argument("--sweep", nargs="*", choices=["linear", "moe"], default=None,
+                    help="time every tile config per shape at the first row / token count (no value: both)")
+    ap.add_argument("--quick", action="store_true", help="1 and 16 rows, 1 and 8 tokens")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    args.sweep = [] if args.sweep is None else (args.sweep or ["linear", "moe"])
+    args.rows = args.rows or ([1, 16] if args.quick else [1, 4, 16])
+    args.tokens = args.tokens or ([1, 8] if args.quick else [1, 4, 8, 16])
+    if not torch.cuda.is_available():
+        raise SystemExit("gemv_bench: needs a CUDA GPU (got none). Fix: run it on the device machine.")
+    from backends.kernels import skinny
+
+    torch.manual_seed(0)
+    ceil = measure_ceilings()
+    tables = [Table(bench_linear(args, ceil, skinny), title="linear layers (bf16; ours: skinny.linear)",
+                    name="linear"),
+              Table(bench_moe(args, ceil, skinny), title="routed + shared experts with routing (FusedOps.moe: grouped GEMM "
+                    "path vs the two few-row kernels)", name="moe")]
+    report("gemv_bench", ceil, tables, meta={"tp": args.tp})
+
+
+if __name__ == "__main__":
+    main()
