@@ -78,17 +78,33 @@ def compose_cfg(over: list[str]):
 
 
 def fit_layers(preset: str, bs: int, prompt: int, out_len: int) -> int:
-    """Layers whose weights and KV pool (for ``bs``) fit in 80% of the free GPU memory (a 1-layer build
-    reports the per-layer bytes)."""
-    rt = build(compose_cfg(overrides(preset, bs, 1, prompt, out_len, "off")))
+    """Layers whose weights and KV pool (for ``bs``) fit in 80% of the free GPU memory. A build of the dense
+    layers plus one MoE layer reports each kind's bytes (a MoE layer holds every expert: ~16x a dense one in
+    DeepSeek-V3's TP8 shapes)."""
+    first_k = compose_cfg(overrides(preset, bs, 1, prompt, out_len, "off")).model.get("first_k_dense_replace")
+    n0 = min(FULL_DEPTH, int(first_k or 0) + 1)
+    rt = build(compose_cfg(overrides(preset, bs, n0, prompt, out_len, "off")))
     model, kv = rt.container.model(), rt.container.kv_pool()
     w = model.weights
-    head = sum(t.numel() * t.element_size() for t in (w.embed, w.final_norm, w.lm_head))
-    per_layer = model.weight_bytes - head + kv.nbytes
+    head = _nbytes(w.embed, w.final_norm, w.lm_head)
+    layer_bytes = [_nbytes(*lw.tensors) for lw in w.layers]
+    kv_per_layer = kv.nbytes / n0
     del rt, model, kv, w
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
-    return max(1, min(FULL_DEPTH, int((0.8 * free - head) // per_layer)))
+    return layers_that_fit(layer_bytes, kv_per_layer, 0.8 * free - head, FULL_DEPTH)
+
+
+def layers_that_fit(layer_bytes: list[int], kv_per_layer: float, budget: float, max_layers: int) -> int:
+    """The most layers (at least 1, at most ``max_layers``) whose weights and KV fit ``budget`` bytes; layers
+    past ``len(layer_bytes)`` weigh as the last one (the model's remaining layers are of its kind)."""
+    n, used = 0, 0.0
+    while n < max_layers:
+        cost = layer_bytes[min(n, len(layer_bytes) - 1)] + kv_per_layer
+        if used + cost > budget:
+            break
+        used, n = used + cost, n + 1
+    return max(1, n)
 
 
 def _nbytes(*tensors) -> int:

@@ -216,3 +216,14 @@ def test_mla_decode_grid_variant_knobs_and_a_bad_one():
     assert variant_kwargs("ptr.h32.r128", 132) == dict(use_tma=False, block_h=32, max_regs=128)
     with pytest.raises(SystemExit, match="knob 'x3'"):
         variant_kwargs("tma.x3", 132)
+
+
+def test_decode_roofline_fits_layers_by_kind():
+    """--layers auto: 3 dense layers then MoE layers that weigh far more; the dense layers' cost must not stand
+    in for the MoE layers' (the 1-layer estimate asked for 61 DeepSeek-V3 TP8 layers and ran out of memory)."""
+    from bench.decode_roofline import layers_that_fit
+
+    dense, moe, kv = 170, 2900, 10
+    assert layers_that_fit([dense] * 3 + [moe], kv, 3 * (dense + kv) + 5 * (moe + kv) + 100, 61) == 8
+    assert layers_that_fit([dense] * 3 + [moe], kv, 10**9, 61) == 61
+    assert layers_that_fit([moe], kv, 5, 61) == 1  # at least one layer
