@@ -46,44 +46,31 @@ if __package__ in (None, ""):  # run as a file: put the repository root on the p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import runtime.core.config  # noqa: E402, F401  (registers the schemas)
+from bench.engine_config import compose_config, preset_overrides  # noqa: E402
 from bench.harness import Table, measure_ceilings, report  # noqa: E402
 from containers import build  # noqa: E402
 from runtime.model.deepseek.weights import AttentionWeights, MoEWeights  # noqa: E402
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
 FULL_DEPTH = 61  # DeepSeek-V3
 
 
 def overrides(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str,
               fused: str = "auto", gemv_rows: int = 16) -> list[str]:
-    pages = bs * -(-(prompt + out_len + 1) // 64) + 16
-    fixed = lambda key, v: [f"{key}.dist=fixed", f"{key}.mean={v}", f"{key}.min={v}", f"{key}.max={v}"]  # noqa: E731
-    return [
-        f"+deploy={preset}", "check=off", "progress=false", f"model.num_layers={layers}",
-        f"workload.num_requests={bs}", f"workload.max_running_requests={bs}",
-        *fixed("workload.prompt_len", prompt), *fixed("workload.output_len", out_len),
-        "workload.chunked_prefill_size=8192", "workload.max_tokens_per_batch=16384",
-        f"kv.num_pages={pages}", f"kv.max_requests={max(bs, 8)}", f"graph.batch_sizes=[{bs}]",
-        f"engine.overlap={overlap}", f"model.fused={fused}", f"model.gemv_rows={gemv_rows}",
-    ]
-
-
-def compose_cfg(over: list[str]):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=over)
+    return [*preset_overrides(preset, bs, layers, prompt, out_len), "workload.chunked_prefill_size=8192",
+            "workload.max_tokens_per_batch=16384", f"engine.overlap={overlap}", f"model.fused={fused}",
+            f"model.gemv_rows={gemv_rows}"]
 
 
 def fit_layers(preset: str, bs: int, prompt: int, out_len: int) -> int:
     """Layers whose weights and KV pool (for ``bs``) fit in 80% of the free GPU memory. A build of the dense
     layers plus one MoE layer reports each kind's bytes (a MoE layer holds every expert: ~16x a dense one in
     DeepSeek-V3's TP8 shapes)."""
-    first_k = compose_cfg(overrides(preset, bs, 1, prompt, out_len, "off")).model.get("first_k_dense_replace")
+    first_k = compose_config(overrides(preset, bs, 1, prompt, out_len, "off")).model.get("first_k_dense_replace")
     n0 = min(FULL_DEPTH, int(first_k or 0) + 1)
-    rt = build(compose_cfg(overrides(preset, bs, n0, prompt, out_len, "off")))
+    rt = build(compose_config(overrides(preset, bs, n0, prompt, out_len, "off")))
     model, kv = rt.container.model(), rt.container.kv_pool()
     w = model.weights
     head = _nbytes(w.embed, w.final_norm, w.lm_head)
@@ -232,7 +219,7 @@ def gaps_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> list[fl
 
 def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str, fused: str = "auto",
             kernels: bool = False, gemv_rows: int = 16) -> dict:
-    rt = build(compose_cfg(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows)))
+    rt = build(compose_config(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows)))
     rt.engine.run(record_hidden=False)  # warm-up: capture, JIT, allocator caches
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         res = rt.engine.run(record_hidden=False)

@@ -1,4 +1,5 @@
-"""Hydra composition for the engine benches (bench_engine_decode, profile_engine_step, bench_speculative)."""
+"""Hydra composition for the engine benches (bench_engine_decode, profile_engine_step, bench_speculative,
+decode_roofline, host_step)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def fixed_workload(num_requests: int, prompt: int, out_len: int) -> list[str]:
         out += [f"workload.{key}.dist=fixed", f"workload.{key}.mean={n}", f"workload.{key}.min={n}",
                 f"workload.{key}.max={n}"]
     return out
+
+
+def preset_overrides(preset: str, batch: int, layers: int, prompt: int, out_len: int) -> list[str]:
+    """A ``+deploy`` preset cut to ``layers`` layers, serving ``batch`` requests of fixed lengths all at once,
+    decode graphs captured for exactly ``batch``, a KV pool (64-token pages) that holds them, no checks or
+    progress bar: the real-model runs of decode_roofline and host_step."""
+    pages = batch * -(-(prompt + out_len + 1) // 64) + 16
+    return [f"+deploy={preset}", "check=off", "progress=false", f"model.num_layers={layers}",
+            *fixed_workload(batch, prompt, out_len), f"kv.num_pages={pages}", f"kv.max_requests={max(batch, 8)}",
+            f"graph.batch_sizes=[{batch}]"]

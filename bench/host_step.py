@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a file: the repository root on the path
 
 import torch  # noqa: E402
 
-from bench.engine_config import compose_config, fixed_workload  # noqa: E402
+from bench.engine_config import compose_config, fixed_workload, preset_overrides  # noqa: E402
 from bench.harness import Ceilings, Table, measure_ceilings, report  # noqa: E402
 
 
@@ -99,12 +99,8 @@ def build_runtime(batch: int, prompt: int, out_len: int, overrides: list[str], p
     import containers
 
     if preset is not None:
-        pages = batch * -(-(prompt + out_len + 1) // 64) + 16
-        cfg = compose_config([
-            f"+deploy={preset}", "check=off", "progress=false", "engine.overlap=on", f"model.num_layers={layers}",
-            *fixed_workload(batch, prompt, out_len), f"kv.num_pages={pages}", f"kv.max_requests={max(batch, 8)}",
-            f"graph.batch_sizes=[{batch}]", *overrides,
-        ])
+        cfg = compose_config([*preset_overrides(preset, batch, layers, prompt, out_len), "engine.overlap=on",
+                              *overrides])
         return containers.build(cfg)
     pages = batch * -(-(prompt + out_len + 1) // 16) + 16
     cfg = compose_config([

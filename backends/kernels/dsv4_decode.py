@@ -29,12 +29,11 @@ not split (2 splits measured 0.7-0.9x).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from backends.kernels.checks import require
 from backends.kernels.dsv4_reference import sink_attention
+from backends.kernels.sm_count import sm_count as gpu_sm_count
 
 
 def _check(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, cmp_len=None) -> None:
@@ -93,17 +92,9 @@ MIN_TILES_PER_SPLIT = 1
 CPU_SM_COUNT = 8
 
 
-@functools.cache
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device, interpreted: bool = False) -> int:
     """SMs the automatic split choice aims at: the GPU's (read once per device), else :data:`CPU_SM_COUNT`."""
-    device = torch.device(device)
-    if device.type != "cuda" or interpreted:
-        return CPU_SM_COUNT
-    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+    return CPU_SM_COUNT if interpreted else gpu_sm_count(device, CPU_SM_COUNT)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -62,6 +62,7 @@ def dsv4_extend(q: torch.Tensor, parts: tuple[GatherPart, GatherPart, GatherPart
     import triton
 
     from backends.kernels import dsv4_extend_kernels as kern
+    from backends.kernels.dsv4_decode_kernels import LOG2E  # the kernels' softmax runs in base 2
 
     _check(q, parts, sinks)
     t, h, _ = q.shape
@@ -72,7 +73,7 @@ def dsv4_extend(q: torch.Tensor, parts: tuple[GatherPart, GatherPart, GatherPart
         return out
     args = [x for p in parts for x in (p.rows, p.idx, p.sel, p.length)]
     kern._dsv4_extend_kernel[(triton.cdiv(h, block_h), t)](
-        q, sinks, out, *args, float(sm_scale) * kern.LOG2E, q.stride(0), q.stride(1),
+        q, sinks, out, *args, float(sm_scale) * LOG2E, q.stride(0), q.stride(1),
         *(p.idx.stride(0) for p in parts), out.stride(0), out.stride(1), h, **tiles,
     )  # fmt: skip
     return out

@@ -18,8 +18,6 @@ import triton.language as tl
 
 from backends.kernels.dsv4_decode_kernels import _dsv4_part, _start_heads, _store_heads
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _extend_part(q, m_i, l_i, acc, t, ROWS, IDX, SEL, LEN, stride_idx, qk_scale, D: tl.constexpr,

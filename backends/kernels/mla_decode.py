@@ -24,6 +24,7 @@ import triton
 
 from backends.kernels.checks import require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
+from backends.kernels.sm_count import sm_count
 
 __all__ = [
     "DEFAULT_MAX_SPLITS",
@@ -76,11 +77,6 @@ def decode_workspace_bytes(
     """Bytes of the float32 workspace (partial_out + partial_lse) that decode_workspace_shapes describes."""
     po, pl = decode_workspace_shapes(batch, heads, max_splits, kv_lora_rank)
     return 4 * (po[0] * po[1] * po[2] * po[3] + pl[0] * pl[1] * pl[2])
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache
@@ -262,7 +258,7 @@ def mla_decode(
 
     interp = _interpreting()
     on_gpu = q_nope.is_cuda and not interp
-    sms = _sm_count(q_nope.device.index or 0) if on_gpu else 4
+    sms = sm_count(q_nope.device, 4) if on_gpu else 4
     head_blocks = triton.cdiv(H, block_h)
     slots = partial_out.shape[0] * max_splits
     tma_ok = (

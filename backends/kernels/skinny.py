@@ -8,7 +8,6 @@ the tests compare against: ``F.linear`` for :func:`linear` and :func:`linear_f32
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import triton
 
 from backends.kernels import skinny_kernels as k
 from backends.kernels.checks import require
+from backends.kernels.sm_count import sm_count
 
 #: the most rows :func:`linear` takes (one 16-row tensor-core tile)
 MAX_ROWS = 16
@@ -32,16 +32,15 @@ class TileConfig:
     num_stages: int = 3
 
 
-@functools.lru_cache(maxsize=8)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+#: SMs assumed off the GPU (an H100's), so the CPU tests see the configs an H100 gets
+CPU_SM_COUNT = 132
 
 
 def default_config(n: int, k_dim: int, device: torch.device) -> TileConfig:
     """64 weight rows x 256 per step when that still gives half the SMs a program, else 16 x 512 (the same bytes
     per step, four times the programs); 4 stages in flight. From ``python -m bench.gemv_bench --sweep`` on an
     H100 at DeepSeek-V3's TP8 shapes: fewer, wider programs read faster than two per SM of 16 rows."""
-    if triton.cdiv(n, 64) * 2 >= _sms(device):
+    if triton.cdiv(n, 64) * 2 >= sm_count(device, CPU_SM_COUNT):
         block_n, block_k = 64, 256
     else:
         block_n, block_k = 16, 512

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from backends.kernels.checks import require
+from backends.kernels.sm_count import sm_count
 
 __all__ = [
     "default_sparse_decode_config",
@@ -205,7 +206,7 @@ def sparse_mla_decode(
     interp = kern._sparse_decode_stage1_kernel.__class__.__name__ == "InterpretedFunction"
     on_gpu = q_nope.is_cuda and not interp
     if target_programs is None:
-        sms = torch.cuda.get_device_properties(q_nope.device).multi_processor_count if on_gpu else 4
+        sms = sm_count(q_nope.device, 4) if on_gpu else 4
         target_programs = PROGRAMS_PER_SM * sms
 
     per_split = T * H * (Dc + 1)  # floats of one split's partials + LSEs

@@ -23,6 +23,7 @@ from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.model_spec import DSV4_MODEL_TYPE, ModelSpec
 from runtime.core.parallel import LaunchEnv, torchrun_command
+from runtime.model.dsv4.sharding import rank_o_groups
 
 
 def _divisible(out: list[Problem], what: str, n: int, tp: int, fix: str) -> None:
@@ -47,7 +48,7 @@ def rank_view(cfg: Mapping) -> dict:
         groups = v4.get("o_groups") or 0
         if tp <= 1 or groups < 1 or not dsv4_output_tp(heads, groups, tp):
             return dict(cfg)
-        local = {**v4, "o_groups": max(groups // tp, 1)}  # as runtime.model.dsv4.sharding.rank_config
+        local = {**v4, "o_groups": rank_o_groups(groups, tp)}
         return {**cfg, "model": {**model, "num_heads": heads // tp, "v4": local}}
     if tp <= 1 or heads % tp:
         return dict(cfg)

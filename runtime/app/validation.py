@@ -95,7 +95,7 @@ def validate(
             add(Problem(f"model.fused={fused}", f"device {device.kind} ({device.name}), model.dtype={model['dtype']}",
                         f"the fused decoder kernels' requirement: {reason}",
                         "use model.fused=auto (fused where supported, torch elsewhere) or model.fused=off"))
-        rows = model.get("gemv_rows", 16)
+        rows = model.get("gemv_rows", GEMV_MAX_ROWS)
         if not 0 <= int(rows) <= GEMV_MAX_ROWS:
             add(Problem("model.gemv_rows", str(rows), f"0 .. {GEMV_MAX_ROWS} (the few-row kernels use one "
                         f"{GEMV_MAX_ROWS}-row tile; 0 turns them off)", f"model.gemv_rows={GEMV_MAX_ROWS}"))

@@ -73,4 +73,10 @@ def rank_config(cfg: DSV4Config, tp: int) -> DSV4Config:
     if tp == 1:
         return cfg
     return replace(cfg, attention=replace(cfg.attention, num_heads=cfg.attention.num_heads // tp),
-                   o_groups=max(cfg.o_groups // tp, 1))
+                   o_groups=rank_o_groups(cfg.o_groups, tp))
+
+
+def rank_o_groups(o_groups: int, tp: int) -> int:
+    """Output groups one of ``tp`` ranks holds: ``o_groups / tp`` whole ones, or one (a share of it) when tp is a
+    multiple of ``o_groups``."""
+    return max(o_groups // tp, 1)
