@@ -3,7 +3,9 @@
 Shapes are DeepSeek-V3's as one TP8 rank holds them (``--tp 1``: the whole model). Per case: the float64
 check (relative error), cuBLAS / grouped-GEMM µs, ours µs, each as % of the copy bandwidth measured in the same
 run (bytes: the weights the call reads, plus activations), and the speedup. L2 is flushed before every timed
-call (bench/harness.py ``eager_ms``).
+call (bench/harness.py ``eager_ms``). The ``graph_*`` columns are what a decode step's CUDA graph sees: the call
+captured over enough weight copies (or expert sets) that L2 never serves a repeated read, replayed, per call, without
+the launch cost that dominates eager timings of 10-20 µs kernels.
 
     python -m bench.gemv_bench                  # linear layers at 1, 4, 16 rows; the MoE at 1, 4, 8, 16 tokens
     python -m bench.gemv_bench --quick          # 1 and 16 rows, 1 and 8 tokens
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Table, eager_ms, measure_ceilings, report  # noqa: E402
+from bench.harness import Table, copies_for_l2, eager_ms, graph_ms, measure_ceilings, report  # noqa: E402
 
 BF = torch.bfloat16
 D, Q_LORA, KV_ROW, HEADS, E, TOP_K = 7168, 1536, 576, 128, 256, 8
@@ -46,6 +48,7 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
     rows = []
     for name, n, kd in linear_shapes(args.tp):
         w = torch.randn(n, kd, device="cuda", dtype=BF) / kd**0.5
+        w_copies = [w] + [w.clone() for _ in range(copies_for_l2(w.numel() * 2) - 1)]
         for m in args.rows:
             x = torch.randn(m, kd, device="cuda", dtype=BF)
             ref = F.linear(x.double(), w.double())
@@ -54,13 +57,17 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
             t_cublas = eager_ms(lambda x=x, w=w: F.linear(x, w))
             t_ours = eager_ms(lambda x=x, w=w: skinny.linear(x, w))
             cfg = skinny.default_config(n, kd, x.device)
+            g_cublas = graph_ms([lambda x=x, w=c: F.linear(x, w) for c in w_copies])
+            g_ours = graph_ms([lambda x=x, w=c: skinny.linear(x, w) for c in w_copies])
             row = {"layer": name, "N": n, "K": kd, "rows": m, "rel_err": err, "cublas_us": t_cublas * 1e3,
                    "ours_us": t_ours * 1e3, "cublas_copy_pct": ceil.pct_copy(nbytes, t_cublas),
                    "ours_copy_pct": ceil.pct_copy(nbytes, t_ours), "speedup": t_cublas / t_ours,
-                   "config": f"n{cfg.block_n}.k{cfg.block_k}.w{cfg.num_warps}.s{cfg.num_stages}"}
+                   "config": f"n{cfg.block_n}.k{cfg.block_k}.w{cfg.num_warps}.s{cfg.num_stages}",
+                   "graph_cublas_us": g_cublas * 1e3, "graph_ours_us": g_ours * 1e3,
+                   "graph_ours_copy_pct": ceil.pct_copy(nbytes, g_ours)}
             if "linear" in args.sweep and m == args.rows[0]:  # the config does not depend on the row count
-                best = min(((_try_ms(lambda c=c, x=x, w=w: skinny.linear(x, w, c)), c) for c in _linear_configs(skinny)),
-                           key=lambda p: p[0])
+                best = min(((_try_graph_ms([lambda c=c, x=x, w=wc: skinny.linear(x, w, c) for wc in w_copies]), c)
+                            for c in _linear_configs(skinny)), key=lambda p: p[0])
                 row["best_us"] = best[0] * 1e3
                 row["best_config"] = f"n{best[1].block_n}.k{best[1].block_k}.w{best[1].num_warps}.s{best[1].num_stages}"
             rows.append(row)
@@ -69,8 +76,9 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
 
 
 def _linear_configs(skinny):
-    return [skinny.TileConfig(bn, bk, w, s) for bn in (16, 32, 64) for bk in (128, 256, 512) for w in (4, 8)
-            for s in (2, 3, 4) if bn * bk <= 16384]
+    """The sweep's configs (graph-timed): 4 warps (8 never won an eager sweep), 3 to 5 stages."""
+    return [skinny.TileConfig(bn, bk, 4, s) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for s in (3, 4, 5)
+            if bn * bk <= 32768]
 
 
 def _moe_weights(tp: int):
@@ -114,14 +122,19 @@ def bench_moe(args, ceil, skinny) -> list[dict]:
         t_few = eager_ms(lambda x=x: few.moe(spec, w, x, True))
         t_kernels = eager_ms(lambda x=x, i_=ids, w_=weights: skinny.moe_experts(x, i_, w_, w.gate_up, w.down, *sh))
         t_router = eager_ms(lambda x=x: skinny.linear_f32(x, w.gate))
+        id_sets = _expert_sets(t, args.graph_sets)  # other experts per call: L2 never serves them
+        g_kernels = graph_ms([lambda x=x, i_=i_, w_=weights: skinny.moe_experts(x, i_, w_, w.gate_up, w.down, *sh)
+                              for i_ in id_sets])
+        g_bytes = _experts_bytes(id_sets, t, i)
         row = {"tokens": t, "experts_read": experts, "rel_err": err, "rel_err_grouped": err_grouped,
                "grouped_us": t_grouped * 1e3, "ours_us": t_few * 1e3, "speedup": t_grouped / t_few,
                "ours_copy_pct": ceil.pct_copy(nbytes, t_few),
                "experts_kernels_us": t_kernels * 1e3,
                "experts_copy_pct": ceil.pct_copy(expert_bytes, t_kernels), "router_us": t_router * 1e3,
-               "router_copy_pct": ceil.pct_copy(E * D * 4, t_router)}
+               "router_copy_pct": ceil.pct_copy(E * D * 4, t_router), "graph_experts_us": g_kernels * 1e3,
+               "graph_experts_copy_pct": ceil.pct_copy(g_bytes, g_kernels)}
         if "moe" in args.sweep and t == args.tokens[0]:
-            row.update(_sweep_experts(skinny, x, ids, weights, w, sh), **_sweep_router(skinny, x, w.gate))
+            row.update(_sweep_experts(skinny, x, id_sets, weights, w, sh), **_sweep_router(skinny, x, w.gate))
         rows.append(row)
         print(rows[-1], flush=True)
     return rows
@@ -141,22 +154,46 @@ def _try_ms(fn) -> float:
         return float("inf")
 
 
-def _sweep_experts(skinny, x, ids, weights, w, sh) -> dict:
-    """Up-kernel knobs with the default down kernel, then down-kernel knobs with the default up kernel."""
+def _try_graph_ms(calls) -> float:
+    """``graph_ms(calls)``, or infinity for a config that does not fit the GPU (shared memory, registers)."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return graph_ms(calls)
+    except OutOfResources:
+        return float("inf")
+
+
+def _expert_sets(tokens: int, n: int) -> list[torch.Tensor]:
+    """``n`` routings of ``tokens`` tokens to TOP_K distinct random experts each."""
+    return [torch.stack([torch.randperm(E, device="cuda")[:TOP_K] for _ in range(tokens)]) for _ in range(n)]
+
+
+def _experts_bytes(id_sets: list[torch.Tensor], tokens: int, inter: int) -> float:
+    """Mean bytes one moe_experts call reads over ``id_sets``: its distinct experts + the shared one, hidden rows."""
+    experts = sum(int(ids.unique().numel()) for ids in id_sets) / len(id_sets)
+    return (experts + 1) * 3 * inter * D * 2 + tokens * D * 2
+
+
+def _sweep_experts(skinny, x, id_sets, weights, w, sh) -> dict:
+    """Graph-timed: up-kernel knobs with the default down kernel, then down-kernel knobs with the default up."""
     base = skinny.ExpertConfig()
-    run = lambda c: _try_ms(lambda: skinny.moe_experts(x, ids, weights, w.gate_up, w.down, *sh, config=c))  # noqa: E731
+    run = lambda c: _try_graph_ms([lambda i_=i_: skinny.moe_experts(x, i_, weights, w.gate_up, w.down, *sh, config=c)  # noqa: E731
+                                   for i_ in id_sets])
     ups = [(run(c), f"up i{c.up_block_i}.k{c.up_block_k}.s{c.num_stages}") for bi in (16, 32, 64)
-           for bk in (128, 256, 512) for st in (3, 4)
+           for bk in (128, 256, 512) for st in (3, 4, 5, 6)
            if (c := skinny.ExpertConfig(bi, bk, base.down_block_d, base.down_block_i, 4, st))]
     downs = [(run(c), f"down d{c.down_block_d}.i{c.down_block_i}.s{c.num_stages}") for bd in (16, 32, 64)
-             for bi in (64, 128, 256) for st in (3, 4)
+             for bi in (64, 128, 256) for st in (3, 4, 5)
              if (c := skinny.ExpertConfig(base.up_block_i, base.up_block_k, bd, bi, 4, st))]
     (tu, cu), (td, cd) = _best(ups), _best(downs)
     return {"sweep_best_up_us": tu * 1e3, "sweep_best_up": cu, "sweep_best_down_us": td * 1e3, "sweep_best_down": cd}
 
 
 def _sweep_router(skinny, x, gate) -> dict:
-    timed = [(_try_ms(lambda c=c: skinny.linear_f32(x, gate, c)), f"n{c.block_n}.k{c.block_k}.w{c.num_warps}")
+    gates = [gate] + [gate.clone() for _ in range(copies_for_l2(gate.numel() * 4) - 1)]
+    timed = [(_try_graph_ms([lambda c=c, g=g: skinny.linear_f32(x, g, c) for g in gates]),
+              f"n{c.block_n}.k{c.block_k}.w{c.num_warps}")
              for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048) for nw in (4, 8)
              if (c := skinny.TileConfig(bn, bk, nw, 3))]
     t, c = _best(timed)
@@ -171,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", nargs="*", choices=["linear", "moe"], default=None,
                     help="time every tile config per shape at the first row / token count (no value: both)")
     ap.add_argument("--quick", action="store_true", help="1 and 16 rows, 1 and 8 tokens")
+    ap.add_argument("--graph-sets", type=int, default=8, help="expert routings the MoE graph timings rotate over")
     return ap
 
 

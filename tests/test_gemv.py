@@ -80,7 +80,7 @@ def test_linear_default_config_and_empty_inputs():
     assert skinny.linear(torch.empty(0, 8), torch.randn(5, 8)).shape == (0, 5)
     cpu = torch.device("cpu")  # counted as 132 SMs: 64-row blocks when they give at least 66 programs
     assert skinny.default_config(4608, 7168, cpu) == skinny.TileConfig(64, 256, 4, 4)  # 72 blocks
-    assert skinny.default_config(2112, 7168, cpu) == skinny.TileConfig(16, 512, 4, 4)  # 33 blocks of 64
+    assert skinny.default_config(2112, 7168, cpu) == skinny.TileConfig(32, 512, 4, 4)  # 33 blocks of 64
     assert skinny.default_config(40000, 100, cpu) == skinny.TileConfig(64, 128, 4, 4)
 
 

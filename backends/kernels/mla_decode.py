@@ -150,7 +150,7 @@ def mla_decode(
     partial_lse: torch.Tensor,
     *,
     max_splits: int = DEFAULT_MAX_SPLITS,
-    min_tokens_per_split: int = 256,
+    min_tokens_per_split: int = 64,
     block_n: int | None = None,
     block_h: int | None = None,
     num_warps: int | None = None,

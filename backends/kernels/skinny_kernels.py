@@ -3,9 +3,10 @@
 
 At one to sixteen rows a linear layer only streams its weight matrix. These kernels give each program a block of
 output columns (weight rows) and stream the whole reduction dim, so every weight byte is read once. On an H100 at
-DeepSeek-V3's TP8 shapes they read the 8-66 MB matrices at 50-62% of copy bandwidth, about as cuBLAS does (the
-231 MB LM head at 85%, cuBLAS 79%); what they gain is in the MoE, where routing, the routed experts and the shared
-expert take two kernels instead of a sort, two grouped GEMMs and a combine (``python -m bench.gemv_bench``).
+DeepSeek-V3's TP8 shapes, timed in CUDA graphs over more weight bytes than L2 holds (``python -m bench.gemv_bench``),
+they read the matrices at 34% (q_b, 9 MB) to 75% (dense gate_up, 66 MB) of copy bandwidth and the 231 MB LM head at
+85%, about as fast as cuBLAS; what they gain is in the MoE, where routing, the routed experts and the shared
+expert take two kernels instead of a sort, two grouped GEMMs and a combine.
 
 Row independence: a row's result never depends on how many rows the call has (bf16 / fp16 go through one
 16-row tensor-core tile, padded rows are zeros; float32 runs one program per row), so a CUDA graph captured
@@ -110,52 +111,59 @@ def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stri
 
 
 @triton.jit
-def _row_product(rows, h_row, dmask, width, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr):
-    """[BLOCK_D] float32: rows[d, :width] (pointers to each row's start) . h_row[:width]; DOT: through a 16-row
-    tensor-core tile whose row 0 is h (the weight loads feed the dot, so they are pipelined)."""
-    if DOT:
-        r16 = tl.arange(0, 16)
-        acc = tl.zeros([BLOCK_D, 16], dtype=tl.float32)
-        for i0 in range(0, width, BLOCK_I):
-            ri = i0 + tl.arange(0, BLOCK_I)
-            imask = ri < width
-            h = tl.load(h_row + r16[:, None] * 0 + ri[None, :], mask=(r16 < 1)[:, None] & imask[None, :], other=0.0)
-            w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0)
-            acc = tl.dot(w, tl.trans(h), acc)
-        return tl.sum(acc, axis=1)
-    else:
-        acc2 = tl.zeros([BLOCK_D, BLOCK_I], dtype=tl.float32)
-        for i0 in range(0, width, BLOCK_I):
-            ri = i0 + tl.arange(0, BLOCK_I)
-            imask = ri < width
-            h = tl.load(h_row + ri, mask=imask, other=0.0).to(tl.float32)
-            acc2 += tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0).to(tl.float32) \
-                * h[None, :]
-        return tl.sum(acc2, axis=1)
-
-
-@triton.jit
 def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_local, stride_h, stride_de,
-                     stride_dd, stride_sd, stride_o, TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr):
+                     stride_dd, stride_sd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                     HAS_SHARED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr):
     """Program (t, d-block): out[t] = round(sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j])) (float32, j in
     order; other ranks' experts add 0) (+ round(SDN @ H[n_pairs + t]), the sum rounded), as the grouped GEMM and
-    the combine kernel."""
+    the combine kernel.
+
+    One loop over (slot, chunk of the hidden dim) for all the slots (the routed ones, then the shared row), so the
+    weight loads stay pipelined across experts (a loop per expert drained the pipeline at every expert); the
+    token's expert ids and weights are loaded before the loop (TOPK_P2: TOPK rounded up to a power of two), so no
+    weight address waits on a load inside it. At a slot's last chunk its product is rounded and folded in."""
     t = tl.program_id(0)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = rd < D
     DT: tl.constexpr = OUT.dtype.element_ty
+    SLOTS: tl.constexpr = TOPK + HAS_SHARED
+    n_chunks = tl.cdiv(tl.maximum(inter, s_inter), BLOCK_I)
+    r16 = tl.arange(0, 16)
+    slots = tl.arange(0, TOPK_P2)
+    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
+    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        p = t * TOPK + j
-        e = tl.load(IDS + p).to(tl.int64)
-        width = tl.where(e < n_local, inter, 0)  # other ranks' experts: nothing
-        y = _row_product(DN + e * stride_de + rd.to(tl.int64)[:, None] * stride_dd, H + p * stride_h, dmask, width,
-                         BLOCK_D, BLOCK_I, DOT)
-        out += y.to(DT).to(tl.float32) * tl.load(WTS + p)
+    shared = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if DOT:  # the h row as row 0 of a 16-row tensor-core tile
+        acc = tl.zeros([BLOCK_D, 16], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_D, BLOCK_I], dtype=tl.float32)
+    for it in range(0, SLOTS * n_chunks):
+        j = it // n_chunks
+        ri = (it % n_chunks) * BLOCK_I + tl.arange(0, BLOCK_I)
+        routed = j < TOPK
+        p = tl.where(routed, t * TOPK + j, n_pairs + t)
+        e = tl.sum(tl.where(slots == j, ids, 0))  # the shared slot (j == TOPK) reads 0
+        width = tl.where(routed, tl.where(e < n_local, inter, 0), s_inter)  # other ranks' experts: nothing
+        rows = tl.where(routed, DN + e * stride_de + rd.to(tl.int64)[:, None] * stride_dd,
+                        SDN + rd.to(tl.int64)[:, None] * stride_sd)
+        imask = ri < width
+        w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0)
+        if DOT:
+            h = tl.load(H + p * stride_h + r16[:, None] * 0 + ri[None, :], mask=(r16 < 1)[:, None] & imask[None, :],
+                        other=0.0)
+            acc = tl.dot(w, tl.trans(h), acc)
+        else:
+            h = tl.load(H + p * stride_h + ri, mask=imask, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * h[None, :]
+        if (it + 1) % n_chunks == 0:  # the slot's last chunk: round its product, fold it in, start the next
+            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # DOT: columns 1..15 are zeros
+            if routed:
+                out += y * tl.sum(tl.where(slots == j, wts, 0.0))
+            else:
+                shared = y
+            acc = tl.zeros_like(acc)
     res = out.to(DT)
     if HAS_SHARED:
-        y = _row_product(SDN + rd.to(tl.int64)[:, None] * stride_sd, H + (n_pairs + t) * stride_h, dmask, s_inter,
-                         BLOCK_D, BLOCK_I, DOT)
-        res = (res.to(tl.float32) + y.to(DT).to(tl.float32)).to(DT)
+        res = (res.to(tl.float32) + shared).to(DT)
     tl.store(OUT + t * stride_o + rd, res, mask=dmask)

@@ -125,7 +125,7 @@ class TritonMLAConfig(BackendConfig):
     name: str = "triton_mla"
     max_splits: int = 2048  # split-KV slots one request may take at most (the kernel balances tokens over slots)
     split_slots: int = 2048  # partials in the scratch workspace: a batch of B gets min(max_splits, slots // B)
-    min_tokens_per_split: int = 256  # a request gets ceil(len / this) splits, capped as above
+    min_tokens_per_split: int = 64  # stage-1 chunk floor (tokens): small batches spread over more programs
     block_n: int | None = None  # KV tokens per tile (null: the kernel's default for the head count)
     block_h: int | None = None  # heads per program, each KV tile read once per head block (null: default)
 
