@@ -27,7 +27,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def check_linear(n, kd, rows, dtype, dev, tol, config=None):
+def check_linear(n, kd, rows, dtype, dev, tol, config=None) -> torch.Tensor:
     w = torch.randn(n, kd, dtype=dtype, device=dev) / kd**0.5
     x = torch.randn(max(rows), kd, dtype=dtype, device=dev)
     ref = F.linear(x.double(), w.double())
@@ -36,6 +36,7 @@ def check_linear(n, kd, rows, dtype, dev, tol, config=None):
     assert _rel(full, ref) <= tol
     for m in rows:  # each row as the full call computed it, whatever the row count
         assert torch.equal(skinny.linear(x[:m], w, config), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
+    return full
 
 
 def _experts(e, d, i, i_s, dtype, dev):
@@ -82,6 +83,29 @@ def test_linear_default_config_and_empty_inputs():
     assert skinny.default_config(4608, 7168, cpu) == skinny.TileConfig(64, 256, 4, 4)  # 72 blocks
     assert skinny.default_config(2112, 7168, cpu) == skinny.TileConfig(32, 512, 4, 4)  # 33 blocks of 64
     assert skinny.default_config(40000, 100, cpu) == skinny.TileConfig(64, 128, 4, 4)
+
+
+@pytest.mark.parametrize("n,kd", [(37, 72), (50, 296), (16, 64)])
+def test_linear_tma_tiles_give_the_pointer_tiles_bits(n, kd):
+    """TMA only changes how the weight tiles arrive: rows and columns past the matrix read as zeros, as the masked
+    pointer loads give, so the bits are the pointer path's (N and K tails included)."""
+    torch.manual_seed(n)
+    full = check_linear(n, kd, [1, 5, 16], torch.float16, DEV, 2e-3, skinny.TileConfig(16, 32, tma=True))
+    w = torch.randn(n, kd, dtype=torch.float16, device=DEV) / kd**0.5
+    x = torch.randn(16, kd, dtype=torch.float16, device=DEV)
+    assert full.shape == (16, n)
+    assert torch.equal(skinny.linear(x, w, skinny.TileConfig(32, 64, tma=True)),
+                       skinny.linear(x, w, skinny.TileConfig(32, 64)))
+
+
+def test_linear_tma_falls_back_to_pointers_where_tma_cannot_read():
+    """Rows not 16-byte aligned (K * 2 bytes % 16 != 0), boxes over 256, or float32: pointer loads, same result."""
+    torch.manual_seed(2)
+    w = torch.randn(24, 70, dtype=torch.float16, device=DEV)  # 140-byte rows
+    x = torch.randn(3, 70, dtype=torch.float16, device=DEV)
+    assert not skinny._tma_ok(w, skinny.TileConfig(16, 32, tma=True))
+    assert not skinny._tma_ok(torch.zeros(8, 64, dtype=torch.float16), skinny.TileConfig(16, 512, tma=True))
+    assert torch.equal(skinny.linear(x, w, skinny.TileConfig(16, 32, tma=True)), skinny.linear(x, w, skinny.TileConfig(16, 32)))
 
 
 def test_linear_refuses_what_it_cannot_take():
@@ -178,7 +202,13 @@ TP8_LINEARS = [(2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168), (7168, 23
 def test_linear_bf16_gpu(n, kd):
     needs_gpu()
     torch.manual_seed(n)
-    check_linear(n, kd, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
+    default = check_linear(n, kd, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
+    for bn in (32, 64):  # TMA weight tiles: the pointer tiles' bits (sm_90+; elsewhere they are pointer loads)
+        torch.manual_seed(n)
+        tma = check_linear(n, kd, [1, 7, 16], torch.bfloat16, "cuda", 1e-2, skinny.TileConfig(bn, 256, 4, 4, tma=True))
+        torch.manual_seed(n)
+        ptr = check_linear(n, kd, [16], torch.bfloat16, "cuda", 1e-2, skinny.TileConfig(bn, 256, 4, 4))
+        assert torch.equal(tma, ptr) and _rel(tma, default.float()) <= 1e-2
 
 
 @pytest.mark.gpu

@@ -17,14 +17,12 @@ over a grid of (request, head block, column block).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
 from backends.kernels.checks import require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
-from backends.kernels.sm_count import sm_count
+from backends.kernels.sm_count import capability_major, sm_count
 
 __all__ = [
     "DEFAULT_MAX_SPLITS",
@@ -77,11 +75,6 @@ def decode_workspace_bytes(
     """Bytes of the float32 workspace (partial_out + partial_lse) that decode_workspace_shapes describes."""
     po, pl = decode_workspace_shapes(batch, heads, max_splits, kv_lora_rank)
     return 4 * (po[0] * po[1] * po[2] * po[3] + pl[0] * pl[1] * pl[2])
-
-
-@functools.cache
-def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def _interpreting() -> bool:
@@ -270,7 +263,7 @@ def mla_decode(
         and block_n <= 256
         # Hopper TMA on the GPU; the interpreter only for fp16 (it computes bf16 dots wrong)
         and (
-            (on_gpu and _capability_major(q_nope.device.index or 0) >= 9)
+            (on_gpu and capability_major(q_nope.device) >= 9)
             or (interp and kv_cache.dtype == torch.float16)
         )
     )

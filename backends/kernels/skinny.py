@@ -15,7 +15,7 @@ import triton
 
 from backends.kernels import skinny_kernels as k
 from backends.kernels.checks import require
-from backends.kernels.sm_count import sm_count
+from backends.kernels.sm_count import capability_major, sm_count
 
 #: the most rows :func:`linear` takes (one 16-row tensor-core tile)
 MAX_ROWS = 16
@@ -24,12 +24,15 @@ DOT_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class TileConfig:
-    """A launch: output columns per program (``block_n``), reduction step (``block_k``), warps, pipeline stages."""
+    """A launch: output columns per program (``block_n``), reduction step (``block_k``), warps, pipeline stages, and
+    whether :func:`linear` reads the weight tiles with TMA (Hopper+, bf16 / fp16, ``block_n`` and ``block_k`` at
+    most 256, 16-byte aligned rows; where that does not hold it reads them through pointers)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
 
 #: SMs assumed off the GPU (an H100's), so the CPU tests see the configs an H100 gets
@@ -64,10 +67,32 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -
     cfg = config or default_config(n, kd, x.device)
     if x.dtype == torch.float32:
         return _rows(x, w, y, cfg)
+    desc = _weight_descriptor(w, cfg) if cfg.tma and _tma_ok(w, cfg) else None
     k._linear_dot_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, y, m, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, w, desc, y, m, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_TMA=desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
+
+def _interpreting() -> bool:
+    """Whether the kernels were built for Triton's CPU interpreter (decided when they were decorated)."""
+    return k._linear_dot_kernel.__class__.__name__ == "InterpretedFunction"
+
+
+def _tma_ok(w: torch.Tensor, cfg: TileConfig) -> bool:
+    """TMA can read ``w``'s tiles: a 16-bit matrix with 16-byte aligned rows, boxes of at most 256 x 256, on a
+    Hopper+ GPU (or fp16 in the interpreter, which computes bf16 dots wrong)."""
+    return (w.dtype in DOT_DTYPES and cfg.block_n <= 256 and cfg.block_k <= 256 and w.data_ptr() % 16 == 0
+            and (w.stride(0) * w.element_size()) % 16 == 0
+            and ((w.is_cuda and not _interpreting() and capability_major(w.device) >= 9)
+                 or (_interpreting() and w.dtype == torch.float16)))
+
+
+def _weight_descriptor(w: torch.Tensor, cfg: TileConfig):
+    """Host TMA descriptor over ``w`` [N, K], boxes of [block_n, block_k]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [cfg.block_n, cfg.block_k])
 
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:

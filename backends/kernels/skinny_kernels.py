@@ -20,9 +20,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _linear_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[:M, n-block] = X[:M] @ W[n-block].T for M <= 16: acc[BLOCK_N, 16] += W tile @ X tile.T, float32."""
+def _linear_dot_kernel(X, W, W_DESC, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+    """Y[:M, n-block] = X[:M] @ W[n-block].T for M <= 16: acc[BLOCK_N, 16] += W tile @ X tile.T, float32.
+    USE_TMA: the weight tiles come through W_DESC (a TMA descriptor over W [N, K], boxes [BLOCK_N, BLOCK_K]; rows
+    and columns past the matrix read as zeros), else through pointers from W."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
     nmask = rn < N
@@ -33,7 +35,10 @@ def _linear_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if USE_TMA:
+            w = W_DESC.load([tl.program_id(0) * BLOCK_N, k0])
+        else:
+            w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
     out = tl.trans(acc).to(Y.dtype.element_ty)

@@ -1,4 +1,5 @@
-"""The SM count kernel launchers size their grids by, read once per GPU."""
+"""What kernel launchers read of the GPU once per device: the SM count (grid sizes) and the compute capability's
+major version (TMA loads need 9+)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,16 @@ def sm_count(device: torch.device | str, fallback: int) -> int:
     if device.type != "cuda":
         return fallback
     return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _cuda_capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def capability_major(device: torch.device | str) -> int:
+    """The CUDA ``device``'s compute capability major version (read once per device); 0 off the GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    return _cuda_capability_major(torch.cuda.current_device() if device.index is None else device.index)
