@@ -99,7 +99,7 @@ def test_linear_tma_tiles_give_the_pointer_tiles_bits(n, kd):
 
 
 def test_linear_tma_falls_back_to_pointers_where_tma_cannot_read():
-    """Rows not 16-byte aligned (K * 2 bytes % 16 != 0), boxes over 256, or float32: pointer loads, same result."""
+    """Rows not 16-byte aligned (K * 2 bytes % 16 != 0) or boxes over 256 columns: pointer loads, same result."""
     torch.manual_seed(2)
     w = torch.randn(24, 70, dtype=torch.float16, device=DEV)  # 140-byte rows
     x = torch.randn(3, 70, dtype=torch.float16, device=DEV)
