@@ -62,7 +62,7 @@ from backends.kernels.sparse_mla_decode import (  # noqa: E402
     sparse_mla_decode_reference,
 )
 from bench import harness  # noqa: E402
-from bench.harness import Table, gb_per_s, measure_ceilings, report  # noqa: E402
+from bench.harness import Table, gb_per_s, measure_ceilings, rel_err, report  # noqa: E402
 
 DEV = "cpu" if SMOKE else "cuda"
 DT = torch.bfloat16
@@ -83,13 +83,6 @@ sync = partial(harness.sync, DEV)
 
 def log(*a):
     print(*a, flush=True)
-
-
-def rel_err(out, ref) -> float:
-    out, ref = out.float(), ref.float()
-    if torch.isnan(out).any():
-        return float("nan")
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 # ------------------------------------------------------------------------------------------- sparse decode

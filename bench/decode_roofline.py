@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import runtime.core.config  # noqa: E402, F401  (registers the schemas)
-from bench.engine_config import compose_config, preset_overrides  # noqa: E402
+from bench.engine_config import compose_config, decode_periods_us, preset_overrides  # noqa: E402
 from bench.harness import Table, measure_ceilings, report  # noqa: E402
 from containers import build  # noqa: E402
 from runtime.model.deepseek.weights import AttentionWeights, MoEWeights  # noqa: E402
@@ -231,15 +231,12 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
     end = max(e for _, e, _ in iv)
     lo = end - span_us
     busy = union_us(iv, lo, end)
-    kernels = sum(1 for s, _, c in iv if c == "kernel" and s >= lo)
+    n_kernels = sum(1 for s, _, c in iv if c == "kernel" and s >= lo)
     n = len(dec)
     # The profiler's CUDA activity tracing slows every launch on the host, so the profiled window's idle time
     # overstates what the host costs. One more run without it: the median start-to-start period of its decode
     # steps (CUDA events), minus the profiled kernel time, is the idle a served step sees.
-    res = rt.engine.run(record_hidden=False)
-    torch.cuda.synchronize()
-    starts = [s.marks[0] for s in res.steps if s.phase == "decode" and s.batch_size == bs]
-    periods = [a.elapsed_time(b) * 1e3 for a, b in zip(starts[:-1], starts[1:])]
+    periods = decode_periods_us(rt.engine.run(record_hidden=False), bs)
     period = statistics.median(periods) if periods else span_us / n  # one decode step: the profiled span
     b = step_bytes(rt, bs, prompt + out_len / 2)
     total = sum(b.values())
@@ -249,7 +246,7 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
            "idle_us": max(0.0, period - kernel_us), "period_us": period, "bubble_us": bubble_us,
            "host_idle_us": max(0.0, period - kernel_us - bubble_us),
            "idle_profiled_us": (span_us - busy) / n, **{f"{k}_bytes": v for k, v in b.items()},
-           "bytes": total, "kernels_per_layer": kernels / n / layers, "graphed": sum(s.graphed for s in dec)}
+           "bytes": total, "kernels_per_layer": n_kernels / n / layers, "graphed": sum(s.graphed for s in dec)}
     if kernels:
         out["breakdown"] = kernel_breakdown(ev, lo, end, n, layers)
     del rt, res, prof

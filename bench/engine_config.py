@@ -1,5 +1,5 @@
 """Hydra composition for the engine benches (bench_engine_decode, profile_engine_step, bench_speculative,
-decode_roofline, host_step)."""
+decode_roofline, host_step), and the decode-step periods of a run."""
 
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def preset_overrides(preset: str, batch: int, layers: int, prompt: int, out_len:
     return [f"+deploy={preset}", "check=off", "progress=false", f"model.num_layers={layers}",
             *fixed_workload(batch, prompt, out_len), f"kv.num_pages={pages}", f"kv.max_requests={max(batch, 8)}",
             f"graph.batch_sizes=[{batch}]"]
+
+
+def decode_periods_us(res, batch: int) -> list[float]:
+    """Start-to-start periods (µs) of a run's consecutive decode steps of ``batch`` requests: from their CUDA event
+    marks on a GPU (the GPU's period; waits for the device), from the host clock on the CPU."""
+    starts = [s.marks[0] for s in res.steps if s.phase == "decode" and s.batch_size == batch]
+    if res.gpu_marks:
+        import torch
+
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) * 1e3 for a, b in zip(starts[:-1], starts[1:])]
+    return [(b - a) * 1e6 for a, b in zip(starts[:-1], starts[1:])]

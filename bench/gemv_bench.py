@@ -26,7 +26,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):  # run as a file: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Table, copies_for_l2, eager_ms, graph_ms, measure_ceilings, report  # noqa: E402
+from bench.harness import Table, copies_for_l2, eager_ms, graph_ms, measure_ceilings, rel_err, report  # noqa: E402
 
 BF = torch.bfloat16
 D, Q_LORA, KV_ROW, HEADS, E, TOP_K = 7168, 1536, 576, 128, 256, 8
@@ -40,11 +40,6 @@ def linear_shapes(tp: int) -> list[tuple[str, int, int]]:
                                                                                  129280 // tp, D)]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def bench_linear(args, ceil, skinny) -> list[dict]:
     rows = []
     for name, n, kd in linear_shapes(args.tp):
@@ -53,7 +48,7 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
         for m in args.rows:
             x = torch.randn(m, kd, device="cuda", dtype=BF)
             ref = F.linear(x.double(), w.double())
-            err = _rel(skinny.linear(x, w), ref)
+            err = rel_err(skinny.linear(x, w), ref)
             nbytes = (n * kd + m * (kd + n)) * 2
             t_cublas = eager_ms(lambda x=x, w=w: F.linear(x, w))
             t_ours = eager_ms(lambda x=x, w=w: skinny.linear(x, w))
@@ -61,7 +56,7 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
             g_cublas = graph_ms([lambda x=x, w=c: F.linear(x, w) for c in w_copies])
             g_ours = graph_ms([lambda x=x, w=c: skinny.linear(x, w) for c in w_copies])
             tma = _tma_config(skinny, cfg)
-            err_tma = _rel(skinny.linear(x, w, tma), ref)
+            err_tma = rel_err(skinny.linear(x, w, tma), ref)
             g_tma = graph_ms([lambda x=x, w=c, t=tma: skinny.linear(x, w, t) for c in w_copies])
             row = {"layer": name, "N": n, "K": kd, "rows": m, "rel_err": err, "cublas_us": t_cublas * 1e3,
                    "ours_us": t_ours * 1e3, "cublas_copy_pct": ceil.pct_copy(nbytes, t_cublas),
@@ -127,11 +122,11 @@ def bench_moe(args, ceil, skinny) -> list[dict]:
         x = torch.randn(t, D, device="cuda", dtype=BF)
         weights, ids = route(spec, w, x)
         experts = int(ids.unique().numel())
-        expert_bytes = (experts + 1) * 3 * i * D * 2 + t * D * 2  # routed + shared experts, the hidden rows
+        expert_bytes = _experts_bytes([ids], t, i)  # routed + shared experts, the hidden rows
         nbytes = expert_bytes + E * D * 4  # and the float32 router
         ref = ref_ops.moe(spec, w32, x.float(), False)  # float32 weights, a GEMM pair per active expert
-        err = _rel(few.moe(spec, w, x, True), ref)
-        err_grouped = _rel(grouped.moe(spec, w, x, True), ref)
+        err = rel_err(few.moe(spec, w, x, True), ref)
+        err_grouped = rel_err(grouped.moe(spec, w, x, True), ref)
         t_grouped = eager_ms(lambda x=x: grouped.moe(spec, w, x, True))
         t_few = eager_ms(lambda x=x: few.moe(spec, w, x, True))
         t_kernels = eager_ms(lambda x=x, i_=ids, w_=weights: skinny.moe_experts(x, i_, w_, w.gate_up, w.down, *sh))
@@ -156,16 +151,6 @@ def bench_moe(args, ceil, skinny) -> list[dict]:
 
 def _best(timed: list[tuple[float, str]]) -> tuple[float, str]:
     return min(timed, key=lambda p: p[0])
-
-
-def _try_ms(fn) -> float:
-    """``eager_ms(fn)``, or infinity for a config that does not fit the GPU (shared memory, registers)."""
-    from triton.runtime.errors import OutOfResources
-
-    try:
-        return eager_ms(fn)
-    except OutOfResources:
-        return float("inf")
 
 
 def _try_graph_ms(calls) -> float:

@@ -258,6 +258,14 @@ def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], None]:
 
 
 # ------------------------------------------------------------------------------------------------ ratios
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN when ``out`` holds a NaN (a NaN never passes a bound)."""
+    if torch.isnan(out).any():
+        return float("nan")
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
 def gb_per_s(nbytes: float, ms: float) -> float:
     """``nbytes`` moved in ``ms`` milliseconds, in GB/s (1e9 bytes/s)."""
     return nbytes / (ms * 1e-3) / 1e9

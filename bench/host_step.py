@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a file: the repository root on the path
 
 import torch  # noqa: E402
 
-from bench.engine_config import compose_config, fixed_workload, preset_overrides  # noqa: E402
+from bench.engine_config import compose_config, decode_periods_us, fixed_workload, preset_overrides  # noqa: E402
 from bench.harness import Ceilings, Table, measure_ceilings, report  # noqa: E402
 
 
@@ -118,13 +118,7 @@ def build_runtime(batch: int, prompt: int, out_len: int, overrides: list[str], p
 
 def decode_period_us(res, batch: int) -> float:
     """Median start-to-start period of consecutive full-batch decode steps (the first few skipped)."""
-    starts = [s.marks[0] for s in res.steps if s.phase == "decode" and s.batch_size == batch]
-    if res.gpu_marks:  # the real model on a GPU: CUDA events (ms), the GPU's period
-        torch.cuda.synchronize()
-        periods = [a.elapsed_time(b) * 1e3 for a, b in zip(starts[:-1], starts[1:])][4:]
-    else:
-        periods = [(b - a) * 1e6 for a, b in zip(starts[:-1], starts[1:])][4:]
-    return statistics.median(periods)
+    return statistics.median(decode_periods_us(res, batch)[4:])  # on a GPU: the GPU's period
 
 
 def timed_phases(rt, batch: int) -> tuple[dict[str, float], int]:

@@ -206,10 +206,3 @@ class ExtendProblem:
             mla_extend(self.q_nope, self.q_pe, p.kv, p.pt, self.indptr, p.sl, SCALE, self.out, max_q_len=max_q, **cfg)
 
         return run
-
-
-def rel_err(out, ref) -> float:
-    """||out - ref|| / ||ref|| (float32), NaN when ``out`` holds a NaN."""
-    if torch.isnan(out).any():
-        return float("nan")
-    return ((out.float() - ref).norm() / ref.norm()).item()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.harness import MiB, eager_ms, graph_ms, sync
-from bench.triton_mla_problems import D_CKV, D_PE, DTYPE, SCALE, DecodeProblem, rel_err
+from bench.harness import MiB, eager_ms, graph_ms, rel_err, sync
+from bench.triton_mla_problems import D_CKV, D_PE, DTYPE, SCALE, DecodeProblem
 
 TOL = 2e-2  # a config whose relative error reaches this is reported and not timed
 WARMUP_MS, REP_MS = 25, 100

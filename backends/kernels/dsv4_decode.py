@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 from backends.kernels.dsv4_reference import sink_attention
 from backends.kernels.sm_count import sm_count as gpu_sm_count
 
@@ -74,7 +74,7 @@ def tile_options(kernel, q: torch.Tensor, block_h: int, block_n: int, num_warps:
     d = q.shape[-1]
     require(triton.next_power_of_2(d) == d, f"a power-of-two row width; got {d}")
     require(block_h >= 16 and block_n >= 16, f"tiles of at least 16 (tl.dot); got {block_h}, {block_n}")
-    interp = kernel.__class__.__name__ == "InterpretedFunction"
+    interp = interpreted(kernel)
     extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     return dict(D=d, BLOCK_H=block_h, BLOCK_N=block_n, PREC="ieee" if q.dtype == torch.float32 else "tf32",
                 UPCAST=interp and q.dtype != torch.float32, **extra)
@@ -171,7 +171,7 @@ def dsv4_decode(q, win_rows, win_idx, cmp_rows, cmp_idx, sinks, sm_scale: float,
         return out
     n_rows = win_idx.shape[1] + cmp_idx.shape[1]
     ws = None if workspace is None else _workspace_floats(workspace)
-    interp = kern._dsv4_split_kernel.__class__.__name__ == "InterpretedFunction"
+    interp = interpreted(kern._dsv4_split_kernel)
     if num_splits is None:
         num_splits = decode_splits(b, h, n_rows, sm_count(q.device, interp), block_h, block_n)
         if ws is not None:  # the caller's room caps it (its size is fixed: still a function of shapes only)

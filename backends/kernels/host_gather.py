@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 
 __all__ = ["copy_rows", "gather_rows_from_host", "scatter_rows_to_host"]
 
@@ -128,7 +128,7 @@ def copy_rows(
     block_seg = max(1, int(block_seg))
     per_prog = block_seg * int(iters)
     grid = (triton.cdiv(m * segs_per_row, per_prog),)
-    interp = kern._copy_rows_kernel.__class__.__name__ == "InterpretedFunction"
+    interp = interpreted(kern._copy_rows_kernel)
     extra = {} if interp else dict(num_warps=num_warps)
     kern._copy_rows_kernel[grid](
         src_w, src_idx, dst_w, dst_idx, count if count is not None else src_idx, m,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 
 __all__ = [
     "default_indexer_config",
@@ -269,7 +269,7 @@ def indexer_scores(
     block_n = cfg["block_n"] if block_n is None else block_n
     keys = cfg["keys_per_program"] if keys_per_program is None else keys_per_program
     keys = triton.cdiv(max(keys, block_n), block_n) * block_n
-    interp = kern._indexer_scores_kernel.__class__.__name__ == "InterpretedFunction"
+    interp = interpreted(kern._indexer_scores_kernel)
     extra = {} if interp else dict(num_warps=cfg["num_warps"] if num_warps is None else num_warps,
                                    num_stages=cfg["num_stages"] if num_stages is None else num_stages)  # fmt: skip
     kern._indexer_scores_kernel[(triton.cdiv(max_len, keys), T)](
@@ -308,7 +308,7 @@ def scores_topk(
 
     T, L = scores.shape
     k = min(top_k, L)
-    interp = kern._topk_rows_kernel.__class__.__name__ == "InterpretedFunction"
+    interp = interpreted(kern._topk_rows_kernel)
     if impl is None:
         impl = DEFAULT_TOPK_IMPL
     if impl == "triton":

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
 from backends.kernels.sm_count import capability_major, sm_count
 
@@ -79,7 +79,7 @@ def decode_workspace_bytes(
 
 def _interpreting() -> bool:
     """Whether the kernels were built for the CPU interpreter (decided when they were decorated)."""
-    return _mla_decode_stage1_kernel.__class__.__name__ == "InterpretedFunction"
+    return interpreted(_mla_decode_stage1_kernel)
 
 
 def default_decode_config(heads: int, dtype: torch.dtype, kv_fp8: bool = False) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E
 from backends.kernels.mla_extend_kernels import _mla_extend_kernel
 
@@ -117,7 +117,7 @@ def mla_extend(
     tokens_per_tile = block_m // block_h
     num_m_tiles = triton.cdiv(max_q_len, tokens_per_tile)
     require(num_m_tiles <= 65535, "grid.y limit: raise block_m or lower block_h")
-    interp = _mla_extend_kernel.__class__.__name__ == "InterpretedFunction"
+    interp = interpreted(_mla_extend_kernel)
     upcast = interp and cdt == torch.bfloat16
     prec = "ieee" if cdt == torch.float32 else "tf32"
     out_scale = float(kv_scale) if kv_fp8 else 1.0

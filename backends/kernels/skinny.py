@@ -14,7 +14,7 @@ import torch
 import triton
 
 from backends.kernels import skinny_kernels as k
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 from backends.kernels.sm_count import capability_major, sm_count
 
 #: the most rows :func:`linear` takes (one 16-row tensor-core tile)
@@ -43,8 +43,9 @@ def default_config(n: int, k_dim: int, device: torch.device) -> TileConfig:
     """64 weight rows x 256 per step when that still gives half the SMs a program, else 32 x 512; 4 stages in
     flight. From ``python -m bench.gemv_bench --sweep`` on an H100 at DeepSeek-V3's TP8 shapes, timed in CUDA graphs
     over more weight bytes than L2 holds: 32 x 512 read qkv_a (N 2112) in 15.9 us (4 stages) and q_b (N 3072) in
-    7.7 us (3 stages), against 17.3 / 9.2 us with 16 x 512 and 4. Splitting the reduction over more programs (split-K with a fixed-order sum) was
-    slower at every shape measured (qkv_a 18.1 us, o 18.2 against 14.4 us), so it is not offered."""
+    7.7 us (3 stages), against 17.3 / 9.2 us with 16 x 512 and 4. Splitting the reduction over more programs
+    (split-K with a fixed-order sum) was slower at every shape measured (qkv_a 18.1 us, o 18.2 against 14.4 us),
+    so it is not offered."""
     if triton.cdiv(n, 64) * 2 >= sm_count(device, CPU_SM_COUNT):
         block_n, block_k = 64, 256
     else:
@@ -76,7 +77,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -
 
 def _interpreting() -> bool:
     """Whether the kernels were built for Triton's CPU interpreter (decided when they were decorated)."""
-    return k._linear_dot_kernel.__class__.__name__ == "InterpretedFunction"
+    return interpreted(k._linear_dot_kernel)
 
 
 def _tma_ok(w: torch.Tensor, cfg: TileConfig) -> bool:

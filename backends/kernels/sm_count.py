@@ -13,13 +13,19 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def sm_count(device: torch.device | str, fallback: int) -> int:
-    """SMs of the CUDA ``device`` (read once per device; no index: the current one), else ``fallback`` (the CPU
-    and Triton's interpreter: a fixed count, so a launcher's choice is reproducible there)."""
+def _cuda_index(device: torch.device | str) -> int | None:
+    """The CUDA device's index (no index: the current one); None off the GPU."""
     device = torch.device(device)
     if device.type != "cuda":
-        return fallback
-    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def sm_count(device: torch.device | str, fallback: int) -> int:
+    """SMs of the CUDA ``device`` (read once per device), else ``fallback`` (the CPU and Triton's interpreter: a
+    fixed count, so a launcher's choice is reproducible there)."""
+    index = _cuda_index(device)
+    return fallback if index is None else _cuda_sm_count(index)
 
 
 @functools.cache
@@ -29,7 +35,5 @@ def _cuda_capability_major(index: int) -> int:
 
 def capability_major(device: torch.device | str) -> int:
     """The CUDA ``device``'s compute capability major version (read once per device); 0 off the GPU."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 0
-    return _cuda_capability_major(torch.cuda.current_device() if device.index is None else device.index)
+    index = _cuda_index(device)
+    return 0 if index is None else _cuda_capability_major(index)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 from backends.kernels.sm_count import sm_count
 
 __all__ = [
@@ -203,7 +203,7 @@ def sparse_mla_decode(
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
     num_stages = cfg["num_stages"] if num_stages is None else num_stages
     require(block_h >= 16 and block_n >= 16, f"tl.dot needs tiles of at least 16; got {block_h}, {block_n}")
-    interp = kern._sparse_decode_stage1_kernel.__class__.__name__ == "InterpretedFunction"
+    interp = interpreted(kern._sparse_decode_stage1_kernel)
     on_gpu = q_nope.is_cuda and not interp
     if target_programs is None:
         sms = sm_count(q_nope.device, 4) if on_gpu else 4
