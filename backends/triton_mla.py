@@ -46,7 +46,7 @@ class TritonMLABackend:
     split_kv_workspace : torch.Tensor
         uint8 [nbytes] from the ledger (see :func:`split_kv_workspace_spec`).
     config : dict
-        The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h.
+        The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h, pdl.
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
@@ -104,6 +104,7 @@ class TritonMLABackend:
         self.split_slots = int(config["split_slots"])
         self.min_tokens_per_split = int(config["min_tokens_per_split"])
         self.block_n, self.block_h = config["block_n"], config["block_h"]
+        self.pdl = bool(config["pdl"])
         self.page_size = kv_pool.page_size
         self.page_table = torch.empty(0, 0, dtype=torch.int32)
         self._graph_page_table = torch.empty(0, 0, dtype=torch.int32)
@@ -152,7 +153,7 @@ class TritonMLABackend:
         self._decode_kernel(
             q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.seq_lens, self.model.sm_scale,
             out, partial_out, partial_lse, max_splits=splits, min_tokens_per_split=self.min_tokens_per_split,
-            block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale,
+            block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale, pdl=self.pdl,
         )
         return out
 

@@ -1,7 +1,7 @@
 """Decode roofline: what a decode step must read, how long its kernels take, how long the GPU idles.
 
 ``python -m bench.decode_roofline [--preset h100_dsv3_tp8] [--batches 1 32 256] [--layers auto]
-[--overlap on off] [--fused off auto] [--gemv-rows 16 0] [--kernels]``
+[--overlap on off] [--fused off auto] [--gemv-rows 16 0] [--pdl on off] [--kernels]``
 
 Per (overlap mode, batch size), on a decode-heavy workload (every request prefilled at once, then decoded
 together under CUDA-graph replay):
@@ -19,12 +19,15 @@ together under CUDA-graph replay):
 * bytes/step: weights the step reads (what the model object reports: every tensor of every layer, the
   final norm and LM head, one embedding row per request; with MoE the routed experts only, once the model
   reports them), KV read (every request's cached rows, every MLA layer) and KV written;
-* roofline us = bytes / copy bandwidth measured in the same run; ratio = roofline / kernel time;
+* roofline us = bytes / copy bandwidth measured in the same run; ratio = roofline / kernel time; step_ratio =
+  roofline / period (what a served step gets: the bubbles between kernels count, and so does the time a kernel
+  launched early with PDL spends waiting for its predecessor, which the union counts as busy);
 * kernels per layer: kernels in the window per step, divided by the layer count;
 * ``--fused off auto``: ``model.fused`` values to measure (the unfused torch decoder and the fused kernels in
   one run);
 * ``--gemv-rows 16 0``: ``model.gemv_rows`` values to measure (the few-row Triton products and cuBLAS / the
   grouped expert GEMM in one run);
+* ``--pdl on off``: ``model.pdl`` values to measure (programmatic dependent launch of the fused kernels);
 * ``--kernels``: a per-kernel breakdown of the decode window (from the same profile's trace: kernel name,
   launches per step and per layer, us per step, share of the kernel time), one table per row, top 40 by time.
 
@@ -58,10 +61,10 @@ FULL_DEPTH = 61  # DeepSeek-V3
 
 
 def overrides(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str,
-              fused: str = "auto", gemv_rows: int = 16) -> list[str]:
+              fused: str = "auto", gemv_rows: int = 16, pdl: str = "on") -> list[str]:
     return [*preset_overrides(preset, bs, layers, prompt, out_len), "workload.chunked_prefill_size=8192",
             "workload.max_tokens_per_batch=16384", f"engine.overlap={overlap}", f"model.fused={fused}",
-            f"model.gemv_rows={gemv_rows}"]
+            f"model.gemv_rows={gemv_rows}", f"model.pdl={pdl == 'on'}"]
 
 
 def fit_layers(preset: str, bs: int, prompt: int, out_len: int) -> int:
@@ -218,8 +221,8 @@ def gaps_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> list[fl
 
 
 def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str, fused: str = "auto",
-            kernels: bool = False, gemv_rows: int = 16) -> dict:
-    rt = build(compose_config(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows)))
+            kernels: bool = False, gemv_rows: int = 16, pdl: str = "on") -> dict:
+    rt = build(compose_config(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows, pdl)))
     rt.engine.run(record_hidden=False)  # warm-up: capture, JIT, allocator caches
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         res = rt.engine.run(record_hidden=False)
@@ -242,7 +245,7 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
     total = sum(b.values())
     kernel_us = busy / n
     bubble_us = sum(g for g in gaps_us(iv, lo, end) if g < BUBBLE_US) / n
-    out = {"overlap": overlap, "fused": fused, "gemv_rows": gemv_rows, "bs": bs, "layers": layers, "steps": n, "kernel_us": kernel_us,
+    out = {"overlap": overlap, "fused": fused, "gemv_rows": gemv_rows, "pdl": pdl, "bs": bs, "layers": layers, "steps": n, "kernel_us": kernel_us,
            "idle_us": max(0.0, period - kernel_us), "period_us": period, "bubble_us": bubble_us,
            "host_idle_us": max(0.0, period - kernel_us - bubble_us),
            "idle_profiled_us": (span_us - busy) / n, **{f"{k}_bytes": v for k, v in b.items()},
@@ -265,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fused", nargs="+", default=["auto"], help="model.fused values to measure (off auto on)")
     ap.add_argument("--gemv-rows", nargs="+", type=int, default=[16],
                     help="model.gemv_rows values to measure (0: cuBLAS and the grouped expert GEMM)")
+    ap.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
+                    help="model.pdl values to measure (programmatic dependent launch of the fused kernels)")
     ap.add_argument("--kernels", action="store_true", help="per-kernel breakdown of the decode window")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 32, 8 layers, 16 steps")
     return ap
@@ -277,23 +282,25 @@ def main(argv: list[str] | None = None) -> None:
     layers = (fit_layers(args.preset, max(args.batches), args.prompt, args.out_len) if args.layers == "auto"
               else int(args.layers))
     ceilings = measure_ceilings()
-    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov, fu, args.kernels, g)
-            for fu in args.fused for g in args.gemv_rows for ov in args.overlap for bs in args.batches]
+    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov, fu, args.kernels, g, pdl)
+            for fu in args.fused for g in args.gemv_rows for pdl in args.pdl for ov in args.overlap
+            for bs in args.batches]
     breakdowns = [r.pop("breakdown") for r in rows if "breakdown" in r]
     for r in rows:
         r["roofline_us"] = r["bytes"] / (ceilings.copy_gbs * 1e3)
         r["ratio"] = r["roofline_us"] / r["kernel_us"]
+        r["step_ratio"] = r["roofline_us"] / r["period_us"]
         r["mb_per_step"] = r["bytes"] / 1e6
         r["idle_goal"] = "ok" if r["host_idle_us"] <= 30 else "MISS"
-    cols = ["fused", "gemv_rows", "overlap", "bs", "kernel_us", "period_us", "idle_us", "bubble_us", "host_idle_us", "idle_profiled_us",
-            "mb_per_step", "roofline_us", "ratio", "kernels_per_layer",
-            "idle_goal"]
+    cols = ["fused", "gemv_rows", "pdl", "overlap", "bs", "kernel_us", "period_us", "idle_us", "bubble_us",
+            "host_idle_us", "idle_profiled_us", "mb_per_step", "roofline_us", "ratio", "step_ratio",
+            "kernels_per_layer", "idle_goal"]
     fmt = {"kernel_us": ".1f", "period_us": ".1f", "idle_us": ".1f", "bubble_us": ".1f", "host_idle_us": ".1f",
-           "idle_profiled_us": ".1f", "mb_per_step": ".1f", "roofline_us": ".1f", "ratio": ".2f",
+           "idle_profiled_us": ".1f", "mb_per_step": ".1f", "roofline_us": ".1f", "ratio": ".2f", "step_ratio": ".2f",
            "kernels_per_layer": ".1f"}
     title = (f"decode roofline: {args.preset}, {layers} layers, prompt {args.prompt}, {args.out_len} steps, "
              "CUDA graphs; roofline = bytes / copy bandwidth")
-    tables = [Table(b, f"kernels of the decode window: fused={r['fused']} gemv_rows={r['gemv_rows']} "
+    tables = [Table(b, f"kernels of the decode window: fused={r['fused']} gemv_rows={r['gemv_rows']} pdl={r['pdl']} "
                        f"overlap={r['overlap']} bs={r['bs']}, "
                        f"{layers} layers", ["kernel", "per_step", "per_layer", "us_per_step", "share"],
                     {"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"}, name="kernels")

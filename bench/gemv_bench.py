@@ -5,8 +5,8 @@ check (relative error), cuBLAS / grouped-GEMM µs, ours µs, each as % of the co
 run (bytes: the weights the call reads, plus activations), and the speedup. L2 is flushed before every timed
 call (bench/harness.py ``eager_ms``). The ``graph_*`` columns are what a decode step's CUDA graph sees: the call
 captured over enough weight copies (or expert sets) that L2 never serves a repeated read, replayed, per call, without
-the launch cost that dominates eager timings of 10-20 µs kernels. ``graph_tma_*``: ours with TMA weight loads (the
-default tiles, at most 256 columns per box; not yet measured on a GPU when this was written).
+the launch cost that dominates eager timings of 10-20 µs kernels. The absorb table: the MLA's per-head products at decode, batched
+matmul against ``skinny.head_linear``, graph-timed the same way.
 
     python -m bench.gemv_bench                  # linear layers at 1, 4, 16 rows; the MoE at 1, 4, 8, 16 tokens
     python -m bench.gemv_bench --quick          # 1 and 16 rows, 1 and 8 tokens
@@ -55,39 +55,53 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
             cfg = skinny.default_config(n, kd, x.device)
             g_cublas = graph_ms([lambda x=x, w=c: F.linear(x, w) for c in w_copies])
             g_ours = graph_ms([lambda x=x, w=c: skinny.linear(x, w) for c in w_copies])
-            tma = _tma_config(skinny, cfg)
-            err_tma = rel_err(skinny.linear(x, w, tma), ref)
-            g_tma = graph_ms([lambda x=x, w=c, t=tma: skinny.linear(x, w, t) for c in w_copies])
             row = {"layer": name, "N": n, "K": kd, "rows": m, "rel_err": err, "cublas_us": t_cublas * 1e3,
                    "ours_us": t_ours * 1e3, "cublas_copy_pct": ceil.pct_copy(nbytes, t_cublas),
                    "ours_copy_pct": ceil.pct_copy(nbytes, t_ours), "speedup": t_cublas / t_ours,
                    "config": f"n{cfg.block_n}.k{cfg.block_k}.w{cfg.num_warps}.s{cfg.num_stages}",
                    "graph_cublas_us": g_cublas * 1e3, "graph_ours_us": g_ours * 1e3,
-                   "graph_ours_copy_pct": ceil.pct_copy(nbytes, g_ours), "rel_err_tma": err_tma,
-                   "graph_tma_us": g_tma * 1e3, "graph_tma_copy_pct": ceil.pct_copy(nbytes, g_tma)}
+                   "graph_ours_copy_pct": ceil.pct_copy(nbytes, g_ours)}
             if "linear" in args.sweep and m == args.rows[0]:  # the config does not depend on the row count
                 best = min(((_try_graph_ms([lambda c=c, x=x, w=wc: skinny.linear(x, w, c) for wc in w_copies]), c)
                             for c in _linear_configs(skinny)), key=lambda p: p[0])
                 row["best_us"] = best[0] * 1e3
-                row["best_config"] = (f"n{best[1].block_n}.k{best[1].block_k}.w{best[1].num_warps}.s{best[1].num_stages}"
-                                      + (".tma" if best[1].tma else ""))
+                row["best_config"] = f"n{best[1].block_n}.k{best[1].block_k}.w{best[1].num_warps}.s{best[1].num_stages}"
             rows.append(row)
             print(row, flush=True)
     return rows
 
 
-def _tma_config(skinny, cfg):
-    """The default tiles with TMA weight loads (boxes of at most 256 columns; 32-row blocks keep 6 stages)."""
-    return skinny.TileConfig(cfg.block_n, min(cfg.block_k, 256), cfg.num_warps, 6 if cfg.block_n <= 32 else 4, True)
+def bench_absorb(args, ceil, skinny) -> list[dict]:
+    """The absorbed MLA's per-head products (q_nope @ w_uk, o_lat @ w_uv): torch.bmm (what TorchOps and more rows
+    run) against skinny.head_linear, graph-timed over weight copies L2 does not hold."""
+    from runtime.model.deepseek.ops import TorchOps
+
+    h, bmm = HEADS // args.tp, TorchOps().head_linear
+    rows = []
+    for name, kd, n in (("absorb w_uk", 128, 512), ("absorb w_uv", 512, 128)):
+        w = torch.randn(h, kd, n, device="cuda", dtype=BF) / kd**0.5
+        w_copies = [w] + [w.clone() for _ in range(copies_for_l2(w.numel() * 2) - 1)]
+        for m in args.rows:
+            x = torch.randn(m, h, kd, device="cuda", dtype=BF)
+            err = rel_err(skinny.head_linear(x, w), torch.einsum("thk,hkn->thn", x.double(), w.double()))
+            nbytes = (h * kd * n + m * h * (kd + n)) * 2
+            g_bmm = graph_ms([lambda x=x, w=c: bmm(x, w) for c in w_copies])
+            g_ours = graph_ms([lambda x=x, w=c: skinny.head_linear(x, w) for c in w_copies])
+            by_block = {bn: graph_ms([lambda x=x, w=c, bn=bn: skinny.head_linear(x, w, block_n=bn) for c in w_copies])
+                        for bn in (16, 32, 64, 128)}
+            rows.append({"product": name, "heads": h, "K": kd, "N": n, "rows": m, "rel_err": err,
+                         "graph_bmm_us": g_bmm * 1e3, "graph_ours_us": g_ours * 1e3,
+                         "graph_ours_copy_pct": ceil.pct_copy(nbytes, g_ours), "speedup": g_bmm / g_ours,
+                         "block_n": skinny.head_block_n(n, h),
+                         **{f"n{bn}_us": t * 1e3 for bn, t in by_block.items()}})
+            print(rows[-1], flush=True)
+    return rows
 
 
 def _linear_configs(skinny):
-    """The sweep's configs (graph-timed): 4 warps (8 never won an eager sweep), 3 to 5 stages with pointer loads,
-    4 to 8 with TMA weight loads (boxes of at most 256 columns)."""
-    return ([skinny.TileConfig(bn, bk, 4, s) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for s in (3, 4, 5)
-             if bn * bk <= 32768]
-            + [skinny.TileConfig(bn, bk, 4, s, True) for bn in (16, 32, 64) for bk in (128, 256) for s in (4, 6, 8)
-               if (bn + 16) * bk * 2 * s <= 220 * 1024])
+    """The sweep's configs (graph-timed): 4 warps (8 never won an eager sweep), 3 to 5 stages."""
+    return [skinny.TileConfig(bn, bk, 4, s) for bn in (16, 32, 64, 128) for bk in (128, 256, 512) for s in (3, 4, 5)
+            if bn * bk <= 32768]
 
 
 def _moe_weights(tp: int):
@@ -224,6 +238,8 @@ def main(argv=None) -> None:
     ceil = measure_ceilings()
     tables = [Table(bench_linear(args, ceil, skinny), title="linear layers (bf16; ours: skinny.linear)",
                     name="linear"),
+              Table(bench_absorb(args, ceil, skinny), title="absorbed MLA per-head products (bf16; ours: "
+                    "skinny.head_linear)", name="absorb"),
               Table(bench_moe(args, ceil, skinny), title="routed + shared experts with routing (FusedOps.moe: grouped GEMM "
                     "path vs the two few-row kernels)", name="moe")]
     report("gemv_bench", ceil, tables, meta={"tp": args.tp})

@@ -39,6 +39,21 @@ def check_linear(n, kd, rows, dtype, dev, tol, config=None) -> torch.Tensor:
     return full
 
 
+def check_head_linear(h, kd, n, rows, dtype, dev, tol) -> torch.Tensor:
+    """Per-head products, x a strided view (as q_nope of q): float64 bmm, and each row's bits whatever the rows."""
+    w = torch.randn(h, kd, n, dtype=dtype, device=dev) / kd**0.5
+    x = torch.randn(max(rows), h, kd + 8, dtype=dtype, device=dev)[..., :kd]
+    ref = torch.einsum("thk,hkn->thn", x.double(), w.double())
+    full = skinny.head_linear(x, w)
+    assert full.dtype == dtype and full.shape == (max(rows), h, n)
+    assert _rel(full, ref) <= tol
+    for m in rows:
+        assert torch.equal(skinny.head_linear(x[:m], w), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
+    out = torch.empty_like(full)
+    assert skinny.head_linear(x, w, out) is out and torch.equal(out, full)
+    return full
+
+
 def _experts(e, d, i, i_s, dtype, dev):
     gu = torch.randn(e, 2 * i, d, dtype=dtype, device=dev) / d**0.5
     dn = torch.randn(e, d, i, dtype=dtype, device=dev) / i**0.5
@@ -83,29 +98,6 @@ def test_linear_default_config_and_empty_inputs():
     assert skinny.default_config(4608, 7168, cpu) == skinny.TileConfig(64, 256, 4, 4)  # 72 blocks
     assert skinny.default_config(2112, 7168, cpu) == skinny.TileConfig(32, 512, 4, 4)  # 33 blocks of 64
     assert skinny.default_config(40000, 100, cpu) == skinny.TileConfig(64, 128, 4, 4)
-
-
-@pytest.mark.parametrize("n,kd", [(37, 72), (50, 296), (16, 64)])
-def test_linear_tma_tiles_give_the_pointer_tiles_bits(n, kd):
-    """TMA only changes how the weight tiles arrive: rows and columns past the matrix read as zeros, as the masked
-    pointer loads give, so the bits are the pointer path's (N and K tails included)."""
-    torch.manual_seed(n)
-    full = check_linear(n, kd, [1, 5, 16], torch.float16, DEV, 2e-3, skinny.TileConfig(16, 32, tma=True))
-    w = torch.randn(n, kd, dtype=torch.float16, device=DEV) / kd**0.5
-    x = torch.randn(16, kd, dtype=torch.float16, device=DEV)
-    assert full.shape == (16, n)
-    assert torch.equal(skinny.linear(x, w, skinny.TileConfig(32, 64, tma=True)),
-                       skinny.linear(x, w, skinny.TileConfig(32, 64)))
-
-
-def test_linear_tma_falls_back_to_pointers_where_tma_cannot_read():
-    """Rows not 16-byte aligned (K * 2 bytes % 16 != 0) or boxes over 256 columns: pointer loads, same result."""
-    torch.manual_seed(2)
-    w = torch.randn(24, 70, dtype=torch.float16, device=DEV)  # 140-byte rows
-    x = torch.randn(3, 70, dtype=torch.float16, device=DEV)
-    assert not skinny._tma_ok(w, skinny.TileConfig(16, 32, tma=True))
-    assert not skinny._tma_ok(torch.zeros(8, 64, dtype=torch.float16), skinny.TileConfig(16, 512, tma=True))
-    assert torch.equal(skinny.linear(x, w, skinny.TileConfig(16, 32, tma=True)), skinny.linear(x, w, skinny.TileConfig(16, 32)))
 
 
 def test_linear_refuses_what_it_cannot_take():
@@ -187,6 +179,36 @@ def test_fused_ops_take_the_few_row_kernels_up_to_gemv_rows(monkeypatch):
     assert _rel(out, TorchOps().moe(spec, mw32, x.float(), grouped_mm=False)) <= 3e-3
 
 
+@pytest.mark.parametrize("h,kd,n", [(3, 40, 24), (2, 24, 40), (1, 16, 16), (5, 7, 9)])
+def test_head_linear_small(h, kd, n):
+    torch.manual_seed(h * kd + n)
+    check_head_linear(h, kd, n, [1, 5, 16], torch.float16, DEV, 2e-3)
+
+
+def test_head_linear_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="x \\[M <= 16, H, K\\], w \\[H, K, N\\]"):
+        skinny.head_linear(torch.randn(17, 2, 8, dtype=torch.float16), torch.randn(2, 8, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="got x \\(1, 2, 8\\) torch.float32"):
+        skinny.head_linear(torch.randn(1, 2, 8), torch.randn(2, 8, 4))
+    assert skinny.head_linear(torch.empty(0, 2, 8, dtype=torch.float16),
+                              torch.randn(2, 8, 4, dtype=torch.float16)).shape == (0, 2, 4)
+
+
+def test_fused_head_linear_takes_the_kernel_for_few_rows(monkeypatch):
+    """FusedOps.head_linear: <= gemv_rows float16 rows through skinny.head_linear, more rows and float32 through the
+    batched matmul (TorchOps), with the same values."""
+    calls = []
+    real = skinny.head_linear
+    monkeypatch.setattr(skinny, "head_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w = torch.randn(3, 24, 40, dtype=torch.float16, device=DEV)
+    for rows, dtype, want in [(4, torch.float16, 1), (5, torch.float16, 0), (2, torch.float32, 0)]:
+        calls.clear()
+        x = torch.randn(rows, 3, 24, dtype=dtype, device=DEV)
+        y = FusedOps(4).head_linear(x, w.to(dtype))
+        assert len(calls) == want and y.shape == (rows, 3, 40)
+        assert _rel(y, TorchOps().head_linear(x.double(), w.double())) <= 2e-3
+
+
 def test_gemv_rows_is_checked_where_it_is_used():
     assert GEMV_MAX_ROWS == skinny.MAX_ROWS
     with pytest.raises(ValueError, match=r"model.gemv_rows: got 17; expected 0 .. 16"):
@@ -202,13 +224,18 @@ TP8_LINEARS = [(2112, 7168), (3072, 1536), (7168, 2048), (4608, 7168), (7168, 23
 def test_linear_bf16_gpu(n, kd):
     needs_gpu()
     torch.manual_seed(n)
-    default = check_linear(n, kd, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
-    for bn in (32, 64):  # TMA weight tiles: the pointer tiles' bits (sm_90+; elsewhere they are pointer loads)
-        torch.manual_seed(n)
-        tma = check_linear(n, kd, [1, 7, 16], torch.bfloat16, "cuda", 1e-2, skinny.TileConfig(bn, 256, 4, 4, tma=True))
-        torch.manual_seed(n)
-        ptr = check_linear(n, kd, [16], torch.bfloat16, "cuda", 1e-2, skinny.TileConfig(bn, 256, 4, 4))
-        assert torch.equal(tma, ptr) and _rel(tma, default.float()) <= 1e-2
+    check_linear(n, kd, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 128])
+def test_head_linear_bf16_gpu(h):
+    """The absorbed MLA's per-head products at decode: q_nope [T, H, 128] @ w_uk [H, 128, 512] and o_lat [T, H, 512]
+    @ w_uv [H, 512, 128], 1, 7 and 16 rows."""
+    needs_gpu()
+    torch.manual_seed(h)
+    check_head_linear(h, 128, 512, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
+    check_head_linear(h, 512, 128, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
 
 
 @pytest.mark.gpu

@@ -131,7 +131,10 @@ def test_gpu_decode_batch_of_one_long(max_splits):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_decode_cuda_graph_replay_matches_eager(pdl):
+    """The graph (with programmatic dependent launch where asked: both stages) gives the plain eager launch's
+    bits, also when replayed with other lengths."""
     _needs_gpu()
     H, dtype, B = 16, torch.bfloat16, 6
     lens_a = [4096, 17, 1, 2048, 333, 8192]
@@ -147,18 +150,18 @@ def test_gpu_decode_cuda_graph_replay_matches_eager():
     out = torch.empty(B, H, D_CKV, dtype=dtype, device="cuda")
     sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
 
-    def step():
-        mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8)
+    def step(pdl=False):
+        mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, pdl=pdl)
 
-    step()  # compile outside capture
+    step(pdl)  # compile outside capture
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        step()
+        step(pdl)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        step()
+        step(pdl)
     for lens in (lens_a, lens_b):
         sl.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))

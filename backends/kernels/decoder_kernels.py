@@ -13,12 +13,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backends.kernels.pdl import pdl_enter
+
 
 @triton.jit
 def _rms_norm_kernel(X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One row: r = x (+ d) rounded to R's dtype (stored when HAS_DELTA); y = (r * rsqrt(mean(r^2) + eps)) rounded,
     times w, rounded."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < n
@@ -45,9 +48,10 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
 @triton.jit
 def _latent_kernel(KV, W, COS, SIN, SLOTS, CACHE, stride_kv, stride_cs, stride_cache, eps,
                    C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
-                   INTERLEAVE: tl.constexpr, WRITE_CACHE: tl.constexpr):
+                   INTERLEAVE: tl.constexpr, WRITE_CACHE: tl.constexpr, PDL: tl.constexpr):
     """One token's latent row, in place: RMSNorm of the first C values (times W), RoPE on the 2*HALF rope values
     (interleaved pairs in, de-interleaved out; or half-split), then the row copied to CACHE[SLOTS[row]]."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = KV.dtype.element_ty
     base = KV + row * stride_kv
@@ -83,8 +87,9 @@ def _latent_kernel(KV, W, COS, SIN, SLOTS, CACHE, stride_kv, stride_cs, stride_c
 @triton.jit
 def _rope_q_kernel(Q, COS, SIN, stride_t, stride_h, stride_cs, H,
                    NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-                   INTERLEAVE: tl.constexpr):
+                   INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
     """RoPE on the rope dims (after NOPE) of every head of one token, in place."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = Q.dtype.element_ty
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -106,8 +111,9 @@ def _rope_q_kernel(Q, COS, SIN, stride_t, stride_h, stride_cs, H,
 
 
 @triton.jit
-def _silu_mul_kernel(X, Y, stride_x, stride_y, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(X, Y, stride_x, stride_y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """[N, 2I] (gate, up) -> silu(gate) * up [N, I], silu rounded then the product rounded."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
@@ -122,11 +128,12 @@ def _silu_mul_kernel(X, Y, stride_x, stride_y, inter, BLOCK: tl.constexpr):
 def _route_sigmoid_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scale,
                           G: tl.constexpr, PER: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, TOP2: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, TOP2: tl.constexpr, PDL: tl.constexpr):
     """DeepSeek-V3 noaux_tc routing of one token: sigmoid scores, choice = scores + bias, groups ranked by the
     sum of their top-2 choices (top-1 when a group has one expert), the best TOPK_GROUP groups kept, top-K
     choices among them (descending, like torch.topk); weights = the chosen unbiased scores, renormalised
     (+1e-20) when NORM, times scale."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]
     p = tl.arange(0, BLOCK_P)[None, :]

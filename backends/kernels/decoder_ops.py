@@ -12,14 +12,15 @@ import triton
 
 from backends.kernels import decoder_kernels as k
 from backends.kernels.checks import require
+from backends.kernels.pdl import use_pdl
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, RMSNorm(x + delta) * weight) in one pass; delta None: (x, RMSNorm(x) * weight).
 
     x, delta [T, D] (rows may be strided, the last dim contiguous), weight [D], all in one dtype ->
@@ -38,18 +39,21 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         r, dd, has = torch.empty_like(y), delta, True
     if t:
         block = _pow2(d)
+        p = use_pdl(pdl, k._rms_norm_kernel, x.device)
         k._rms_norm_kernel[(t,)](x, dd, weight, r, y, x.stride(0), dd.stride(0), r.stride(0), y.stride(0), d,
-                                 float(eps), HAS_DELTA=has, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+                                 float(eps), HAS_DELTA=has, BLOCK=block, PDL=p, launch_pdl=p,
+                                 num_warps=min(16, max(1, block // 512)))
     return r, y
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = False) -> torch.Tensor:
     """RMSNorm(x) * weight: x [T, D] (rows may be strided) -> [T, D] contiguous."""
-    return add_rms_norm(x, None, weight, eps)[1]
+    return add_rms_norm(x, None, weight, eps, pdl)[1]
 
 
 def latent_rope_write(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      slots: torch.Tensor | None, cache: torch.Tensor | None, eps: float, interleave: bool) -> None:
+                      slots: torch.Tensor | None, cache: torch.Tensor | None, eps: float, interleave: bool,
+                      pdl: bool = False) -> None:
     """The new latent rows, in place: RMSNorm of ``kv[:, :C]`` (times weight), RoPE of ``kv[:, C:]``, each row
     also stored at its slot of the cache.
 
@@ -68,13 +72,15 @@ def latent_rope_write(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor,
         require(cache.shape[-1] == row and cache.stride(-1) == 1 and slots.shape == (t,),
                 f"cache [slots, {row}] and slots [T]; got cache {tuple(cache.shape)}, slots {tuple(slots.shape)}")
     if t:
+        p = use_pdl(pdl, k._latent_kernel, kv.device)
         k._latent_kernel[(t,)](kv, weight, cos, sin, slots if write else kv, cache if write else kv, kv.stride(0),
                                cos.stride(0), cache.stride(0) if write else 0, float(eps), C=c, HALF=half,
                                BLOCK_C=_pow2(c), BLOCK_J=_pow2(half), INTERLEAVE=bool(interleave),
-                               WRITE_CACHE=write, num_warps=4)
+                               WRITE_CACHE=write, PDL=p, launch_pdl=p, num_warps=4)
 
 
-def rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int, interleave: bool) -> None:
+def rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int, interleave: bool,
+            pdl: bool = False) -> None:
     """RoPE on ``q[..., nope:]`` in place. q [T, H, nope + R] (last dim contiguous); cos, sin [T, R/2] float32."""
     t, h, dim = q.shape
     half = (dim - nope) // 2
@@ -82,11 +88,13 @@ def rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int, in
             f"q [T, H, nope + R] with a contiguous last dim and cos/sin [T, R/2]; got q {tuple(q.shape)}, "
             f"cos {tuple(cos.shape)}")
     if t:
+        p = use_pdl(pdl, k._rope_q_kernel, q.device)
         k._rope_q_kernel[(t,)](q, cos, sin, q.stride(0), q.stride(1), cos.stride(0), h, NOPE=nope, HALF=half,
-                               BLOCK_H=_pow2(h), BLOCK_J=_pow2(half), INTERLEAVE=bool(interleave), num_warps=4)
+                               BLOCK_H=_pow2(h), BLOCK_J=_pow2(half), INTERLEAVE=bool(interleave), PDL=p,
+                               launch_pdl=p, num_warps=4)
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """[N, 2I] (gate, then up; rows may be strided) -> silu(gate) * up [N, I]."""
     n, two_i = x.shape
     inter = two_i // 2
@@ -94,13 +102,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     if n:
         block = min(1024, _pow2(inter))
+        p = use_pdl(pdl, k._silu_mul_kernel, x.device)
         k._silu_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
-                                                           num_warps=4)
+                                                           PDL=p, launch_pdl=p, num_warps=4)
     return y
 
 
 def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, n_group: int, topk_group: int, top_k: int,
-                  norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  norm: bool, scale: float, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 noaux_tc routing in one kernel: logits [T, E] float32, bias [E] float32 or None ->
     (weights [T, k] float32, expert ids [T, k] int64), as ``runtime.model.deepseek.moe.route``."""
     t, e = logits.shape
@@ -111,11 +120,12 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, n_group: int,
     w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
+        p = use_pdl(pdl, k._route_sigmoid_kernel, logits.device)
         k._route_sigmoid_kernel[(t,)](logits, bias if bias is not None else logits, w, ids, logits.stride(0),
                                       float(scale), G=n_group, PER=per, TOPK_GROUP=topk_group, K=top_k,
                                       BLOCK_G=_pow2(n_group), BLOCK_P=_pow2(per), BLOCK_K=_pow2(top_k),
-                                      HAS_BIAS=bias is not None, NORM=bool(norm), TOP2=per >= 2,
-                                      num_warps=1)  # one warp: the 2K reductions stay in registers (shuffles)
+                                      HAS_BIAS=bias is not None, NORM=bool(norm), TOP2=per >= 2, PDL=p,
+                                      launch_pdl=p, num_warps=1)  # one warp: the 2K reductions stay in registers (shuffles)
     return w, ids
 
 

@@ -22,6 +22,7 @@ import triton
 
 from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
+from backends.kernels.pdl import use_pdl
 from backends.kernels.sm_count import capability_major, sm_count
 
 __all__ = [
@@ -157,6 +158,7 @@ def mla_decode(
     max_regs: int | None = None,
     snap: bool = True,
     kv_scale: float = 1.0,
+    pdl: bool = False,
     _skip_merge: bool = False,
 ) -> None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
@@ -189,6 +191,8 @@ def mla_decode(
     snap : a chunk of at least half the mean request length is rounded up to a multiple of it, so equal
         lengths are cut at request boundaries (no split pieces); see ``_chunk_len``.
     kv_scale : dequantization scale of an fp8 cache (real = stored * kv_scale); ignored otherwise.
+    pdl : launch both stages with programmatic dependent launch where the GPU has it (sm_90+,
+        :mod:`backends.kernels.pdl`).
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
     """
     B, H, D_CKV = q_nope.shape
@@ -299,6 +303,9 @@ def mla_decode(
     extra = {} if interp else dict(num_warps=num_warps, num_stages=num_stages)
     if max_regs and not interp:
         extra["maxnreg"] = int(max_regs)
+    pdl = use_pdl(pdl, _mla_decode_stage1_kernel, q_nope.device)
+    if pdl:
+        extra["launch_pdl"] = True
 
     _mla_decode_stage1_kernel[(head_blocks, programs)](
         q_nope,
@@ -344,11 +351,12 @@ def mla_decode(
         UPCAST=upcast,
         USE_TMA=use_tma,
         KV_FP8=kv_fp8,
+        PDL=pdl,
         **extra,
     )
     if _skip_merge:
         return
-    extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2)
+    extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2, launch_pdl=pdl)
     _mla_decode_stage2_kernel[(B, triton.cdiv(H, merge_block_h), D_CKV // merge_block_dv)](
         partial_out,
         partial_lse,
@@ -373,5 +381,6 @@ def mla_decode(
         BLOCK_S=merge_block_s,
         BLOCK_HM=merge_block_h,
         BLOCK_DV=merge_block_dv,
+        PDL=pdl,
         **extra2,
     )

@@ -35,6 +35,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backends.kernels.pdl import pdl_enter
+
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 #: Stage 1 calls the per-piece body (_decode_piece) as a real function: inlined into the loop over pieces,
@@ -416,11 +418,13 @@ def _mla_decode_stage1_kernel(
     UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """grid (cdiv(H, BLOCK_H), num_programs). Program (h, p): BLOCK_H heads, global tokens
     [p * chunk, (p + 1) * chunk) (see the module doc). The head block varies fastest, so the programs that
     read the same KV tiles run together (L2 hits). USE_TMA loads KV tiles through DESC_C / DESC_PE (bf16 /
     fp16 caches with PAGE_SIZE % BLOCK_N == 0); otherwise through pointers from KV."""
+    pdl_enter(PDL)
     pid_h = tl.program_id(0)
     pid_p = tl.program_id(1)
 
@@ -478,10 +482,12 @@ def _mla_decode_stage2_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_HM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """grid (B, cdiv(H, BLOCK_HM), D_CKV // BLOCK_DV): merge the pieces of split request b with their LSEs,
     BLOCK_S pieces x BLOCK_HM heads x BLOCK_DV columns at a time. Requests finished by stage 1 are skipped;
     a request with no keys gets zeros."""
+    pdl_enter(PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_d = tl.program_id(2)

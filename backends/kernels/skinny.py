@@ -14,8 +14,9 @@ import torch
 import triton
 
 from backends.kernels import skinny_kernels as k
-from backends.kernels.checks import interpreted, require
-from backends.kernels.sm_count import capability_major, sm_count
+from backends.kernels.checks import require
+from backends.kernels.pdl import use_pdl
+from backends.kernels.sm_count import sm_count
 
 #: the most rows :func:`linear` takes (one 16-row tensor-core tile)
 MAX_ROWS = 16
@@ -24,15 +25,14 @@ DOT_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class TileConfig:
-    """A launch: output columns per program (``block_n``), reduction step (``block_k``), warps, pipeline stages, and
-    whether :func:`linear` reads the weight tiles with TMA (Hopper+, bf16 / fp16, ``block_n`` and ``block_k`` at
-    most 256, 16-byte aligned rows; where that does not hold it reads them through pointers)."""
+    """A launch: output columns per program (``block_n``), reduction step (``block_k``), warps, pipeline stages.
+    (TMA weight loads were measured on an H100 and dropped: no faster at any TP8 shape, qkv_a 17.8 against
+    15.9 us; ``bench/TRITON_NOTES.md``.)"""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    tma: bool = False
 
 
 #: SMs assumed off the GPU (an H100's), so the CPU tests see the configs an H100 gets
@@ -53,7 +53,7 @@ def default_config(n: int, k_dim: int, device: torch.device) -> TileConfig:
     return TileConfig(block_n, min(block_k, triton.next_power_of_2(max(k_dim, 16))), 4, 4)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, float32 accumulation, M <= 16. bf16 / fp16 through one
     16-row tensor-core tile per program, float32 one program per row (no TF32)."""
     m, kd = x.shape
@@ -67,36 +67,50 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -
         return y
     cfg = config or default_config(n, kd, x.device)
     if x.dtype == torch.float32:
-        return _rows(x, w, y, cfg)
-    desc = _weight_descriptor(w, cfg) if cfg.tma and _tma_ok(w, cfg) else None
+        return _rows(x, w, y, cfg, pdl)
+    p = use_pdl(pdl, k._linear_dot_kernel, x.device)
     k._linear_dot_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, desc, y, m, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_TMA=desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, w, y, m, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=p,
+        launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
-def _interpreting() -> bool:
-    """Whether the kernels were built for Triton's CPU interpreter (decided when they were decorated)."""
-    return interpreted(k._linear_dot_kernel)
+def head_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False,
+                block_n: int | None = None) -> torch.Tensor:
+    """Per head, x [M, H, K] @ w [H, K, N] -> [M, H, N] (into ``out`` when given) in x's dtype, float32
+    accumulation, M <= 16, bf16 / fp16: the absorbed MLA's ``q_nope @ w_uk`` and ``o_lat @ w_uv`` at decode, one
+    launch over (column block, head) instead of a batched GEMM. Rows of x may be strided (q_nope is a view of q);
+    the last dims of x, w and out are contiguous. ``block_n``: output columns per program (a power of two >= 16;
+    default :func:`head_block_n`)."""
+    m, h, kd = x.shape
+    n = w.shape[2]
+    out = torch.empty(m, h, n, dtype=x.dtype, device=x.device) if out is None else out
+    require(m <= MAX_ROWS and w.shape == (h, kd, n) and w.dtype == x.dtype and x.dtype in DOT_DTYPES
+            and out.shape == (m, h, n) and out.dtype == x.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
+            and out.stride(-1) == 1,
+            f"x [M <= {MAX_ROWS}, H, K], w [H, K, N], out [M, H, N] of one dtype (bf16, fp16), last dims contiguous; "
+            f"got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, out {tuple(out.shape)} {out.dtype}")
+    if m == 0 or n == 0:
+        return out
+    block_n = block_n or head_block_n(n, h)
+    block_k = min(128, triton.next_power_of_2(max(kd, 16)))
+    p = use_pdl(pdl, k._head_dot_kernel, x.device)
+    k._head_dot_kernel[(triton.cdiv(n, block_n), h)](
+        x, w, out, m, n, kd, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=p, launch_pdl=p, num_warps=4, num_stages=3)
+    return out
 
 
-def _tma_ok(w: torch.Tensor, cfg: TileConfig) -> bool:
-    """TMA can read ``w``'s tiles: a 16-bit matrix with 16-byte aligned rows, boxes of at most 256 x 256, on a
-    Hopper+ GPU (or fp16 in the interpreter, which computes bf16 dots wrong)."""
-    return (w.dtype in DOT_DTYPES and cfg.block_n <= 256 and cfg.block_k <= 256 and w.data_ptr() % 16 == 0
-            and (w.stride(0) * w.element_size()) % 16 == 0
-            and ((w.is_cuda and not _interpreting() and capability_major(w.device) >= 9)
-                 or (_interpreting() and w.dtype == torch.float16)))
+def head_block_n(n: int, heads: int) -> int:
+    """Output columns per program of :func:`head_linear`: the widest of 64 and 32 that gives at least 64 programs,
+    else 16. On an H100 at 16 heads (``python -m bench.gemv_bench``, graph-timed): q_nope @ w_uk (N 512) 3.94 us
+    with 64 against 4.00 / 4.13 with 32 / 16; o_lat @ w_uv (N 128) 4.68 us with 32 against 4.81 / 4.94 with
+    16 / 64 (cuBLAS's batched GEMM: 4.33 and 4.52 us; ours keeps the PDL chain of the fused kernels unbroken)."""
+    return next((b for b in (64, 32) if triton.cdiv(n, b) * heads >= 64), 16)
 
 
-def _weight_descriptor(w: torch.Tensor, cfg: TileConfig):
-    """Host TMA descriptor over ``w`` [N, K], boxes of [block_n, block_k]."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [cfg.block_n, cfg.block_k])
-
-
-def linear_f32(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+def linear_f32(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None,
+               pdl: bool = False) -> torch.Tensor:
     """``F.linear(x.float(), w.float())`` for few rows (the MoE router: bf16 hidden states, float32 weights)
     without the cast kernels: x [M, K] any float dtype, w [N, K] -> [M, N] float32."""
     m, kd = x.shape
@@ -107,15 +121,16 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = Non
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
-    return _rows(x, w, y, config or TileConfig(2 if n <= 1024 else 16, 1024))
+    return _rows(x, w, y, config or TileConfig(2 if n <= 1024 else 16, 1024), pdl)
 
 
-def _rows(x, w, y, cfg: TileConfig) -> torch.Tensor:
+def _rows(x, w, y, cfg: TileConfig, pdl: bool) -> torch.Tensor:
     m, kd = x.shape
     n = w.shape[0]
+    p = use_pdl(pdl, k._linear_rows_kernel, x.device)
     k._linear_rows_kernel[(triton.cdiv(n, cfg.block_n), m)](
-        x, w, y, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, w, y, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=p,
+        launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -138,7 +153,7 @@ class ExpertConfig:
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
-                config: ExpertConfig | None = None) -> torch.Tensor:
+                config: ExpertConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """The routed experts' weighted sum plus the shared experts, for few tokens, in two kernels (no sort, no
     grouped GEMM, no combine pass): every (token, slot) pair streams its expert's rows once.
 
@@ -171,14 +186,16 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     sgu = shared_gate_up if has_shared else gate_up
     sdn = shared_down if has_shared else down
     c = config or ExpertConfig()
+    p = use_pdl(pdl, k._moe_up_kernel, x.device)
     k._moe_up_kernel[(h.shape[0], triton.cdiv(h.shape[1], c.up_block_i))](
         x, ids, gate_up, sgu, h, n_pairs, d, inter, s_inter, n_local, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), sgu.stride(0), h.stride(0), TOPK=max(top_k, 1), BLOCK_I=c.up_block_i,
-        BLOCK_K=c.up_block_k, DOT=x.dtype in DOT_DTYPES, num_warps=c.num_warps, num_stages=c.num_stages)
+        BLOCK_K=c.up_block_k, DOT=x.dtype in DOT_DTYPES, PDL=p, launch_pdl=p, num_warps=c.num_warps,
+        num_stages=c.num_stages)
     k._moe_down_kernel[(t, triton.cdiv(d, c.down_block_d))](
         h, ids, weights, down, sdn, out, n_pairs, d, inter, s_inter, n_local, h.stride(0), down.stride(0),
         down.stride(1), sdn.stride(0), out.stride(0), TOPK=top_k, TOPK_P2=triton.next_power_of_2(max(top_k, 1)),
         HAS_SHARED=has_shared,
         BLOCK_D=c.down_block_d, BLOCK_I=min(c.down_block_i, triton.next_power_of_2(max(inter, s_inter, 16))),
-        DOT=x.dtype in DOT_DTYPES, num_warps=c.num_warps, num_stages=c.num_stages)
+        DOT=x.dtype in DOT_DTYPES, PDL=p, launch_pdl=p, num_warps=c.num_warps, num_stages=c.num_stages)
     return out

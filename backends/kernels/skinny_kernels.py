@@ -18,13 +18,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backends.kernels.pdl import pdl_enter
+
 
 @triton.jit
-def _linear_dot_kernel(X, W, W_DESC, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
-    """Y[:M, n-block] = X[:M] @ W[n-block].T for M <= 16: acc[BLOCK_N, 16] += W tile @ X tile.T, float32.
-    USE_TMA: the weight tiles come through W_DESC (a TMA descriptor over W [N, K], boxes [BLOCK_N, BLOCK_K]; rows
-    and columns past the matrix read as zeros), else through pointers from W."""
+def _linear_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Y[:M, n-block] = X[:M] @ W[n-block].T for M <= 16: acc[BLOCK_N, 16] += W tile @ X tile.T, float32."""
+    pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
     nmask = rn < N
@@ -35,10 +36,7 @@ def _linear_dot_kernel(X, W, W_DESC, Y, M, N, K, stride_xm, stride_wn, stride_ym
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
-        if USE_TMA:
-            w = W_DESC.load([tl.program_id(0) * BLOCK_N, k0])
-        else:
-            w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc)
     out = tl.trans(acc).to(Y.dtype.element_ty)
@@ -46,9 +44,35 @@ def _linear_dot_kernel(X, W, W_DESC, Y, M, N, K, stride_xm, stride_wn, stride_ym
 
 
 @triton.jit
+def _head_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_xh, stride_wh, stride_wk, stride_ym, stride_yh,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Per head h (axis 1): Y[:M, h, n-block] = X[:M, h] @ W[h][:, n-block] for M <= 16, W [H, K, N] with
+    contiguous rows of N (the absorbed MLA's w_uk and w_uv as stored): acc[16, BLOCK_N] += X tile @ W tile,
+    float32, padded rows zero."""
+    pdl_enter(PDL)
+    h = tl.program_id(1).to(tl.int64)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    nmask = rn < N
+    mmask = rm < M
+    x_rows = X + h * stride_xh + rm[:, None] * stride_xm
+    w_head = W + h * stride_wh + rn[None, :]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_head + rk.to(tl.int64)[:, None] * stride_wk, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+    tl.store(Y + h * stride_yh + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
 def _linear_rows_kernel(X, W, Y, N, K, stride_xm, stride_wn, stride_ym, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row per program (axis 1), float32 products: Y[m, n-block] = sum_k float(W[n, k]) * float(X[m, k])."""
+    pdl_enter(PDL)
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
@@ -66,11 +90,12 @@ def _linear_rows_kernel(X, W, Y, N, K, stride_xm, stride_wn, stride_ym, BLOCK_N:
 @triton.jit
 def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stride_x, stride_ge, stride_gn,
                    stride_sn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT: tl.constexpr):
+                   DOT: tl.constexpr, PDL: tl.constexpr):
     """Program (p, i-block): pair p < n_pairs is (token p // TOPK, expert IDS[p]) over GU[e] [2 I, K]; p >= n_pairs
     is token p - n_pairs over the shared experts SGU [2 I_s, K]. H[p, i] = silu(gate) * up, each GEMM output
     rounded to H's dtype, silu rounded, the product rounded (as the grouped GEMM + SiLU * up kernels).
     Pairs of other ranks' experts (IDS[p] >= n_local) compute nothing."""
+    pdl_enter(PDL)
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     DT: tl.constexpr = H.dtype.element_ty
@@ -118,7 +143,8 @@ def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stri
 @triton.jit
 def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_local, stride_h, stride_de,
                      stride_dd, stride_sd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                     HAS_SHARED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr):
+                     HAS_SHARED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr,
+                     PDL: tl.constexpr):
     """Program (t, d-block): out[t] = round(sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j])) (float32, j in
     order; other ranks' experts add 0) (+ round(SDN @ H[n_pairs + t]), the sum rounded), as the grouped GEMM and
     the combine kernel.
@@ -127,6 +153,7 @@ def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_lo
     weight loads stay pipelined across experts (a loop per expert drained the pipeline at every expert); the
     token's expert ids and weights are loaded before the loop (TOPK_P2: TOPK rounded up to a power of two), so no
     weight address waits on a load inside it. At a slot's last chunk its product is rounded and folded in."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dmask = rd < D

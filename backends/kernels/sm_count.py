@@ -1,5 +1,5 @@
 """What kernel launchers read of the GPU once per device: the SM count (grid sizes) and the compute capability's
-major version (TMA loads need 9+)."""
+major version (TMA loads and programmatic dependent launch need 9+)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ concatenated), then q (q LoRA: RMSNorm -> ``q_b_proj``; else ``q_proj``), RMSNor
 RoPE on the rope dims (interleaved or half-split, :mod:`runtime.model.deepseek.rope`), the latent row written to
 the KV pool; the small ops come from the injected :mod:`runtime.model.deepseek.ops` (fused kernels or torch).
 Decode takes the absorbed path (``W_UK`` of ``kv_b_proj`` folded into q; ``W_UV`` applied to the latent output,
-each one batched matmul over the heads, written where the next op reads it);
+each one product per head (``ops.head_linear``: a batched matmul, or the few-row kernel at decode), written in
+the layout the next op reads);
 prefill takes the MHA chunked-prefix path when a :class:`MHAChunkPrefill` hook is injected, the absorbed path
 otherwise. Sparse layers (V3.2) also compute the indexer's q, k and head weights and hand them to the sparse
 backend's hooks.
@@ -72,8 +73,7 @@ class MLAAttention:
         if use_mha:
             o = self._mha_prefill(layer_id, lw, q_nope, q_pe, ckv, kpe, batch)
         else:
-            q_abs = torch.empty(t, h, s.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
-            torch.bmm(q_nope.transpose(0, 1), lw.w_uk, out=q_abs.transpose(0, 1))
+            q_abs = ops.head_linear(q_nope, lw.w_uk)  # [T, H, kv_lora]
             fwd = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
             if sparse_decode:
                 o_lat = self.sparse.forward_sparse_decode(q_abs, q_pe, index[0], index[2], layer_id, batch)
@@ -81,8 +81,7 @@ class MLAAttention:
                 o_lat = fwd(q_abs, q_pe, layer_id, batch)
             if not sparse_decode and layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
                 self.dumper.save_absorbed(layer_id, batch, self.kv_pool, q_abs, q_pe, o_lat, s.kv_lora_rank, s.sm_scale)
-            o = torch.empty(t, h, s.v_head_dim, dtype=o_lat.dtype, device=o_lat.device)
-            torch.bmm(o_lat.transpose(0, 1), lw.w_uv, out=o.transpose(0, 1))
+            o = ops.head_linear(o_lat, lw.w_uv)  # [T, H, v_head]
         return ops.linear(o.reshape(t, h * s.v_head_dim), lw.o)
 
     def decompress(self, lw: AttentionWeights, ckv: torch.Tensor, kpe: torch.Tensor):

@@ -10,6 +10,8 @@
   Products of at most ``gemv_rows`` rows (``model.gemv_rows``: decode at small batch) take the few-row kernels of
   :mod:`backends.kernels.skinny` instead of cuBLAS: the linear layers (bf16 / fp16), the router (float32, no cast
   kernels) and the routed + shared experts in two kernels (no sort, no grouped GEMM, no combine pass).
+  With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch on Hopper and newer
+  GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
 
 Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
 ``model.fused`` (``auto|on|off``) and the classes' :class:`OpsCapabilities`, never from a type check.
@@ -81,6 +83,13 @@ class TorchOps:
         """x [T, K] @ w [N, K].T -> [T, N]."""
         return F.linear(x, w)
 
+    def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Per head: x [T, H, K] @ w [H, K, N] -> [T, H, N] (the absorbed MLA's ``q_nope @ w_uk``, ``o_lat @ w_uv``):
+        one batched matmul over the heads, written in the [T, H, N] layout the next op reads."""
+        y = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
+        torch.bmm(x.transpose(0, 1), w, out=y.transpose(0, 1))
+        return y
+
     def rope_q(self, spec: ModelSpec, q: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, qk_head] -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated)."""
@@ -117,13 +126,13 @@ class FusedOps:
     capabilities: ClassVar[OpsCapabilities] = OpsCapabilities(
         ("cuda",), (8, 0), (torch.float32, torch.bfloat16, torch.float16))
 
-    def __init__(self, gemv_rows: int = GEMV_MAX_ROWS):
+    def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True):
         from backends.kernels import decoder_ops, skinny  # imports triton: only where the fused ops are built
 
         if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"model.gemv_rows: got {gemv_rows}; expected 0 .. {GEMV_MAX_ROWS}. Fix: "
                              f"model.gemv_rows={GEMV_MAX_ROWS}")
-        self.k, self.s, self.gemv_rows = decoder_ops, skinny, gemv_rows
+        self.k, self.s, self.gemv_rows, self.pdl = decoder_ops, skinny, gemv_rows, bool(pdl)
         self.torch = TorchOps()
 
     def _few_rows(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -132,17 +141,22 @@ class FusedOps:
                 and all(w.dtype == x.dtype and w.is_contiguous() for w in weights))
 
     def linear(self, x, w):
-        return self.s.linear(x, w) if self._few_rows(x, w) else F.linear(x, w)
+        return self.s.linear(x, w, pdl=self.pdl) if self._few_rows(x, w) else F.linear(x, w)
+
+    def head_linear(self, x, w):
+        if self._few_rows(x[:, 0], w):
+            return self.s.head_linear(x, w, pdl=self.pdl)
+        return self.torch.head_linear(x, w)
 
     def add_rms_norm(self, x, delta, weight, eps):
-        return self.k.add_rms_norm(x, delta, weight, eps)
+        return self.k.add_rms_norm(x, delta, weight, eps, self.pdl)
 
     def rms_norm(self, x, weight, eps):
-        return self.k.rms_norm(x, weight, eps)
+        return self.k.rms_norm(x, weight, eps, self.pdl)
 
     def rope_q(self, spec, q, cos, sin):
         n = spec.qk_nope_head_dim
-        self.k.rope_q_(q, cos, sin, n, spec.rope_interleave)
+        self.k.rope_q_(q, cos, sin, n, spec.rope_interleave, self.pdl)
         return q[..., :n], q[..., n:]
 
     def latent(self, spec, kv_pool, layer_id, slots, kv, weight, cos, sin):
@@ -150,11 +164,11 @@ class FusedOps:
             return self.torch.latent(spec, kv_pool, layer_id, slots, kv, weight, cos, sin)
         c = spec.kv_lora_rank
         self.k.latent_rope_write(kv, weight, cos, sin, slots, kv_pool.flat(layer_id), spec.rms_norm_eps,
-                                 spec.rope_interleave)
+                                 spec.rope_interleave, self.pdl)
         return kv[:, :c], kv[:, c:]
 
     def silu_mul(self, h):
-        return self.k.silu_mul(h)
+        return self.k.silu_mul(h, self.pdl)
 
     def dense_mlp(self, w, x):
         return self.linear(self.silu_mul(self.linear(x, w.gate_up)), w.down)
@@ -165,17 +179,17 @@ class FusedOps:
         if not grouped_mm and not few:  # the per-expert loop (host sync) stays torch
             return self.torch.moe(spec, w, x, grouped_mm)
         if spec.scoring_func == "sigmoid":
-            logits = self.s.linear_f32(x, w.gate) if few else F.linear(x.float(), w.gate.float())
+            logits = self.s.linear_f32(x, w.gate, pdl=self.pdl) if few else F.linear(x.float(), w.gate.float())
             weights, ids = self.k.route_sigmoid(logits, w.bias, spec.n_group, spec.topk_group,
                                                 spec.num_experts_per_tok, spec.norm_topk_prob,
-                                                spec.routed_scaling_factor)
+                                                spec.routed_scaling_factor, self.pdl)
         else:
             weights, ids = route(spec, w, x)
         n_local = w.gate_up.shape[0]
         local, mine = local_expert_ids(w, ids)  # expert parallelism: other ranks' pairs in one last group
         if few:  # every (token, slot) pair streams its expert once; other ranks' experts (id n_local) add 0
             return self.s.moe_experts(x, local.contiguous(), weights.contiguous(), w.gate_up, w.down,
-                                      *(shared or (None, None)))
+                                      *(shared or (None, None)), pdl=self.pdl)
         tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
         offsets = offsets[:n_local]
         y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)
