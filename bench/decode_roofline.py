@@ -245,7 +245,8 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
     total = sum(b.values())
     kernel_us = busy / n
     bubble_us = sum(g for g in gaps_us(iv, lo, end) if g < BUBBLE_US) / n
-    out = {"overlap": overlap, "fused": fused, "gemv_rows": gemv_rows, "pdl": pdl, "bs": bs, "layers": layers, "steps": n, "kernel_us": kernel_us,
+    out = {"overlap": overlap, "fused": fused, "gemv_rows": gemv_rows, "pdl": pdl, "bs": bs, "layers": layers,
+           "steps": n, "kernel_us": kernel_us,
            "idle_us": max(0.0, period - kernel_us), "period_us": period, "bubble_us": bubble_us,
            "host_idle_us": max(0.0, period - kernel_us - bubble_us),
            "idle_profiled_us": (span_us - busy) / n, **{f"{k}_bytes": v for k, v in b.items()},

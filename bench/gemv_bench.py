@@ -5,8 +5,8 @@ check (relative error), cuBLAS / grouped-GEMM µs, ours µs, each as % of the co
 run (bytes: the weights the call reads, plus activations), and the speedup. L2 is flushed before every timed
 call (bench/harness.py ``eager_ms``). The ``graph_*`` columns are what a decode step's CUDA graph sees: the call
 captured over enough weight copies (or expert sets) that L2 never serves a repeated read, replayed, per call, without
-the launch cost that dominates eager timings of 10-20 µs kernels. The absorb table: the MLA's per-head products at decode, batched
-matmul against ``skinny.head_linear``, graph-timed the same way.
+the launch cost that dominates eager timings of 10-20 µs kernels. The absorb table: the MLA's per-head products
+at decode, batched matmul against ``skinny.head_linear`` (and each column block), graph-timed the same way.
 
     python -m bench.gemv_bench                  # linear layers at 1, 4, 16 rows; the MoE at 1, 4, 8, 16 tokens
     python -m bench.gemv_bench --quick          # 1 and 16 rows, 1 and 8 tokens

@@ -125,7 +125,7 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, n_group: int,
                                       float(scale), G=n_group, PER=per, TOPK_GROUP=topk_group, K=top_k,
                                       BLOCK_G=_pow2(n_group), BLOCK_P=_pow2(per), BLOCK_K=_pow2(top_k),
                                       HAS_BIAS=bias is not None, NORM=bool(norm), TOP2=per >= 2, PDL=p,
-                                      launch_pdl=p, num_warps=1)  # one warp: the 2K reductions stay in registers (shuffles)
+                                      launch_pdl=p, num_warps=1)  # one warp: the 2K reductions stay in registers
     return w, ids
 
 
