@@ -346,7 +346,7 @@ class Container(containers.DeclarativeContainer):
             TorchMLABackend, req_to_token_pool, kv_pool, model_spec, config.backend.compute_dtype)),
         triton_mla=_step(build_log, "backend:triton_mla", providers.Factory(
             TritonMLABackend, req_to_token_pool, kv_pool, model_spec, triton_split_kv_workspace,
-            config.backend)),
+            config.backend, config.model.pdl)),
         flashinfer_mla=_step(build_log, "backend:flashinfer_mla", providers.Factory(
             FlashInferMLABackend, req_to_token_pool, kv_pool, model_spec, flashinfer_float_workspace,
             workspace_ledger, config.backend)),
@@ -442,7 +442,7 @@ class Container(containers.DeclarativeContainer):
             config.speculative.num_steps),
         triton_mla=providers.Callable(_instances, providers.Factory(
             TritonMLABackend, req_to_token_pool, draft_kv_pool, model_spec, draft_split_kv_workspace,
-            config.backend).provider, config.speculative.num_steps),
+            config.backend, config.model.pdl).provider, config.speculative.num_steps),
         flashinfer_mla=providers.Callable(_instances, providers.Factory(
             FlashInferMLABackend, req_to_token_pool, draft_kv_pool, model_spec, flashinfer_float_workspace,
             workspace_ledger, config.backend).provider, config.speculative.num_steps, instance="draft{i}"),

@@ -46,7 +46,10 @@ class TritonMLABackend:
     split_kv_workspace : torch.Tensor
         uint8 [nbytes] from the ledger (see :func:`split_kv_workspace_spec`).
     config : dict
-        The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h, pdl.
+        The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h.
+    pdl : bool
+        Launch both decode stages with programmatic dependent launch where the GPU has it (``model.pdl``, the same
+        switch as the fused decoder kernels': a graphed step is one chain of PDL kernels).
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
@@ -93,6 +96,7 @@ class TritonMLABackend:
         model: ModelSpec,
         split_kv_workspace: torch.Tensor,
         config: dict,
+        pdl: bool = False,
     ):
         from backends.kernels.mla_decode import mla_decode
         from backends.kernels.mla_extend import mla_extend
@@ -104,7 +108,7 @@ class TritonMLABackend:
         self.split_slots = int(config["split_slots"])
         self.min_tokens_per_split = int(config["min_tokens_per_split"])
         self.block_n, self.block_h = config["block_n"], config["block_h"]
-        self.pdl = bool(config["pdl"])
+        self.pdl = bool(pdl)
         self.page_size = kv_pool.page_size
         self.page_table = torch.empty(0, 0, dtype=torch.int32)
         self._graph_page_table = torch.empty(0, 0, dtype=torch.int32)

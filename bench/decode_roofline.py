@@ -27,7 +27,8 @@ together under CUDA-graph replay):
   one run);
 * ``--gemv-rows 16 0``: ``model.gemv_rows`` values to measure (the few-row Triton products and cuBLAS / the
   grouped expert GEMM in one run);
-* ``--pdl on off``: ``model.pdl`` values to measure (programmatic dependent launch of the fused kernels);
+* ``--pdl on off``: ``model.pdl`` values to measure (programmatic dependent launch of the fused kernels and of
+  triton_mla's decode kernels);
 * ``--kernels``: a per-kernel breakdown of the decode window (from the same profile's trace: kernel name,
   launches per step and per layer, us per step, share of the kernel time), one table per row, top 40 by time.
 
@@ -270,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gemv-rows", nargs="+", type=int, default=[16],
                     help="model.gemv_rows values to measure (0: cuBLAS and the grouped expert GEMM)")
     ap.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
-                    help="model.pdl values to measure (programmatic dependent launch of the fused kernels)")
+                    help="model.pdl values to measure (programmatic dependent launch of the fused kernels and of "
+                         "triton_mla's decode kernels)")
     ap.add_argument("--kernels", action="store_true", help="per-kernel breakdown of the decode window")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 32, 8 layers, 16 steps")
     return ap

@@ -49,8 +49,6 @@ def check_head_linear(h, kd, n, rows, dtype, dev, tol) -> torch.Tensor:
     assert _rel(full, ref) <= tol
     for m in rows:
         assert torch.equal(skinny.head_linear(x[:m], w), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
-    out = torch.empty_like(full)
-    assert skinny.head_linear(x, w, out) is out and torch.equal(out, full)
     return full
 
 
@@ -186,7 +184,7 @@ def test_head_linear_small(h, kd, n):
 
 
 def test_head_linear_refuses_what_it_cannot_take():
-    with pytest.raises(ValueError, match="x \\[M <= 16, H, K\\], w \\[H, K, N\\]"):
+    with pytest.raises(ValueError, match="x \\[M <= 16, H, K\\] and w \\[H, K, N\\]"):
         skinny.head_linear(torch.randn(17, 2, 8, dtype=torch.float16), torch.randn(2, 8, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="got x \\(1, 2, 8\\) torch.float32"):
         skinny.head_linear(torch.randn(1, 2, 8), torch.randn(2, 8, 4))

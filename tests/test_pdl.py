@@ -33,10 +33,12 @@ def test_pdl_is_not_used_off_hopper_or_in_the_interpreter():
 
 @pytest.mark.parametrize("value", [True, False])
 def test_model_pdl_reaches_the_fused_ops(value):
-    """The container builds FusedOps with ``model.pdl`` (the CPU selects TorchOps; the fused provider is built
-    directly)."""
+    """The container builds FusedOps (the CPU selects TorchOps; the fused provider is built directly) and the
+    triton_mla backend with ``model.pdl``."""
     rt = containers.build(compose_config("device=cpu", f"model.pdl={value}"))
     assert rt.container.decoder_ops.providers["fused"]().pdl is value
+    triton = containers.build(compose_config("device=cpu", "backend=triton_mla", f"model.pdl={value}"))
+    assert triton.container.backend().pdl is value  # one switch: the attention kernels join the fused ops' chain
 
 
 def test_fused_ops_take_pdl_from_the_constructor():

@@ -75,21 +75,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None, p
     return y
 
 
-def head_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False,
-                block_n: int | None = None) -> torch.Tensor:
-    """Per head, x [M, H, K] @ w [H, K, N] -> [M, H, N] (into ``out`` when given) in x's dtype, float32
+def head_linear(x: torch.Tensor, w: torch.Tensor, pdl: bool = False, block_n: int | None = None) -> torch.Tensor:
+    """Per head, x [M, H, K] @ w [H, K, N] -> [M, H, N] in x's dtype, float32
     accumulation, M <= 16, bf16 / fp16: the absorbed MLA's ``q_nope @ w_uk`` and ``o_lat @ w_uv`` at decode, one
     launch over (column block, head) instead of a batched GEMM. Rows of x may be strided (q_nope is a view of q);
-    the last dims of x, w and out are contiguous. ``block_n``: output columns per program (a power of two >= 16;
+    the last dims of x and w are contiguous. ``block_n``: output columns per program (a power of two >= 16;
     default :func:`head_block_n`)."""
     m, h, kd = x.shape
     n = w.shape[2]
-    out = torch.empty(m, h, n, dtype=x.dtype, device=x.device) if out is None else out
     require(m <= MAX_ROWS and w.shape == (h, kd, n) and w.dtype == x.dtype and x.dtype in DOT_DTYPES
-            and out.shape == (m, h, n) and out.dtype == x.dtype and x.stride(-1) == 1 and w.stride(-1) == 1
-            and out.stride(-1) == 1,
-            f"x [M <= {MAX_ROWS}, H, K], w [H, K, N], out [M, H, N] of one dtype (bf16, fp16), last dims contiguous; "
-            f"got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}, out {tuple(out.shape)} {out.dtype}")
+            and x.stride(-1) == 1 and w.stride(-1) == 1,
+            f"x [M <= {MAX_ROWS}, H, K] and w [H, K, N] of one dtype (bf16, fp16), last dims contiguous; "
+            f"got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+    out = torch.empty(m, h, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     block_n = block_n or head_block_n(n, h)

@@ -128,7 +128,6 @@ class TritonMLAConfig(BackendConfig):
     min_tokens_per_split: int = 64  # stage-1 chunk floor (tokens): small batches spread over more programs
     block_n: int | None = None  # KV tokens per tile (null: the kernel's default for the head count)
     block_h: int | None = None  # heads per program, each KV tile read once per head block (null: default)
-    pdl: bool = True  # launch the decode kernels with programmatic dependent launch (sm_90+; ignored elsewhere)
 
 
 @dataclass
@@ -309,8 +308,8 @@ class ModelConfig:
     # with fused ops: products of at most this many rows (decode at small batch) take the few-row Triton kernels
     # (linear layers, router, routed + shared experts in two kernels); 0: cuBLAS / grouped GEMM always; <= 16
     gemv_rows: int = 16
-    # with fused ops on a Hopper+ GPU: launch them with programmatic dependent launch (each kernel's programs start
-    # while the previous kernel ends; backends/kernels/pdl.py); off: plain launches. Ignored elsewhere.
+    # on a Hopper+ GPU: launch the fused ops and triton_mla's decode kernels with programmatic dependent launch (each
+    # kernel's programs start while the previous kernel ends; backends/kernels/pdl.py); off: plain launches
     pdl: bool = True
 
 
