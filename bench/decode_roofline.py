@@ -62,10 +62,11 @@ FULL_DEPTH = 61  # DeepSeek-V3
 
 
 def overrides(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str,
-              fused: str = "auto", gemv_rows: int = 16, pdl: str = "on") -> list[str]:
+              fused: str = "auto", gemv_rows: int = 16, pdl: str = "on", extra: tuple[str, ...] = ()) -> list[str]:
+    """The preset's run at one point of the sweep; ``extra``: more Hydra overrides (``--set``), applied last."""
     return [*preset_overrides(preset, bs, layers, prompt, out_len), "workload.chunked_prefill_size=8192",
             "workload.max_tokens_per_batch=16384", f"engine.overlap={overlap}", f"model.fused={fused}",
-            f"model.gemv_rows={gemv_rows}", f"model.pdl={pdl == 'on'}"]
+            f"model.gemv_rows={gemv_rows}", f"model.pdl={pdl == 'on'}", *extra]
 
 
 def fit_layers(preset: str, bs: int, prompt: int, out_len: int) -> int:
@@ -222,8 +223,8 @@ def gaps_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> list[fl
 
 
 def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str, fused: str = "auto",
-            kernels: bool = False, gemv_rows: int = 16, pdl: str = "on") -> dict:
-    rt = build(compose_config(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows, pdl)))
+            kernels: bool = False, gemv_rows: int = 16, pdl: str = "on", extra: tuple[str, ...] = ()) -> dict:
+    rt = build(compose_config(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows, pdl, extra)))
     rt.engine.run(record_hidden=False)  # warm-up: capture, JIT, allocator caches
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         res = rt.engine.run(record_hidden=False)
@@ -274,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model.pdl values to measure (programmatic dependent launch of the fused kernels and of "
                          "triton_mla's decode kernels)")
     ap.add_argument("--kernels", action="store_true", help="per-kernel breakdown of the decode window")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="more Hydra overrides for every run, e.g. backend.kernel=fa2")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 32, 8 layers, 16 steps")
     return ap
 
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     layers = (fit_layers(args.preset, max(args.batches), args.prompt, args.out_len) if args.layers == "auto"
               else int(args.layers))
     ceilings = measure_ceilings()
-    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov, fu, args.kernels, g, pdl)
+    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov, fu, args.kernels, g, pdl, tuple(args.set))
             for fu in args.fused for g in args.gemv_rows for pdl in args.pdl for ov in args.overlap
             for bs in args.batches]
     breakdowns = [r.pop("breakdown") for r in rows if "breakdown" in r]
@@ -301,15 +304,16 @@ def main(argv: list[str] | None = None) -> None:
     fmt = {"kernel_us": ".1f", "period_us": ".1f", "idle_us": ".1f", "bubble_us": ".1f", "host_idle_us": ".1f",
            "idle_profiled_us": ".1f", "mb_per_step": ".1f", "roofline_us": ".1f", "ratio": ".2f", "step_ratio": ".2f",
            "kernels_per_layer": ".1f"}
-    title = (f"decode roofline: {args.preset}, {layers} layers, prompt {args.prompt}, {args.out_len} steps, "
-             "CUDA graphs; roofline = bytes / copy bandwidth")
+    title = (f"decode roofline: {args.preset}{''.join(' ' + o for o in args.set)}, {layers} layers, prompt "
+             f"{args.prompt}, {args.out_len} steps, CUDA graphs; roofline = bytes / copy bandwidth")
     tables = [Table(b, f"kernels of the decode window: fused={r['fused']} gemv_rows={r['gemv_rows']} pdl={r['pdl']} "
                        f"overlap={r['overlap']} bs={r['bs']}, "
                        f"{layers} layers", ["kernel", "per_step", "per_layer", "us_per_step", "share"],
                     {"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"}, name="kernels")
               for r, b in zip(rows, breakdowns)]
     report("decode_roofline", ceilings, tables + [Table(rows, title, cols, fmt, name="roofline")],
-           meta={"preset": args.preset, "layers": layers, "prompt": args.prompt, "out_len": args.out_len})
+           meta={"preset": args.preset, "set": args.set, "layers": layers, "prompt": args.prompt,
+                 "out_len": args.out_len})
 
 
 if __name__ == "__main__":

@@ -227,3 +227,17 @@ def test_decode_roofline_fits_layers_by_kind():
     assert layers_that_fit([dense] * 3 + [moe], kv, 3 * (dense + kv) + 5 * (moe + kv) + 100, 61) == 8
     assert layers_that_fit([dense] * 3 + [moe], kv, 10**9, 61) == 61
     assert layers_that_fit([moe], kv, 5, 61) == 1  # at least one layer
+
+
+def test_decode_roofline_set_adds_overrides_to_every_run():
+    """--set KEY=VALUE reaches the composed config of each run (e.g. FlashInfer's fa2 kernel against fa3), last,
+    so it wins over the preset."""
+    from bench.decode_roofline import build_parser, overrides
+    from bench.engine_config import compose_config
+
+    args = build_parser().parse_args(["--set", "backend.kernel=fa2", "model.pdl=false", "--batches", "1"])
+    assert args.set == ["backend.kernel=fa2", "model.pdl=false"]
+    ov = overrides("h100_dsv3_tp8", 1, 4, 64, 4, "on", pdl="on", extra=tuple(args.set))
+    assert ov[-2:] == args.set
+    cfg = compose_config(ov)
+    assert cfg.backend.kernel == "fa2" and cfg.model.pdl is False

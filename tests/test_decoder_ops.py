@@ -57,29 +57,30 @@ def check_add_rms_norm(t, d, dtype, dev, tol):
     _close(y0, REF.rms_norm(x, w, 1e-6), tol)
 
 
-def check_latent(t, c, r, interleave, dtype, dev, tol):
-    spec = _spec(kv_lora_rank=c, qk_rope_head_dim=r, rope_interleave=interleave)
-    pools = [MLAKVPool([0], 8, 16, c, r, dtype, dev) for _ in range(2)]
+def check_rope_latent(t, h, nope, c, r, interleave, dtype, dev, tol, kv_dtype="auto", absorb=False):
+    """The query's RoPE and the latent row (norm, RoPE, cache write) in one launch against the torch ops; an fp8
+    pool keeps the torch write (it counts clipped values) beside the fused query RoPE. ``absorb``: also
+    q_nope @ W_UK (in the same launch for 16-bit dtypes at few rows), whose bits must equal FusedOps.head_linear's."""
+    spec = _spec(qk_nope_head_dim=nope, kv_lora_rank=c, qk_rope_head_dim=r, rope_interleave=interleave)
+    pools = [MLAKVPool([0], 8, 16, c, r, dtype, dev, kv_dtype=kv_dtype) for _ in range(2)]
     slots = torch.randperm(8 * 16 - 16, device=dev)[:t] + 16  # distinct, off the padding page
+    q = torch.randn(t, h, nope + r, dtype=dtype, device=dev)
     kv = torch.randn(t, 24 + c + r, dtype=dtype, device=dev)[:, 24:]  # a slice of the fused GEMM output
     w = (torch.rand(c, device=dev) + 0.5).to(dtype)
     cos, sin = _cos_sin(t, r // 2, dev)
-    ckv_ref, kpe_ref = REF.latent(spec, pools[0], 0, slots, kv.clone(), w, cos, sin)
-    ckv, kpe = FUSED.latent(spec, pools[1], 0, slots, kv, w, cos, sin)
-    _close(ckv, ckv_ref, tol)
-    _close(kpe, kpe_ref, tol)
-    _close(pools[1].flat(0)[slots], pools[0].flat(0)[slots], tol)
-    assert ckv.data_ptr() == kv.data_ptr()  # in place
-
-
-def check_rope_q(t, h, nope, r, interleave, dtype, dev, tol):
-    spec = _spec(qk_nope_head_dim=nope, qk_rope_head_dim=r, rope_interleave=interleave)
-    q = torch.randn(t, h, nope + r, dtype=dtype, device=dev)
-    cos, sin = _cos_sin(t, r // 2, dev)
-    n_ref, pe_ref = REF.rope_q(spec, q.clone(), cos, sin)
-    n, pe = FUSED.rope_q(spec, q, cos, sin)
-    _close(n, n_ref, tol)
-    _close(pe, pe_ref, tol)
+    w_uk = (torch.randn(h, nope, c, device=dev) / nope**0.5).to(dtype) if absorb else None
+    ref = REF.rope_latent(spec, q.clone(), pools[0], 0, slots, kv.clone(), w, cos, sin, w_uk)
+    out = FUSED.rope_latent(spec, q, pools[1], 0, slots, kv, w, cos, sin, w_uk)
+    assert (out[4] is None) == (ref[4] is None) == (not absorb)
+    for a, b in zip(out[: 5 if absorb else 4], ref):
+        _close(a, b, tol)
+    if absorb:  # at few rows the per-head kernel's bits; past gemv_rows the batched matmul's
+        assert torch.equal(out[4], FUSED.head_linear(out[0], w_uk))
+    _close(pools[1].flat(0)[slots].float(), pools[0].flat(0)[slots].float(), tol)
+    assert out[0].data_ptr() == q.data_ptr() and out[1].data_ptr() == q[..., nope:].data_ptr()  # q in place
+    if kv_dtype == "auto":
+        assert out[2].data_ptr() == kv.data_ptr()  # the latent in place
+    assert pools[1].quant_stats() == pools[0].quant_stats()
 
 
 def check_silu_mul(t, inter, dtype, dev, tol):
@@ -124,13 +125,19 @@ def test_add_rms_norm_small():
 
 
 @pytest.mark.parametrize("interleave", [True, False])
-def test_latent_norm_rope_write_small(interleave):
-    check_latent(3, 32, 8, interleave, torch.float32, DEV, 1e-5)
+def test_rope_latent_small(interleave):
+    check_rope_latent(3, 3, 16, 32, 8, interleave, torch.float32, DEV, 1e-5)
 
 
-@pytest.mark.parametrize("interleave", [True, False])
-def test_rope_q_in_place_small(interleave):
-    check_rope_q(2, 3, 16, 8, interleave, torch.float32, DEV, 1e-5)
+def test_rope_latent_over_an_fp8_pool_small():
+    check_rope_latent(2, 3, 16, 32, 8, True, torch.float32, DEV, 1e-5, kv_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("t,kv_dtype", [(1, "auto"), (5, "auto"), (3, "fp8_e4m3")])
+def test_rope_latent_with_the_absorbed_query_small(t, kv_dtype):
+    """float16 (the interpreter's tensor-core dtype): the absorb programs beside the RoPE / latent ones."""
+    torch.manual_seed(t)
+    check_rope_latent(t, 3, 16, 48, 8, True, torch.float16, DEV, 3e-3, kv_dtype=kv_dtype, absorb=True)
 
 
 def test_silu_mul_small():
@@ -169,8 +176,7 @@ def test_fused_ops_match_torch_gpu(t):
     check_add_rms_norm(t, 7168, BF, "cuda", 1e-2)
     check_add_rms_norm(t, 1536, BF, "cuda", 1e-2)
     for interleave in (True, False):
-        check_latent(t, 512, 64, interleave, BF, "cuda", 1e-2)
-        check_rope_q(t, 16, 128, 64, interleave, BF, "cuda", 1e-2)
+        check_rope_latent(t, 16, 128, 512, 64, interleave, BF, "cuda", 1e-2, absorb=interleave)
     check_silu_mul(t, 2304, BF, "cuda", 1e-2)
     check_silu_mul(t, 256, BF, "cuda", 1e-2)
     check_dispatch_combine(t, 8, 256, 7168, BF, "cuda", 1e-2)

@@ -19,6 +19,7 @@ from runtime.model.deepseek.mlp import swiglu
 from runtime.model.deepseek.moe import routed_expert_sum
 from runtime.model.deepseek.ops import GEMV_MAX_ROWS, FusedOps, TorchOps
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
+from runtime.model.layers import rms_norm
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -49,6 +50,22 @@ def check_head_linear(h, kd, n, rows, dtype, dev, tol) -> torch.Tensor:
     assert _rel(full, ref) <= tol
     for m in rows:
         assert torch.equal(skinny.head_linear(x[:m], w), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
+    return full
+
+
+def check_norm_linear(n, kd, rows, dtype, dev, tol) -> torch.Tensor:
+    """RMSNorm inside the linear kernel (x a strided view, as q_a of the qkv_a output): against float64 over the
+    torch norm's rounded output, equal to the fused norm kernel then the plain kernel within bf16 rounding, and each
+    row's bits whatever the rows."""
+    w = torch.randn(n, kd, dtype=dtype, device=dev) / kd**0.5
+    x = torch.randn(max(rows), kd + 24, dtype=dtype, device=dev)[:, :kd] * 3
+    g = (torch.rand(kd, device=dev) + 0.5).to(dtype)
+    normed = rms_norm(x, g, 1e-6)
+    full = skinny.norm_linear(x, g, 1e-6, w)
+    assert full.dtype == dtype and full.shape == (max(rows), n)
+    assert _rel(full, F.linear(normed.double(), w.double())) <= tol
+    for m in rows:
+        assert torch.equal(skinny.norm_linear(x[:m], g, 1e-6, w), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
     return full
 
 
@@ -103,6 +120,36 @@ def test_linear_refuses_what_it_cannot_take():
         skinny.linear(torch.randn(17, 8), torch.randn(4, 8))
     with pytest.raises(ValueError, match="one dtype"):
         skinny.linear(torch.randn(2, 8, dtype=torch.float16), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("n,kd", [(37, 70), (16, 1030), (5, 16)])
+def test_norm_linear_small(n, kd):
+    torch.manual_seed(n * kd)
+    check_norm_linear(n, kd, [1, 5, 16], torch.float16, DEV, 3e-3)
+
+
+def test_norm_linear_refuses_what_it_cannot_take():
+    x, w = torch.randn(2, 8, dtype=torch.float16), torch.randn(4, 8, dtype=torch.float16)
+    with pytest.raises(ValueError, match="norm_weight \\[K\\] of x's dtype"):
+        skinny.norm_linear(x, torch.ones(8), 1e-6, w)
+    with pytest.raises(ValueError, match="one dtype \\(bfloat16, float16\\)"):
+        skinny.norm_linear(x.float(), torch.ones(8), 1e-6, w.float())
+
+
+def test_fused_norm_linear_takes_the_kernel_for_few_rows(monkeypatch):
+    """FusedOps.norm_linear: <= gemv_rows float16 rows through skinny.norm_linear, more rows through the norm kernel
+    and F.linear, with TorchOps' values."""
+    calls = []
+    real = skinny.norm_linear
+    monkeypatch.setattr(skinny, "norm_linear", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w = torch.randn(24, 40, dtype=torch.float16, device=DEV) / 40**0.5
+    g = (torch.rand(40, device=DEV) + 0.5).to(torch.float16)
+    for rows, want in [(4, 1), (5, 0)]:
+        calls.clear()
+        x = torch.randn(rows, 40, dtype=torch.float16, device=DEV)
+        y = FusedOps(4).norm_linear(x, g, 1e-6, w)
+        assert len(calls) == want and y.shape == (rows, 24)
+        assert _rel(y, TorchOps().norm_linear(x, g, 1e-6, w)) <= 3e-3
 
 
 def test_linear_f32_is_the_router_product_without_casts():
@@ -223,6 +270,15 @@ def test_linear_bf16_gpu(n, kd):
     needs_gpu()
     torch.manual_seed(n)
     check_linear(n, kd, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
+
+
+@pytest.mark.gpu
+def test_norm_linear_bf16_gpu():
+    """q_a_layernorm inside q_b_proj's kernel at TP8 shapes (N 3072, K 1536) and TP1's (N 24576)."""
+    needs_gpu()
+    torch.manual_seed(3)
+    for n in (3072, 24576):
+        check_norm_linear(n, 1536, [1, 7, 16], torch.bfloat16, "cuda", 1e-2)
 
 
 @pytest.mark.gpu

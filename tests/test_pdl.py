@@ -58,11 +58,9 @@ def _layer(ops, spec, pool, w, x, delta, slots, cos, sin):
     straight to the value product), as MLAModel and MLAAttention call them."""
     x, xn = ops.add_rms_norm(x, delta, w["attn_norm"], 1e-6)
     qkv = ops.linear(xn, w["qkv_a"])
-    q_in = ops.rms_norm(qkv[:, :1536], w["q_a_norm"], 1e-6)
-    q = ops.linear(q_in, w["q_b"]).view(x.shape[0], 16, 192)
-    q_nope, q_pe = ops.rope_q(spec, q, cos, sin)
-    ops.latent(spec, pool, 0, slots, qkv[:, 1536:], w["kv_a_norm"], cos, sin)
-    o_lat = ops.head_linear(q_nope, w["w_uk"])  # attention would run between the two absorb products
+    q = ops.norm_linear(qkv[:, :1536], w["q_a_norm"], 1e-6, w["q_b"]).view(x.shape[0], 16, 192)
+    _, q_pe, _, _, o_lat = ops.rope_latent(spec, q, pool, 0, slots, qkv[:, 1536:], w["kv_a_norm"], cos, sin, w["w_uk"])
+    # attention would run between the two absorb products
     o = ops.linear(ops.head_linear(o_lat, w["w_uv"]).reshape(x.shape[0], 16 * 128), w["o"])
     x, xn = ops.add_rms_norm(x, o, w["mlp_norm"], 1e-6)
     return x, ops.moe(spec, w["moe"], xn, True), q_pe

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from backends.kernels.pdl import pdl_enter
+from backends.kernels.skinny_kernels import head_dot_tile
 
 
 @triton.jit
@@ -46,13 +47,43 @@ def _rotate(x1, x2, c, s, DT: tl.constexpr):
 
 
 @triton.jit
-def _latent_kernel(KV, W, COS, SIN, SLOTS, CACHE, stride_kv, stride_cs, stride_cache, eps,
-                   C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
-                   INTERLEAVE: tl.constexpr, WRITE_CACHE: tl.constexpr, PDL: tl.constexpr):
+def _rope_latent_kernel(Q, KV, W, COS, SIN, SLOTS, CACHE, WUK, QABS, T, n_blocks, stride_qt, stride_qh, stride_kv,
+                        stride_cs, stride_cache, stride_wh, stride_wk, stride_at, stride_ah, H, N_ABS, eps,
+                        NOPE: tl.constexpr, C: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr, INTERLEAVE: tl.constexpr, DO_Q: tl.constexpr,
+                        DO_LATENT: tl.constexpr, WRITE_CACHE: tl.constexpr, ABSORB: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The MLA's q/kv preparation in one launch, in place. Programs 2t and 2t + 1 take token t: the query's RoPE
+    (when DO_Q) and the latent row (when DO_LATENT). With ABSORB the programs after 2T each take one (column block,
+    head) of q_nope @ W_UK into QABS (:func:`skinny_kernels.head_dot_tile`, T <= 16): q_nope is not what the RoPE
+    programs write, so the three run side by side."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    prep = pid < 2 * T
+    if prep:
+        row = (pid // 2).to(tl.int64)
+        if pid % 2 == 0:
+            if DO_Q:
+                _rope_q_row(Q, COS, SIN, row, stride_qt, stride_qh, stride_cs, H, NOPE, HALF, BLOCK_H, BLOCK_J,
+                            INTERLEAVE)
+        else:
+            if DO_LATENT:
+                _latent_row(KV, W, COS, SIN, SLOTS, CACHE, row, stride_kv, stride_cs, stride_cache, eps, C, HALF,
+                            BLOCK_C, BLOCK_J, INTERLEAVE, WRITE_CACHE)
+    if ABSORB:  # outside the branch above, so the product's loop is software-pipelined: RoPE / latent programs
+        # run it over no rows and no reduction (nothing loaded, nothing stored)
+        j = tl.maximum(pid - 2 * T, 0)
+        head_dot_tile(Q, WUK, QABS, tl.where(prep, 0, T), N_ABS, tl.where(prep, 0, NOPE), j % n_blocks,
+                      (j // n_blocks).to(tl.int64), stride_qt, stride_qh, stride_wh, stride_wk, stride_at, stride_ah,
+                      BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _latent_row(KV, W, COS, SIN, SLOTS, CACHE, row, stride_kv, stride_cs, stride_cache, eps,
+                C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
+                INTERLEAVE: tl.constexpr, WRITE_CACHE: tl.constexpr):
     """One token's latent row, in place: RMSNorm of the first C values (times W), RoPE on the 2*HALF rope values
     (interleaved pairs in, de-interleaved out; or half-split), then the row copied to CACHE[SLOTS[row]]."""
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = KV.dtype.element_ty
     base = KV + row * stride_kv
     c = tl.arange(0, BLOCK_C)
@@ -85,12 +116,10 @@ def _latent_kernel(KV, W, COS, SIN, SLOTS, CACHE, stride_kv, stride_cs, stride_c
 
 
 @triton.jit
-def _rope_q_kernel(Q, COS, SIN, stride_t, stride_h, stride_cs, H,
-                   NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
-                   INTERLEAVE: tl.constexpr, PDL: tl.constexpr):
+def _rope_q_row(Q, COS, SIN, row, stride_t, stride_h, stride_cs, H,
+                NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+                INTERLEAVE: tl.constexpr):
     """RoPE on the rope dims (after NOPE) of every head of one token, in place."""
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
     DT: tl.constexpr = Q.dtype.element_ty
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_J)[None, :]

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from backends.kernels import decoder_kernels as k
+from backends.kernels import skinny
 from backends.kernels.checks import require
 from backends.kernels.pdl import use_pdl
 
@@ -51,47 +52,66 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = Fals
     return add_rms_norm(x, None, weight, eps, pdl)[1]
 
 
-def latent_rope_write(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      slots: torch.Tensor | None, cache: torch.Tensor | None, eps: float, interleave: bool,
-                      pdl: bool = False) -> None:
-    """The new latent rows, in place: RMSNorm of ``kv[:, :C]`` (times weight), RoPE of ``kv[:, C:]``, each row
-    also stored at its slot of the cache.
+def rope_latent(q: torch.Tensor | None, nope: int, kv: torch.Tensor | None, weight: torch.Tensor | None,
+                cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None, cache: torch.Tensor | None,
+                eps: float, interleave: bool, pdl: bool = False,
+                w_uk: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The MLA's q/kv preparation, in place, in one launch (either half may be None):
 
-    kv [T, C + R] (the kv_a_proj_with_mqa output; rows may be strided); weight [C]; cos, sin [T, R/2] float32;
-    slots [T] int64; cache [num_slots, C + R] (contiguous rows) or None (no write).
+    * q [T, H, nope + R] (last dim contiguous): RoPE on ``q[..., nope:]``.
+    * kv [T, C + R] (the kv_a_proj_with_mqa output; rows may be strided), weight [C]: RMSNorm of ``kv[:, :C]``
+      (times weight), RoPE of ``kv[:, C:]``, each row also stored at its slot of the cache (slots [T] int64,
+      cache [num_slots, C + R] with contiguous rows, or both None: no write).
+    * w_uk [H, nope, N] (q given, T <= 16, q's dtype bf16 / fp16): also the absorbed query
+      ``q[..., :nope] @ w_uk`` per head, returned as [T, H, N] (as :func:`skinny.head_linear`); None otherwise.
+
+    cos, sin [T, R/2] float32.
     """
-    t, row = kv.shape
-    c = weight.shape[0]
-    half = (row - c) // 2
-    require(kv.stride(-1) == 1 and weight.dtype == kv.dtype and cos.shape == (t, half) and sin.shape == (t, half)
-            and cos.stride(0) == sin.stride(0) and cos.stride(-1) == 1,
-            f"kv [T, C + R], weight [C] of kv's dtype, cos/sin [T, R/2]; got kv {tuple(kv.shape)} {kv.dtype}, "
-            f"weight {tuple(weight.shape)} {weight.dtype}, cos {tuple(cos.shape)}")
-    write = cache is not None
+    t = cos.shape[0]
+    half = cos.shape[1]
+    require(cos.shape == sin.shape and cos.stride(0) == sin.stride(0) and cos.stride(-1) == 1,
+            f"cos / sin [T, R/2] of one layout; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    do_q, do_kv, absorb = q is not None, kv is not None, w_uk is not None
+    if do_q:
+        require(q.dim() == 3 and q.shape[0] == t and q.shape[2] == nope + 2 * half and q.stride(-1) == 1,
+                f"q [T, H, nope + R] = [{t}, H, {nope + 2 * half}] with a contiguous last dim; got "
+                f"{tuple(q.shape)}")
+    c = weight.shape[0] if do_kv else 0
+    if do_kv:
+        require(kv.shape == (t, c + 2 * half) and kv.stride(-1) == 1 and weight.dtype == kv.dtype,
+                f"kv [T, C + R] = [{t}, {c + 2 * half}] and weight [C] of kv's dtype; got kv {tuple(kv.shape)} "
+                f"{kv.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    write = do_kv and cache is not None
     if write:
-        require(cache.shape[-1] == row and cache.stride(-1) == 1 and slots.shape == (t,),
-                f"cache [slots, {row}] and slots [T]; got cache {tuple(cache.shape)}, slots {tuple(slots.shape)}")
-    if t:
-        p = use_pdl(pdl, k._latent_kernel, kv.device)
-        k._latent_kernel[(t,)](kv, weight, cos, sin, slots if write else kv, cache if write else kv, kv.stride(0),
-                               cos.stride(0), cache.stride(0) if write else 0, float(eps), C=c, HALF=half,
-                               BLOCK_C=_pow2(c), BLOCK_J=_pow2(half), INTERLEAVE=bool(interleave),
-                               WRITE_CACHE=write, PDL=p, launch_pdl=p, num_warps=4)
-
-
-def rope_q_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nope: int, interleave: bool,
-            pdl: bool = False) -> None:
-    """RoPE on ``q[..., nope:]`` in place. q [T, H, nope + R] (last dim contiguous); cos, sin [T, R/2] float32."""
-    t, h, dim = q.shape
-    half = (dim - nope) // 2
-    require(q.stride(-1) == 1 and cos.shape == (t, half) and cos.stride(0) == sin.stride(0),
-            f"q [T, H, nope + R] with a contiguous last dim and cos/sin [T, R/2]; got q {tuple(q.shape)}, "
-            f"cos {tuple(cos.shape)}")
-    if t:
-        p = use_pdl(pdl, k._rope_q_kernel, q.device)
-        k._rope_q_kernel[(t,)](q, cos, sin, q.stride(0), q.stride(1), cos.stride(0), h, NOPE=nope, HALF=half,
-                               BLOCK_H=_pow2(h), BLOCK_J=_pow2(half), INTERLEAVE=bool(interleave), PDL=p,
-                               launch_pdl=p, num_warps=4)
+        require(cache.shape[-1] == c + 2 * half and cache.stride(-1) == 1 and slots.shape == (t,),
+                f"cache [slots, {c + 2 * half}] and slots [T]; got cache {tuple(cache.shape)}, slots "
+                f"{tuple(slots.shape)}")
+    q_abs, n_abs, n_blocks, block_n = None, 0, 1, 16
+    if absorb:
+        require(do_q and t <= skinny.MAX_ROWS and q.dtype in skinny.DOT_DTYPES and w_uk.dtype == q.dtype
+                and w_uk.dim() == 3 and w_uk.shape[:2] == (q.shape[1], nope) and w_uk.stride(-1) == 1,
+                f"w_uk [H, nope, N] of q's dtype (bf16, fp16) with T <= {skinny.MAX_ROWS}; got w_uk "
+                f"{tuple(w_uk.shape)} {w_uk.dtype}, q {None if q is None else (tuple(q.shape), q.dtype)}")
+        n_abs = w_uk.shape[2]
+        q_abs = torch.empty(t, q.shape[1], n_abs, dtype=q.dtype, device=q.device)
+        block_n = skinny.head_block_n(n_abs, q.shape[1])
+        n_blocks = triton.cdiv(n_abs, block_n)
+    if t == 0 or not (do_q or do_kv):
+        return q_abs
+    qq, kk, ww = (q if do_q else cos), (kv if do_kv else cos), (w_uk if absorb else cos)
+    p = use_pdl(pdl, k._rope_latent_kernel, cos.device)
+    grid = 2 * t + (n_blocks * q.shape[1] if absorb else 0)
+    k._rope_latent_kernel[(grid,)](
+        qq, kk, weight if do_kv else cos, cos, sin, slots if write else cos, cache if write else cos, ww,
+        q_abs if absorb else cos, t, n_blocks, q.stride(0) if do_q else 0, q.stride(1) if do_q else 0,
+        kv.stride(0) if do_kv else 0, cos.stride(0), cache.stride(0) if write else 0,
+        w_uk.stride(0) if absorb else 0, w_uk.stride(1) if absorb else 0, q_abs.stride(0) if absorb else 0,
+        q_abs.stride(1) if absorb else 0, q.shape[1] if do_q else 0, n_abs, float(eps), NOPE=nope, C=c, HALF=half,
+        BLOCK_H=_pow2(q.shape[1] if do_q else 1), BLOCK_C=_pow2(c), BLOCK_J=_pow2(half),
+        INTERLEAVE=bool(interleave), DO_Q=do_q, DO_LATENT=do_kv, WRITE_CACHE=write, ABSORB=absorb,
+        BLOCK_N=block_n, BLOCK_K=min(128, _pow2(max(nope, 16))), PDL=p, launch_pdl=p, num_warps=4,
+        num_stages=3)
+    return q_abs
 
 
 def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:

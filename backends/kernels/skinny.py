@@ -56,22 +56,46 @@ def default_config(n: int, k_dim: int, device: torch.device) -> TileConfig:
 def linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N] in x's dtype, float32 accumulation, M <= 16. bf16 / fp16 through one
     16-row tensor-core tile per program, float32 one program per row (no TF32)."""
+    _check_linear(x, w, (*DOT_DTYPES, torch.float32))
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    if x.dtype == torch.float32 and y.numel():
+        return _rows(x, w, y, config or default_config(w.shape[0], x.shape[1], x.device), pdl)
+    return _dot(x, w, y, None, 0.0, config, pdl)
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                config: TileConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """``linear(rms_norm(x, norm_weight, eps), w)`` in one launch (the q LoRA's q_a_layernorm and q_b_proj at
+    decode): each program norms the rows as the fused RMSNorm kernel rounds, then streams its weight rows. x [M, K]
+    (rows may be strided), norm_weight [K], w [N, K], bf16 / fp16, M <= 16 -> [M, N]."""
+    _check_linear(x, w, DOT_DTYPES)
+    require(norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous(),
+            f"norm_weight [K] of x's dtype, contiguous; got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    return _dot(x, w, y, norm_weight, eps, config, pdl)
+
+
+def _check_linear(x: torch.Tensor, w: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
     m, kd = x.shape
     n = w.shape[0]
     require(m <= MAX_ROWS and w.shape == (n, kd) and w.dtype == x.dtype and x.stride(-1) == 1
-            and w.stride(-1) == 1 and x.dtype in (*DOT_DTYPES, torch.float32),
-            f"x [M <= {MAX_ROWS}, K] and w [N, K] of one dtype (bf16, fp16, float32), last dims contiguous; got x "
-            f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+            and w.stride(-1) == 1 and x.dtype in dtypes,
+            f"x [M <= {MAX_ROWS}, K] and w [N, K] of one dtype ({', '.join(str(d)[6:] for d in dtypes)}), last "
+            f"dims contiguous; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+
+
+def _dot(x, w, y, norm_weight, eps, config: TileConfig | None, pdl: bool) -> torch.Tensor:
+    """The 16-row tensor-core kernel into y [M, N] (norm_weight None: no RMSNorm of x first)."""
+    (m, kd), n = x.shape, w.shape[0]
     if m == 0 or n == 0:
         return y
     cfg = config or default_config(n, kd, x.device)
-    if x.dtype == torch.float32:
-        return _rows(x, w, y, cfg, pdl)
     p = use_pdl(pdl, k._linear_dot_kernel, x.device)
+    norm = norm_weight is not None
     k._linear_dot_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, w, y, m, n, kd, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=p,
-        launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, w, y, norm_weight if norm else w, m, n, kd, x.stride(0), w.stride(0), y.stride(0), float(eps),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM=norm, PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y
 
 

@@ -22,9 +22,14 @@ from backends.kernels.pdl import pdl_enter
 
 
 @triton.jit
-def _linear_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Y[:M, n-block] = X[:M] @ W[n-block].T for M <= 16: acc[BLOCK_N, 16] += W tile @ X tile.T, float32."""
+def _linear_dot_kernel(X, W, Y, NW, M, N, K, stride_xm, stride_wn, stride_ym, eps,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """Y[:M, n-block] = X[:M] @ W[n-block].T for M <= 16: acc[BLOCK_N, 16] += W tile @ X tile.T, float32.
+
+    NORM: X is first RMS-normed per row with weight NW [K] and rounded as the norm kernel rounds
+    (``decoder_kernels._rms_norm_kernel``: x * rstd rounded, times NW, rounded), so the product equals
+    ``linear(rms_norm(X))``; the row's sum of squares takes one pass over X (a few KB in L2) before the weight
+    stream starts."""
     pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
@@ -32,26 +37,44 @@ def _linear_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym,
     mmask = rm < M
     w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
     x_rows = X + rm[:, None] * stride_xm
+    DT: tl.constexpr = Y.dtype.element_ty
+    if NORM:
+        ss = tl.zeros([16], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xf = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            g = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) * rstd[:, None]).to(DT).to(tl.float32) * g[None, :]).to(DT)
         acc = tl.dot(w, tl.trans(x), acc)
-    out = tl.trans(acc).to(Y.dtype.element_ty)
+    out = tl.trans(acc).to(DT)
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out, mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _head_dot_kernel(X, W, Y, M, N, K, stride_xm, stride_xh, stride_wh, stride_wk, stride_ym, stride_yh,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Per head h (axis 1): Y[:M, h, n-block] = X[:M, h] @ W[h][:, n-block] for M <= 16, W [H, K, N] with
+    """Program (column block, head): :func:`head_dot_tile`."""
+    pdl_enter(PDL)
+    head_dot_tile(X, W, Y, M, N, K, tl.program_id(0), tl.program_id(1).to(tl.int64), stride_xm, stride_xh, stride_wh,
+                  stride_wk, stride_ym, stride_yh, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def head_dot_tile(X, W, Y, M, N, K, nb, h, stride_xm, stride_xh, stride_wh, stride_wk, stride_ym, stride_yh,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Head h, column block nb: Y[:M, h, n-block] = X[:M, h] @ W[h][:, n-block] for M <= 16, W [H, K, N] with
     contiguous rows of N (the absorbed MLA's w_uk and w_uv as stored): acc[16, BLOCK_N] += X tile @ W tile,
     float32, padded rows zero."""
-    pdl_enter(PDL)
-    h = tl.program_id(1).to(tl.int64)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
     nmask = rn < N
     mmask = rm < M

@@ -1,12 +1,13 @@
 """MLA attention of one DeepSeek layer over the injected backend, and the linear-attention layer of hybrids.
 
 MLA per layer: one GEMM of the normed hidden state with ``qkv_a`` (``q_a_proj`` and ``kv_a_proj_with_mqa``
-concatenated), then q (q LoRA: RMSNorm -> ``q_b_proj``; else ``q_proj``), RMSNorm on the latent (kv_lora_rank),
-RoPE on the rope dims (interleaved or half-split, :mod:`runtime.model.deepseek.rope`), the latent row written to
-the KV pool; the small ops come from the injected :mod:`runtime.model.deepseek.ops` (fused kernels or torch).
-Decode takes the absorbed path (``W_UK`` of ``kv_b_proj`` folded into q; ``W_UV`` applied to the latent output,
-each one product per head (``ops.head_linear``: a batched matmul, or the few-row kernel at decode), written in
-the layout the next op reads);
+concatenated), then q (q LoRA: RMSNorm -> ``q_b_proj``, one op; else ``q_proj``), RMSNorm on the latent
+(kv_lora_rank), RoPE on the rope dims of q and the latent (interleaved or half-split,
+:mod:`runtime.model.deepseek.rope`), the latent row written to the KV pool and, on the absorbed path, q_nope @ W_UK
+(one op); the small ops come from the injected :mod:`runtime.model.deepseek.ops` (fused kernels or torch).
+Decode takes the absorbed path (``W_UK`` of ``kv_b_proj`` folded into q by ``ops.rope_latent``; ``W_UV`` applied to
+the latent output by ``ops.head_linear``; each one product per head (a batched matmul, or the few-row kernel at
+decode), written in the layout the next op reads);
 prefill takes the MHA chunked-prefix path when a :class:`MHAChunkPrefill` hook is injected, the absorbed path
 otherwise. Sparse layers (V3.2) also compute the indexer's q, k and head weights and hand them to the sparse
 backend's hooks.
@@ -60,10 +61,15 @@ class MLAAttention:
         s, ops = self.spec, self.ops
         t, h, ql = xn.shape[0], s.num_heads, lw.q_lora
         qkv = ops.linear(xn, lw.qkv_a)  # [T, q_lora + kv_lora + rope]
-        q_in = ops.rms_norm(qkv[:, :ql], lw.q_a_norm, s.rms_norm_eps) if ql else xn
-        q = ops.linear(q_in, lw.q_b).view(t, h, s.qk_head_dim)
-        q_nope, q_pe = ops.rope_q(s, q, cos, sin)
-        ckv, kpe = ops.latent(s, self.kv_pool, layer_id, batch.out_cache_loc, qkv[:, ql:], lw.kv_a_norm, cos, sin)
+        if ql and lw.indexer is None:  # the q LoRA's RMSNorm and q_b_proj in one op
+            q_in, q = None, ops.norm_linear(qkv[:, :ql], lw.q_a_norm, s.rms_norm_eps, lw.q_b)
+        else:  # q_b_proj's (q_proj's) input, which a sparse layer's indexer also reads
+            q_in = ops.rms_norm(qkv[:, :ql], lw.q_a_norm, s.rms_norm_eps) if ql else xn
+            q = ops.linear(q_in, lw.q_b)
+        q = q.view(t, h, s.qk_head_dim)
+        q_nope, q_pe, ckv, kpe, q_abs = ops.rope_latent(s, q, self.kv_pool, layer_id, batch.out_cache_loc,
+                                                        qkv[:, ql:], lw.kv_a_norm, cos, sin,
+                                                        None if use_mha else lw.w_uk)  # q_abs [T, H, kv_lora]
         index = None
         if lw.indexer is not None:  # sparse layer: the backend keeps its indexer keys (and, with HiSparse, its KV)
             index = indexer_projections(lw.indexer, s, xn, q_in, cos, sin)
@@ -73,7 +79,6 @@ class MLAAttention:
         if use_mha:
             o = self._mha_prefill(layer_id, lw, q_nope, q_pe, ckv, kpe, batch)
         else:
-            q_abs = ops.head_linear(q_nope, lw.w_uk)  # [T, H, kv_lora]
             fwd = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
             if sparse_decode:
                 o_lat = self.sparse.forward_sparse_decode(q_abs, q_pe, index[0], index[2], layer_id, batch)

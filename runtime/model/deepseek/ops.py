@@ -2,13 +2,14 @@
 
 * :class:`TorchOps`: the unfused torch ops (the reference: the CPU, and ``model.fused=off``).
 * :class:`FusedOps`: one Triton kernel per op (:mod:`backends.kernels.decoder_ops`): residual add + RMSNorm
-  (two outputs), RMSNorm, kv_a_layernorm + RoPE of the rope key + the paged KV-cache write, RoPE of the query's
-  rope dims in place, SiLU * up, and for the MoE: V3 (sigmoid, noaux_tc) routing, the expert grouping (a stable
+  (two outputs), RMSNorm, kv_a_layernorm + RoPE of the rope key + the paged KV-cache write together with RoPE of
+  the query's rope dims in place and, at few rows, the absorbed query q_nope @ W_UK (one launch), SiLU * up, and for the MoE: V3 (sigmoid, noaux_tc) routing, the expert grouping (a stable
   counting sort with the grouped GEMM's offsets) and the weighted combine plus the shared experts.
   Where a kernel does not apply (an fp8 KV cache: the torch write counts clipped values; softmax routing; MoE
   without ``torch._grouped_mm``) the op takes the torch path for that case.
   Products of at most ``gemv_rows`` rows (``model.gemv_rows``: decode at small batch) take the few-row kernels of
-  :mod:`backends.kernels.skinny` instead of cuBLAS: the linear layers (bf16 / fp16), the router (float32, no cast
+  :mod:`backends.kernels.skinny` instead of cuBLAS: the linear layers (bf16 / fp16; the q LoRA's RMSNorm inside
+  q_b_proj's kernel), the router (float32, no cast
   kernels) and the routed + shared experts in two kernels (no sort, no grouped GEMM, no combine pass).
   With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch on Hopper and newer
   GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
@@ -62,6 +63,17 @@ class OpsCapabilities:
         return out
 
 
+def torch_latent(spec: ModelSpec, kv_pool: MLAKVPool, layer_id: int, slots: torch.Tensor, kv: torch.Tensor,
+                 weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv [T, kv_lora + rope] (kv_a_proj_with_mqa output) -> (ckv [T, kv_lora] normed, kpe [T, rope] rotated),
+    both written to the pool at ``slots`` [T] (the pool quantizes where its dtype asks)."""
+    c = spec.kv_lora_rank
+    ckv = rms_norm(kv[:, :c], weight, spec.rms_norm_eps)
+    kpe = apply_rope(spec, kv[:, c:], cos, sin)
+    kv_pool.write(layer_id, slots, ckv, kpe)
+    return ckv, kpe
+
+
 class TorchOps:
     """The unfused torch ops (the reference path)."""
 
@@ -90,21 +102,22 @@ class TorchOps:
         torch.bmm(x.transpose(0, 1), w, out=y.transpose(0, 1))
         return y
 
-    def rope_q(self, spec: ModelSpec, q: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, qk_head] -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated)."""
-        n = spec.qk_nope_head_dim
-        return q[..., :n], apply_rope(spec, q[..., n:], cos, sin)
+    def norm_linear(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+        """linear(RMSNorm(x) * norm_weight, w): the q LoRA's q_a_layernorm then q_b_proj. x [T, K] -> [T, N]."""
+        return self.linear(self.rms_norm(x, norm_weight, eps), w)
 
-    def latent(self, spec: ModelSpec, kv_pool: MLAKVPool, layer_id: int, slots: torch.Tensor, kv: torch.Tensor,
-               weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv [T, kv_lora + rope] (kv_a_proj_with_mqa output) -> (ckv [T, kv_lora] normed, kpe [T, rope]
-        rotated), both written to the pool at ``slots`` [T]."""
-        c = spec.kv_lora_rank
-        ckv = rms_norm(kv[:, :c], weight, spec.rms_norm_eps)
-        kpe = apply_rope(spec, kv[:, c:], cos, sin)
-        kv_pool.write(layer_id, slots, ckv, kpe)
-        return ckv, kpe
+    def rope_latent(self, spec: ModelSpec, q: torch.Tensor, kv_pool: MLAKVPool, layer_id: int, slots: torch.Tensor,
+                    kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    w_uk: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """The MLA's q and latent preparation. q [T, H, qk_head] -> q_nope [T, H, nope], q_pe [T, H, rope]
+        rotated; kv [T, kv_lora + rope] (kv_a_proj_with_mqa output) -> ckv [T, kv_lora] normed, kpe [T, rope]
+        rotated, both written to the pool at ``slots`` [T]; with w_uk [H, nope, kv_lora] also the absorbed query
+        q_nope @ w_uk [T, H, kv_lora] (else None). Returns (q_nope, q_pe, ckv, kpe, q_abs)."""
+        n = spec.qk_nope_head_dim
+        q_nope = q[..., :n]
+        return (q_nope, apply_rope(spec, q[..., n:], cos, sin),
+                *torch_latent(spec, kv_pool, layer_id, slots, kv, weight, cos, sin),
+                None if w_uk is None else self.head_linear(q_nope, w_uk))
 
     def silu_mul(self, h: torch.Tensor) -> torch.Tensor:
         """[N, 2I] (gate, up) -> silu(gate) * up [N, I]."""
@@ -154,18 +167,23 @@ class FusedOps:
     def rms_norm(self, x, weight, eps):
         return self.k.rms_norm(x, weight, eps, self.pdl)
 
-    def rope_q(self, spec, q, cos, sin):
-        n = spec.qk_nope_head_dim
-        self.k.rope_q_(q, cos, sin, n, spec.rope_interleave, self.pdl)
-        return q[..., :n], q[..., n:]
+    def norm_linear(self, x, norm_weight, eps, w):
+        if self._few_rows(x, w, norm_weight):
+            return self.s.norm_linear(x, norm_weight, eps, w, pdl=self.pdl)
+        return self.linear(self.rms_norm(x, norm_weight, eps), w)
 
-    def latent(self, spec, kv_pool, layer_id, slots, kv, weight, cos, sin):
-        if kv_pool.quantized:  # the torch write quantizes and counts clipped values
-            return self.torch.latent(spec, kv_pool, layer_id, slots, kv, weight, cos, sin)
-        c = spec.kv_lora_rank
-        self.k.latent_rope_write(kv, weight, cos, sin, slots, kv_pool.flat(layer_id), spec.rms_norm_eps,
-                                 spec.rope_interleave, self.pdl)
-        return kv[:, :c], kv[:, c:]
+    def rope_latent(self, spec, q, kv_pool, layer_id, slots, kv, weight, cos, sin, w_uk=None):
+        n, c = spec.qk_nope_head_dim, spec.kv_lora_rank
+        quantized = kv_pool.quantized  # an fp8 pool: the torch write quantizes and counts clipped values
+        absorb = w_uk is not None and self._few_rows(q[:, 0], w_uk)  # else the batched matmul below
+        q_abs = self.k.rope_latent(q, n, None if quantized else kv, weight, cos, sin, slots,
+                                   None if quantized else kv_pool.flat(layer_id), spec.rms_norm_eps,
+                                   spec.rope_interleave, self.pdl, w_uk if absorb else None)
+        if w_uk is not None and not absorb:
+            q_abs = self.torch.head_linear(q[..., :n], w_uk)
+        ckv, kpe = torch_latent(spec, kv_pool, layer_id, slots, kv, weight, cos, sin) if quantized \
+            else (kv[:, :c], kv[:, c:])
+        return q[..., :n], q[..., n:], ckv, kpe, q_abs
 
     def silu_mul(self, h):
         return self.k.silu_mul(h, self.pdl)
