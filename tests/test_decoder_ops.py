@@ -6,6 +6,7 @@ at DeepSeek-V3 TP8 sizes in bfloat16 on odd row counts (1, 7, 63): relative erro
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -150,6 +151,37 @@ def test_silu_mul_small():
 def test_route_sigmoid_small(e, groups, topk_group, k):
     torch.manual_seed(0)
     check_route(5, e, 24, _spec(n_group=groups, topk_group=topk_group, num_experts_per_tok=k), DEV)
+
+
+def _route_lowest_index_first(logits, bias, groups, topk_group, k, scale):
+    """noaux_tc routing in plain Python with ties broken toward the lower group / expert id."""
+    ids, weights = [], []
+    for row in logits.tolist():
+        s = [1.0 / (1.0 + math.exp(-v)) for v in row]
+        choice = [a + b for a, b in zip(s, bias.tolist())]
+        per = len(row) // groups
+        gs = [sum(sorted(choice[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: (-gs[g], g))[:topk_group]
+        cand = [e for e in range(len(row)) if e // per in kept]
+        top = sorted(cand, key=lambda e: (-choice[e], e))[:k]
+        w = [s[e] for e in top]
+        ids.append(top)
+        weights.append([v / (sum(w) + 1e-20) * scale for v in w])
+    return torch.tensor(ids), torch.tensor(weights, dtype=torch.float64)
+
+
+def test_route_sigmoid_breaks_ties_toward_the_lower_expert_id():
+    """Logits from four values and a zero bias: many equal choices, in and across groups; the picks and their order
+    are the lowest ids among equals, as the routing of the torch path gives for distinct values."""
+    from backends.kernels.decoder_ops import route_sigmoid
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.tensor([-1.0, 0.0, 0.5, 2.0])[torch.randint(0, 4, (6, 32), generator=g)]
+    bias = torch.zeros(32)
+    w, ids = route_sigmoid(logits.to(DEV), bias.to(DEV), 4, 2, 5, True, 2.5)
+    want_ids, want_w = _route_lowest_index_first(logits.double(), bias.double(), 4, 2, 5, 2.5)
+    assert torch.equal(ids.cpu(), want_ids)
+    assert torch.allclose(w.cpu().double(), want_w, rtol=1e-6)
 
 
 def test_dispatch_combine_small():

@@ -189,18 +189,27 @@ def _route_sigmoid_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scale,
         b = tl.min(tl.where(gs == best, gi, BLOCK_G), axis=0)
         keep = keep | (gi == b)
         gs = tl.where(gi == b, float("-inf"), gs)
-    masked = tl.where(keep[:, None] & valid, choice, float("-inf"))
+    # top-K by one max per pick over a 64-bit key: the choice's bits made order-preserving as a signed integer
+    # (-0.0 first made +0.0, as they compare equal) above the complement of the slot's position, so the max is the
+    # largest choice and, among equal ones, the lowest position (= the lowest expert id, as the loop of
+    # max / argmin / gather it replaced); positions, not e, since padded slots (p >= PER) share e with the next
+    # group's experts
+    masked = tl.where(keep[:, None] & valid, choice, float("-inf")) + 0.0
+    bits = masked.to(tl.int32, bitcast=True)
+    pos = g * BLOCK_P + p
+    last: tl.constexpr = BLOCK_G * BLOCK_P - 1
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (last - pos).to(tl.int64)
+    key = tl.reshape(key, [BLOCK_G * BLOCK_P])  # one reduction per pick, not one per axis
+    flat = tl.arange(0, BLOCK_G * BLOCK_P)
     kk = tl.arange(0, BLOCK_K)
-    ws = tl.zeros([BLOCK_K], dtype=tl.float32)
-    ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    picked = tl.full([BLOCK_K], -1, dtype=tl.int32)
     for i in tl.static_range(K):
-        best = tl.max(tl.max(masked, axis=1), axis=0)
-        idx = tl.min(tl.min(tl.where(masked == best, e, BLOCK_G * BLOCK_P), axis=1), axis=0)
-        # padded slots (p >= PER) share e with the next group's experts: only valid slots count
-        w = tl.sum(tl.sum(tl.where((e == idx) & valid, s, 0.0), axis=1), axis=0)
-        ws = tl.where(kk == i, w, ws)
-        ids = tl.where(kk == i, idx.to(tl.int64), ids)
-        masked = tl.where(e == idx, float("-inf"), masked)
+        at = last - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
+        picked = tl.where(kk == i, at, picked)
+        key = tl.where(flat == at, -(2**63), key)
+    ids = ((picked // BLOCK_P) * PER + picked % BLOCK_P).to(tl.int64)
+    ws = 1.0 / (1.0 + tl.exp(-tl.load(LOGITS + row * stride_l + ids, mask=kk < K, other=0.0)))  # the scores again
+    ws = tl.where(kk < K, ws, 0.0)  # slots past K (BLOCK_K is a power of two) weigh nothing
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     tl.store(W_OUT + row * K + kk, ws * scale, mask=kk < K)

@@ -3,14 +3,15 @@
 * :class:`TorchOps`: the unfused torch ops (the reference: the CPU, and ``model.fused=off``).
 * :class:`FusedOps`: one Triton kernel per op (:mod:`backends.kernels.decoder_ops`): residual add + RMSNorm
   (two outputs), RMSNorm, kv_a_layernorm + RoPE of the rope key + the paged KV-cache write together with RoPE of
-  the query's rope dims in place and, at few rows, the absorbed query q_nope @ W_UK (one launch), SiLU * up, and for the MoE: V3 (sigmoid, noaux_tc) routing, the expert grouping (a stable
-  counting sort with the grouped GEMM's offsets) and the weighted combine plus the shared experts.
+  the query's rope dims in place and, at few rows, the absorbed query q_nope @ W_UK (one launch), SiLU * up, and
+  for the MoE: V3 (sigmoid, noaux_tc) routing, the expert grouping (a stable counting sort with the grouped GEMM's
+  offsets) and the weighted combine plus the shared experts.
   Where a kernel does not apply (an fp8 KV cache: the torch write counts clipped values; softmax routing; MoE
   without ``torch._grouped_mm``) the op takes the torch path for that case.
   Products of at most ``gemv_rows`` rows (``model.gemv_rows``: decode at small batch) take the few-row kernels of
   :mod:`backends.kernels.skinny` instead of cuBLAS: the linear layers (bf16 / fp16; the q LoRA's RMSNorm inside
-  q_b_proj's kernel), the router (float32, no cast
-  kernels) and the routed + shared experts in two kernels (no sort, no grouped GEMM, no combine pass).
+  q_b_proj's kernel), the router (float32, no cast kernels) and the routed + shared experts in two kernels (no
+  sort, no grouped GEMM, no combine pass).
   With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch on Hopper and newer
   GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
 
