@@ -133,7 +133,7 @@ def head_block_n(n: int, heads: int) -> int:
 
 def linear_f32(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None,
                pdl: bool = False) -> torch.Tensor:
-    """``F.linear(x.float(), w.float())`` for few rows (the MoE router: bf16 hidden states and weights)
+    """``F.linear(x.float(), w.float())`` for few rows (the MoE router: bf16 hidden states, float32 weights)
     without the cast kernels: x [M, K] any float dtype, w [N, K] -> [M, N] float32."""
     m, kd = x.shape
     n = w.shape[0]

@@ -53,10 +53,7 @@ F4 = "F4"  # safetensors' float4 (DeepSeek-V4 fp4 experts; its header counts fp4
 # safetensors dtype names we serve -> torch dtypes
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           FP8: torch.float8_e4m3fn}
-#: loaded in float32 whatever the model dtype. The router's weight is not among them: like transformers (which keeps
-#: only the bias in float32) and DeepSeek's release, it is held in the model dtype and the router casts it to
-#: float32 in its product, which halves the bytes a decode step reads for it.
-FLOAT32_TENSORS = ("e_score_correction_bias", "indexer.weights_proj.weight")
+FLOAT32_TENSORS = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ class DenseMLPWeights:
 class MoEWeights:
     """Router, routed experts (stacked), shared experts."""
 
-    gate: torch.Tensor  # [E, D] router, in the model dtype (its product runs in float32)
+    gate: torch.Tensor  # [E, D] float32 router
     bias: torch.Tensor | None  # [E] float32 e_score_correction_bias (sigmoid routing)
     gate_up: torch.Tensor  # [E, 2 * I_moe, D]
     down: torch.Tensor  # [E, D, I_moe]
@@ -244,7 +244,7 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
                     gate_ups[x - mine.start], downs[x - mine.start] = gu, down
             layer.mlp_norm = ones(d)
             layer.mlp = MoEWeights(
-                gate=w(e, d, fan_in=d),
+                gate=w(e, d, fan_in=d, dtype=torch.float32),
                 bias=w(e, fan_in=1e4, dtype=torch.float32) if s.scoring_func == "sigmoid" else None,
                 gate_up=gate_ups, down=downs,
                 shared=mlp(im * s.n_shared_experts, f"{p}.mlp.shared_experts") if s.n_shared_experts else None,
