@@ -171,8 +171,8 @@ def _route_lowest_index_first(logits, bias, groups, topk_group, k, scale):
 
 
 def test_route_sigmoid_breaks_ties_toward_the_lower_expert_id():
-    """Logits from four values and a zero bias: many equal choices, in and across groups; the picks and their order
-    are the lowest ids among equals, as the routing of the torch path gives for distinct values."""
+    """Logits from four values and a zero bias: many equal choices, in and across groups; among equal choices the
+    lower group and the lower expert id come first (the kernel's rule before and after its one-max-per-pick form)."""
     from backends.kernels.decoder_ops import route_sigmoid
 
     g = torch.Generator().manual_seed(3)

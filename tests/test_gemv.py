@@ -55,8 +55,7 @@ def check_head_linear(h, kd, n, rows, dtype, dev, tol) -> torch.Tensor:
 
 def check_norm_linear(n, kd, rows, dtype, dev, tol) -> torch.Tensor:
     """RMSNorm inside the linear kernel (x a strided view, as q_a of the qkv_a output): against float64 over the
-    torch norm's rounded output, equal to the fused norm kernel then the plain kernel within bf16 rounding, and each
-    row's bits whatever the rows."""
+    torch norm's rounded output, and each row's bits whatever the rows."""
     w = torch.randn(n, kd, dtype=dtype, device=dev) / kd**0.5
     x = torch.randn(max(rows), kd + 24, dtype=dtype, device=dev)[:, :kd] * 3
     g = (torch.rand(kd, device=dev) + 0.5).to(dtype)
