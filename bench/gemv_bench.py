@@ -44,7 +44,7 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
     rows = []
     for name, n, kd in linear_shapes(args.tp):
         w = torch.randn(n, kd, device="cuda", dtype=BF) / kd**0.5
-        w_copies = [w] + [w.clone() for _ in range(copies_for_l2(w.numel() * 2) - 1)]
+        w_copies = _l2_copies(w)
         for m in args.rows:
             x = torch.randn(m, kd, device="cuda", dtype=BF)
             ref = F.linear(x.double(), w.double())
@@ -62,8 +62,8 @@ def bench_linear(args, ceil, skinny) -> list[dict]:
                    "graph_cublas_us": g_cublas * 1e3, "graph_ours_us": g_ours * 1e3,
                    "graph_ours_copy_pct": ceil.pct_copy(nbytes, g_ours)}
             if "linear" in args.sweep and m == args.rows[0]:  # the config does not depend on the row count
-                best = min(((_try_graph_ms([lambda c=c, x=x, w=wc: skinny.linear(x, w, c) for wc in w_copies]), c)
-                            for c in _linear_configs(skinny)), key=lambda p: p[0])
+                best = _best([(_try_graph_ms([lambda c=c, x=x, w=wc: skinny.linear(x, w, c) for wc in w_copies]), c)
+                              for c in _linear_configs(skinny)])
                 row["best_us"] = best[0] * 1e3
                 row["best_config"] = f"n{best[1].block_n}.k{best[1].block_k}.w{best[1].num_warps}.s{best[1].num_stages}"
             rows.append(row)
@@ -80,7 +80,7 @@ def bench_absorb(args, ceil, skinny) -> list[dict]:
     rows = []
     for name, kd, n in (("absorb w_uk", 128, 512), ("absorb w_uv", 512, 128)):
         w = torch.randn(h, kd, n, device="cuda", dtype=BF) / kd**0.5
-        w_copies = [w] + [w.clone() for _ in range(copies_for_l2(w.numel() * 2) - 1)]
+        w_copies = _l2_copies(w)
         for m in args.rows:
             x = torch.randn(m, h, kd, device="cuda", dtype=BF)
             err = rel_err(skinny.head_linear(x, w), torch.einsum("thk,hkn->thn", x.double(), w.double()))
@@ -163,8 +163,14 @@ def bench_moe(args, ceil, skinny) -> list[dict]:
     return rows
 
 
-def _best(timed: list[tuple[float, str]]) -> tuple[float, str]:
+def _best(timed: list[tuple[float, object]]) -> tuple[float, object]:
+    """The fastest (time, config) pair."""
     return min(timed, key=lambda p: p[0])
+
+
+def _l2_copies(w: torch.Tensor) -> list[torch.Tensor]:
+    """``w`` and enough clones of it that a graph rotating over them never reads a weight L2 still holds."""
+    return [w] + [w.clone() for _ in range(copies_for_l2(w.numel() * w.element_size()) - 1)]
 
 
 def _try_graph_ms(calls) -> float:
@@ -204,7 +210,7 @@ def _sweep_experts(skinny, x, id_sets, weights, w, sh) -> dict:
 
 
 def _sweep_router(skinny, x, gate) -> dict:
-    gates = [gate] + [gate.clone() for _ in range(copies_for_l2(gate.numel() * 4) - 1)]
+    gates = _l2_copies(gate)
     timed = [(_try_graph_ms([lambda c=c, g=g: skinny.linear_f32(x, g, c) for g in gates]),
               f"n{c.block_n}.k{c.block_k}.w{c.num_warps}")
              for bn in (1, 2, 4, 8) for bk in (512, 1024, 2048) for nw in (4, 8)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_env import DEV, needs_gpu
+from triton_env import DEV, needs_gpu, rel_err
 
 from backends.kernels import skinny
 from runtime.model.deepseek.mlp import swiglu
@@ -22,19 +22,13 @@ from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.layers import rms_norm
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert not torch.isnan(a).any(), "NaN in the kernel's output"
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def check_linear(n, kd, rows, dtype, dev, tol, config=None) -> torch.Tensor:
     w = torch.randn(n, kd, dtype=dtype, device=dev) / kd**0.5
     x = torch.randn(max(rows), kd, dtype=dtype, device=dev)
     ref = F.linear(x.double(), w.double())
     full = skinny.linear(x, w, config)
     assert full.dtype == dtype and full.shape == (max(rows), n)
-    assert _rel(full, ref) <= tol
+    assert rel_err(full, ref) <= tol
     for m in rows:  # each row as the full call computed it, whatever the row count
         assert torch.equal(skinny.linear(x[:m], w, config), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
     return full
@@ -47,7 +41,7 @@ def check_head_linear(h, kd, n, rows, dtype, dev, tol) -> torch.Tensor:
     ref = torch.einsum("thk,hkn->thn", x.double(), w.double())
     full = skinny.head_linear(x, w)
     assert full.dtype == dtype and full.shape == (max(rows), h, n)
-    assert _rel(full, ref) <= tol
+    assert rel_err(full, ref) <= tol
     for m in rows:
         assert torch.equal(skinny.head_linear(x[:m], w), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
     return full
@@ -62,7 +56,7 @@ def check_norm_linear(n, kd, rows, dtype, dev, tol) -> torch.Tensor:
     normed = rms_norm(x, g, 1e-6)
     full = skinny.norm_linear(x, g, 1e-6, w)
     assert full.dtype == dtype and full.shape == (max(rows), n)
-    assert _rel(full, F.linear(normed.double(), w.double())) <= tol
+    assert rel_err(full, F.linear(normed.double(), w.double())) <= tol
     for m in rows:
         assert torch.equal(skinny.norm_linear(x[:m], g, 1e-6, w), full[:m]), f"rows {m}: not the {max(rows)}-row bits"
     return full
@@ -91,7 +85,7 @@ def check_moe(t, d, e, i, i_s, k, dtype, dev, tol, config=None):
     ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
     wts = torch.rand(t, k, device=dev)
     out = skinny.moe_experts(x, ids, wts, gu, dn, *shared, config=config)
-    assert out.dtype == dtype and _rel(out, moe_reference(x, ids, wts, gu, dn, shared)) <= tol
+    assert out.dtype == dtype and rel_err(out, moe_reference(x, ids, wts, gu, dn, shared)) <= tol
     one = skinny.moe_experts(x[:1], ids[:1], wts[:1], gu, dn, *shared, config=config)
     assert torch.equal(one, out[:1]), "token 0 alone: not the bits of the whole batch"
 
@@ -148,7 +142,7 @@ def test_fused_norm_linear_takes_the_kernel_for_few_rows(monkeypatch):
         x = torch.randn(rows, 40, dtype=torch.float16, device=DEV)
         y = FusedOps(4).norm_linear(x, g, 1e-6, w)
         assert len(calls) == want and y.shape == (rows, 24)
-        assert _rel(y, TorchOps().norm_linear(x, g, 1e-6, w)) <= 3e-3
+        assert rel_err(y, TorchOps().norm_linear(x, g, 1e-6, w)) <= 3e-3
 
 
 def test_linear_f32_is_the_router_product_without_casts():
@@ -157,7 +151,7 @@ def test_linear_f32_is_the_router_product_without_casts():
     w = torch.randn(24, 70, device=DEV)
     y = skinny.linear_f32(x, w)
     assert y.dtype == torch.float32
-    assert _rel(y, F.linear(x.double(), w.double())) <= 1e-6
+    assert rel_err(y, F.linear(x.double(), w.double())) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 3e-3)])
@@ -184,7 +178,7 @@ def test_moe_experts_expert_parallel_partials_sum_to_the_whole():
         sh = shared if r == 0 else (None, None)
         parts.append(skinny.moe_experts(x, local, wts, gu[3 * r:3 * r + 3].contiguous(),
                                         dn[3 * r:3 * r + 3].contiguous(), *sh, config=cfg))
-    assert _rel(parts[0] + parts[1], moe_reference(x, ids, wts, gu, dn, shared)) <= 1e-6
+    assert rel_err(parts[0] + parts[1], moe_reference(x, ids, wts, gu, dn, shared)) <= 1e-6
 
 
 def _spec(**kw):
@@ -211,7 +205,7 @@ def test_fused_ops_take_the_few_row_kernels_up_to_gemv_rows(monkeypatch):
     for rows, fn, want in [(4, ops, ["linear"]), (5, ops, []), (1, off, [])]:
         calls.clear()
         x = torch.randn(rows, 40, dtype=torch.float16, device=DEV)
-        assert _rel(fn.linear(x, w), F.linear(x.double(), w.double())) <= 2e-3
+        assert rel_err(fn.linear(x, w), F.linear(x.double(), w.double())) <= 2e-3
         assert calls == want, (rows, calls)
     spec, mw = _spec(), _moe_weights(4, 40, 16, torch.float16)
     x = torch.randn(3, 40, dtype=torch.float16, device=DEV)
@@ -220,7 +214,7 @@ def test_fused_ops_take_the_few_row_kernels_up_to_gemv_rows(monkeypatch):
     assert calls == ["linear_f32", "moe_experts"]
     mw32 = MoEWeights(mw.gate, mw.bias, mw.gate_up.float(), mw.down.float(),
                       DenseMLPWeights(mw.shared.gate_up.float(), mw.shared.down.float()))
-    assert _rel(out, TorchOps().moe(spec, mw32, x.float(), grouped_mm=False)) <= 3e-3
+    assert rel_err(out, TorchOps().moe(spec, mw32, x.float(), grouped_mm=False)) <= 3e-3
 
 
 @pytest.mark.parametrize("h,kd,n", [(3, 40, 24), (2, 24, 40), (1, 16, 16), (5, 7, 9)])
@@ -250,7 +244,7 @@ def test_fused_head_linear_takes_the_kernel_for_few_rows(monkeypatch):
         x = torch.randn(rows, 3, 24, dtype=dtype, device=DEV)
         y = FusedOps(4).head_linear(x, w.to(dtype))
         assert len(calls) == want and y.shape == (rows, 3, 40)
-        assert _rel(y, TorchOps().head_linear(x.double(), w.double())) <= 2e-3
+        assert rel_err(y, TorchOps().head_linear(x.double(), w.double())) <= 2e-3
 
 
 def test_gemv_rows_is_checked_where_it_is_used():
@@ -299,7 +293,7 @@ def test_router_and_moe_bf16_gpu():
     torch.manual_seed(7)
     x = torch.randn(7, 7168, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, 7168, device="cuda")
-    assert _rel(skinny.linear_f32(x, w), F.linear(x.double(), w.double())) <= 1e-6
+    assert rel_err(skinny.linear_f32(x, w), F.linear(x.double(), w.double())) <= 1e-6
     for t in (1, 7, 16):
         check_moe(t, 7168, 256, 256, 256, 8, torch.bfloat16, "cuda", 1e-2)
     check_moe(3, 7168, 16, 2048, 2048, 8, torch.bfloat16, "cuda", 1e-2)

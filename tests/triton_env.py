@@ -11,7 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-INTERPRETED = importlib.import_module("backends.kernels.mla_decode")._interpreting()
+_kernels = importlib.import_module("backends.kernels.mla_decode_kernels")
+INTERPRETED = importlib.import_module("backends.kernels.checks").interpreted(_kernels._mla_decode_stage1_kernel)
 if INTERPRETED:
     DEV = "cpu"
 elif torch.cuda.is_available():
@@ -21,6 +22,13 @@ else:
                 "run with TRITON_INTERPRET=1", allow_module_level=True)
 
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; a NaN in ``out`` fails the test (it never passes a bound)."""
+    assert not torch.isnan(out).any(), "NaN in the kernel's output"
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def needs_gpu() -> None:

@@ -78,11 +78,6 @@ def decode_workspace_bytes(
     return 4 * (po[0] * po[1] * po[2] * po[3] + pl[0] * pl[1] * pl[2])
 
 
-def _interpreting() -> bool:
-    """Whether the kernels were built for the CPU interpreter (decided when they were decorated)."""
-    return interpreted(_mla_decode_stage1_kernel)
-
-
 def default_decode_config(heads: int, dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     """Default kernel parameters for ``heads`` query heads (see bench/triton_mla_kernels_gpu.py and
     bench/TRITON_NOTES.md to retune). ``use_tma``: TMA tile loads where the cache allows them (Hopper,
@@ -253,7 +248,7 @@ def mla_decode(
         "triton.next_power_of_2(block_h) == block_h and triton.next_power_of_2(block_n) == block_n",
     )
 
-    interp = _interpreting()
+    interp = interpreted(_mla_decode_stage1_kernel)
     on_gpu = q_nope.is_cuda and not interp
     sms = sm_count(q_nope.device, 4) if on_gpu else 4
     head_blocks = triton.cdiv(H, block_h)
