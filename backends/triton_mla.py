@@ -24,7 +24,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpec:
-    """Partial outputs (float32 [slots, H, kv_lora]) and LSEs (float32 [slots, H]) of the split-KV decode.
+    """Partial outputs (float32 [slots, H, kv_lora]) and LSEs (float32 [slots, H]) of the split-KV decode, and at
+    the end the work list of its wgmma stage 1 (int32, :func:`_work_ints`; Hopper, 64+ heads).
 
     ``split_slots`` bounds (batch x splits): a decode batch of B requests gets at most
     ``min(max_splits, split_slots // B)`` splits per request, so the scratch does not grow with the batch.
@@ -32,7 +33,14 @@ def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpe
     speculative draft step, which run one after another on one stream, use the same buffer.
     """
     slots, h = int(backend_cfg["split_slots"]), model.num_heads
-    return WorkspaceSpec(WORKSPACE, nbytes=slots * h * (model.kv_lora_rank + 1) * 4, zero_init=False, shareable=True)
+    nbytes = slots * h * (model.kv_lora_rank + 1) * 4 + _work_ints(slots) * 4
+    return WorkspaceSpec(WORKSPACE, nbytes=nbytes, zero_init=False, shareable=True)
+
+
+def _work_ints(split_slots: int) -> int:
+    """int32 of the wgmma decode's plan: 8 per stage-1 program and 2 per request; a batch's programs never exceed
+    its split slots + 1 (``backends.kernels.mla_decode.decode_programs``), nor its requests the split slots."""
+    return 8 * (split_slots + 1) + 2 * split_slots
 
 
 class TritonMLABackend:
@@ -142,22 +150,24 @@ class TritonMLABackend:
         self.page_table = self._graph_page_table[: batch.batch_size]
         self.page_table[:, :width].copy_(self._gather_page_table(batch, width))
 
-    def _partials(self, batch_size: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _partials(self, batch_size: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         splits = max(1, min(self.max_splits, self.split_slots // max(batch_size, 1)))
         n_out = batch_size * heads * splits * self.model.kv_lora_rank
         f32 = self.workspace.view(torch.float32)
         partial_out = f32[:n_out].view(batch_size, heads, splits, self.model.kv_lora_rank)
         partial_lse = f32[n_out : n_out + batch_size * heads * splits].view(batch_size, heads, splits)
-        return partial_out, partial_lse, splits
+        n_work = _work_ints(self.split_slots)
+        work = self.workspace.view(torch.int32)[-n_work:]  # the spec's tail, after every partials layout
+        return partial_out, partial_lse, splits, work
 
     def forward_decode(self, q_nope, q_pe, layer_id, batch):
         b, h = q_nope.shape[:2]
         out = torch.empty(b, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
-        partial_out, partial_lse, splits = self._partials(b, h)
+        partial_out, partial_lse, splits, work = self._partials(b, h)
         self._decode_kernel(
             q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.seq_lens, self.model.sm_scale,
             out, partial_out, partial_lse, max_splits=splits, min_tokens_per_split=self.min_tokens_per_split,
-            block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale, pdl=self.pdl,
+            block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale, pdl=self.pdl, work=work,
         )
         return out
 

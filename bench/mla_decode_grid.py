@@ -9,6 +9,7 @@ line (``BENCH_JSON {...}``).
     python -m bench.mla_decode_grid                         # the whole grid
     python -m bench.mla_decode_grid --heads 128 --shapes 64x4096 --variants tma,ptr  # a sweep
     python -m bench.mla_decode_grid --heads 16 --dtypes fp8 --variants default,tma.s4,ptr.p2  # knobs
+    python -m bench.mla_decode_grid --heads 64,128 --dtypes bf16 --variants triton,wgmma  # the two stage 1s
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 if __package__ in (None, ""):  # run as a file: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.harness import Table, eager_ms, measure_ceilings, report  # noqa: E402
+from bench.harness import Table, eager_ms, graph_ms, measure_ceilings, report  # noqa: E402
 
 D_CKV, D_PE, PAGE = 512, 64, 64
 FP8 = torch.float8_e4m3fn
@@ -91,11 +92,12 @@ def ours(case: Case, fp8: bool, **kw):
     po = torch.empty(po_s, device="cuda")
     pl = torch.empty(pl_s, device="cuda")
     out = torch.empty(b, case.h, D_CKV, device="cuda", dtype=torch.bfloat16)
+    work = torch.empty(8 * 2048, dtype=torch.int32, device="cuda")  # the wgmma stage 1's plan (<= 1025 programs)
     kv = case.kv8 if fp8 else case.kv
 
     def fn():
         mla_decode(case.qn, case.qp, kv, case.pt, case.seq, case.sm, out, po, pl, max_splits=2048,
-                   kv_scale=case.scale, **kw)
+                   kv_scale=case.scale, work=work, **kw)
     return fn, out
 
 
@@ -127,8 +129,10 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 VARIANTS = {  # name -> our kernel keywords (None: the defaults for the head count)
     "default": {},
-    "ptr": dict(use_tma=False),
-    "tma": dict(use_tma=True),
+    "ptr": dict(use_tma=False, use_wgmma=False),
+    "tma": dict(use_tma=True, use_wgmma=False),
+    "triton": dict(use_wgmma=False),  # the Triton stage 1 at its default tiles
+    "wgmma": dict(use_wgmma=True),  # the Gluon stage 1 (64 heads per program, Hopper)
 }
 _KNOBS = {"h": "block_h", "n": "block_n", "w": "num_warps", "s": "num_stages", "r": "max_regs"}
 
@@ -162,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-fi", action="store_true")
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--quick", action="store_true", help="one shape (64x4096) at 16 and 128 heads")
+    ap.add_argument("--graph", action="store_true",
+                    help="time CUDA-graph replays (the GPU time a graphed decode step sees) instead of eager calls "
+                         "(which include each launcher's host time)")
     return ap
 
 
@@ -175,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     variants = {var: variant_kwargs(var, sms) for var in a.variants.split(",")}  # a bad spec fails here
     g = torch.Generator().manual_seed(0)
+
+    def timed(fn):
+        return graph_ms([fn], rep_ms=a.rep_ms) if a.graph else eager_ms(fn, rep_ms=a.rep_ms)
+
     rows = []
     for shape in a.shapes.split(","):
         lens = _lengths(shape, g)
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
                         fn, out = flashinfer(case, fp8, ws)
                         fn()
                         fi_err = _rel(out, ref)
-                        fi_ms = eager_ms(fn, rep_ms=a.rep_ms)
+                        fi_ms = timed(fn)
                     except Exception as e:  # noqa: BLE001 - a bench row says what failed
                         print(f"  flashinfer H{h} {shape} {dt}: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 for var, kw in variants.items():
@@ -198,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                         out.fill_(float("nan"))
                         fn()
                         err = _rel(out, ref)
-                        ms = eager_ms(fn, rep_ms=a.rep_ms)
+                        ms = timed(fn)
                     except Exception as e:  # noqa: BLE001
                         print(f"  ours {var} H{h} {shape} {dt}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                         continue
@@ -215,7 +226,9 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     cols = ["heads", "shape", "dtype", "variant", "us", "fi_us", "ratio", "bw_pct", "mm_pct", "err"]
     fmts = {"us": ".1f", "fi_us": ".1f", "ratio": ".2f", "bw_pct": ".1f", "mm_pct": ".1f", "err": ".1e"}
-    report("mla_decode_grid", ceil, Table(rows, "decode grid: ours vs FlashInfer (ratio = FI us / ours us)", cols, fmts))
+    how = "CUDA-graph replays" if a.graph else "eager calls"
+    report("mla_decode_grid", ceil, Table(rows, f"decode grid ({how}): ours vs FlashInfer (ratio = FI us / ours us)",
+                                          cols, fmts))
 
 
 if __name__ == "__main__":

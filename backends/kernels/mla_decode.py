@@ -22,6 +22,8 @@ import triton
 
 from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
+from backends.kernels.mla_decode_plan_kernels import plan_ints
+from backends.kernels.mla_decode_wgmma import WGMMA_BLOCK_H, WGMMA_BLOCK_N, launch_wgmma_stage1, wgmma_problems
 from backends.kernels.pdl import use_pdl
 from backends.kernels.sm_count import capability_major, sm_count
 
@@ -154,6 +156,8 @@ def mla_decode(
     snap: bool = True,
     kv_scale: float = 1.0,
     pdl: bool = False,
+    work: torch.Tensor | None = None,
+    use_wgmma: bool | None = None,
     _skip_merge: bool = False,
 ) -> None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
@@ -188,6 +192,13 @@ def mla_decode(
     kv_scale : dequantization scale of an fp8 cache (real = stored * kv_scale); ignored otherwise.
     pdl : launch both stages with programmatic dependent launch where the GPU has it (sm_90+,
         :mod:`backends.kernels.pdl`).
+    work : int32, at least ``8 * SMs + 2 * B`` elements: the wgmma path's plan (written by its plan kernel, read by
+        its stage 1 and the merge; :mod:`backends.kernels.mla_decode_plan_kernels`); without it the Triton stage 1
+        runs.
+    use_wgmma : stage 1 as the Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: 64 heads per program,
+        Hopper, bf16/fp16 cache, heads a multiple of 64, DeepSeek dims, ``work`` given); None -> wherever it can
+        run and no Triton tiling (block_h, block_n, num_warps, num_stages) was given; True where it cannot run is
+        an error naming why.
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
     """
     B, H, D_CKV = q_nope.shape
@@ -238,6 +249,7 @@ def mla_decode(
         return
 
     cfg = default_decode_config(H, cdt, kv_fp8)
+    tiles_given = (block_h, block_n, num_warps, num_stages) != (None, None, None, None)
     block_h = cfg["block_h"] if block_h is None else block_h
     block_n = cfg["block_n"] if block_n is None else block_n
     num_warps = cfg["num_warps"] if num_warps is None else num_warps
@@ -251,6 +263,12 @@ def mla_decode(
     interp = interpreted(_mla_decode_stage1_kernel)
     on_gpu = q_nope.is_cuda and not interp
     sms = sm_count(q_nope.device, 4) if on_gpu else 4
+    why_not = wgmma_problems(q_nope, kv_cache, capability_major(q_nope.device) if on_gpu else 0, work)
+    if use_wgmma is None:  # where it can run, unless Triton tiles were asked for
+        use_wgmma = not why_not and not tiles_given
+    require(not use_wgmma or not why_not, "for use_wgmma: " + "; ".join(why_not))
+    if use_wgmma:  # its fixed tiling; one ~224 KiB program per SM
+        block_h, block_n = WGMMA_BLOCK_H, WGMMA_BLOCK_N
     head_blocks = triton.cdiv(H, block_h)
     slots = partial_out.shape[0] * max_splits
     tma_ok = (
@@ -274,6 +292,7 @@ def mla_decode(
     if target_programs is None:
         target_programs = programs_per_sm(block_h, use_tma) * sms if on_gpu else 0
     programs = decode_programs(B, slots, head_blocks, target_programs)
+    require(not use_wgmma or work.numel() >= plan_ints(programs, B), f"work of >= {plan_ints(programs, B)} int32")
     min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
 
     mcfg = merge_config(B, H, programs, sms, D_CKV)
@@ -302,53 +321,22 @@ def mla_decode(
     if pdl:
         extra["launch_pdl"] = True
 
-    _mla_decode_stage1_kernel[(head_blocks, programs)](
-        q_nope,
-        q_pe,
-        kv_cache,
-        desc_c,
-        desc_pe,
-        page_table,
-        seq_lens,
-        partial_out,
-        partial_lse,
-        out,
-        qk_scale,
-        out_scale,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        page_table.stride(0),
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        partial_lse.stride(2),
-        out.stride(0),
-        out.stride(1),
-        H,
-        B,
-        programs,
-        min_chunk,
-        int(bool(snap)),
-        max_splits,
-        PAGE_SIZE=kv_cache.shape[1],
-        D_CKV=D_CKV,
-        D_PE=D_PE,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        BLOCK_B=_BLOCK_B,
-        PREC=prec,
-        UPCAST=upcast,
-        USE_TMA=use_tma,
-        KV_FP8=kv_fp8,
-        PDL=pdl,
-        **extra,
-    )
+    if use_wgmma:
+        launch_wgmma_stage1(
+            q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale=qk_scale,
+            out_scale=out_scale, programs=programs, min_chunk=min_chunk, snap=snap, max_splits=max_splits,
+            block_b=_BLOCK_B, pdl=pdl,
+        )  # fmt: skip
+    else:
+        _mla_decode_stage1_kernel[(head_blocks, programs)](
+            q_nope, q_pe, kv_cache, desc_c, desc_pe, page_table, seq_lens, partial_out, partial_lse, out, qk_scale,
+            out_scale, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
+            kv_cache.stride(1), page_table.stride(0), partial_out.stride(0), partial_out.stride(1),
+            partial_out.stride(2), partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2), out.stride(0),
+            out.stride(1), H, B, programs, min_chunk, int(bool(snap)), max_splits,
+            PAGE_SIZE=kv_cache.shape[1], D_CKV=D_CKV, D_PE=D_PE, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_B=_BLOCK_B,
+            PREC=prec, UPCAST=upcast, USE_TMA=use_tma, KV_FP8=kv_fp8, PDL=pdl, **extra,
+        )  # fmt: skip
     if _skip_merge:
         return
     extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2, launch_pdl=pdl)
@@ -377,5 +365,6 @@ def mla_decode(
         BLOCK_HM=merge_block_h,
         BLOCK_DV=merge_block_dv,
         PDL=pdl,
+        REQ=work[8 * programs :] if use_wgmma else None,
         **extra2,
     )

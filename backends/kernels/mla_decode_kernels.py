@@ -483,10 +483,12 @@ def _mla_decode_stage2_kernel(
     BLOCK_HM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
+    REQ=None,
 ):
     """grid (B, cdiv(H, BLOCK_HM), D_CKV // BLOCK_DV): merge the pieces of split request b with their LSEs,
     BLOCK_S pieces x BLOCK_HM heads x BLOCK_DV columns at a time. Requests finished by stage 1 are skipped;
-    a request with no keys gets zeros."""
+    a request with no keys gets zeros. REQ (optional, int32 [B, 2]): each request's first slot and piece count as
+    the plan kernel wrote them, instead of recomputing the plan here."""
     pdl_enter(PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -500,12 +502,16 @@ def _mla_decode_stage2_kernel(
     if seq_len <= 0:
         tl.store(o_ptrs, tl.zeros([BLOCK_HM, BLOCK_DV], dtype=OUT.dtype.element_ty), mask=mask_h[:, None])
     else:
-        lens0, total, equal_pad = _lengths_total(SL, num_reqs, BLOCK_N, BLOCK_B)
-        chunk = _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N)
-        _, s_b, slot0, _ = _requests_before(lens0, SL, num_reqs, pid_b, total, 0, chunk, BLOCK_N, BLOCK_B)
-        p0 = s_b // chunk
-        p1 = (s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N - 1) // chunk
-        n_pieces = p1 - p0 + 1
+        if REQ is not None:
+            slot0 = tl.load(REQ + 2 * pid_b)
+            n_pieces = tl.load(REQ + 2 * pid_b + 1)
+        else:
+            lens0, total, equal_pad = _lengths_total(SL, num_reqs, BLOCK_N, BLOCK_B)
+            chunk = _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N)
+            _, s_b, slot0, _ = _requests_before(lens0, SL, num_reqs, pid_b, total, 0, chunk, BLOCK_N, BLOCK_B)
+            p0 = s_b // chunk
+            p1 = (s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N - 1) // chunk
+            n_pieces = p1 - p0 + 1
         if n_pieces > 1:
             m = tl.full([BLOCK_HM], float("-inf"), dtype=tl.float32)
             l = tl.zeros([BLOCK_HM], dtype=tl.float32)

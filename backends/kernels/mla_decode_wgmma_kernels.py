@@ -1,0 +1,268 @@
+"""Gluon stage-1 kernel of the absorbed-MLA decode for 64 heads per program (Hopper, bf16 / fp16 cache).
+
+Why a separate kernel: with 64 heads per program the per-token work is a real matrix product, and Triton's
+``tl.dot`` (Triton 3.6) lays the score product ``Q K^T`` out so that both warpgroups compute the same
+``[64 heads, 64 tokens]`` score tile (``warpsPerCTA [8, 1]``, because the ``P @ V`` product sits in its forward
+slice): 1.5x the tensor work, at about 30% of the matmul peak (bench/TRITON_NOTES.md). Gluon states the layouts
+explicitly, so here each warpgroup computes the scores of its own 32 tokens of the tile (``warps_per_cta [4,
+2]``: the token dimension split between the warpgroups), the softmax row statistics are combined across the two
+warpgroups, and each warpgroup then accumulates half of the 512 output columns of both latent halves from the
+whole probability tile (``P`` passed to the tensor cores from registers).
+
+Per program (one head block of 64, one chunk of the global token space, see
+:mod:`backends.kernels.mla_decode_kernels`): ``q`` in shared memory ([64, 256] x 2 + [64, 64]), KV tiles of 64
+tokens loaded by TMA into two stages (three boxes per tile: latent halves and rope key), ``mbarrier`` completion.
+The tile after the current one is in flight while the current one is multiplied. Shared memory: 72 KiB of ``q``
++ 2 x 72 KiB of KV + 8 KiB to hand ``P`` from the score layout to the operand layout = ~224 KiB, one program per
+SM. The ragged last tile of a piece is zeroed past the request's end in shared memory before it is used (those
+rows may be never-written pool memory, NaN, and ``0 * NaN`` in ``P @ V`` would poison the output).
+
+The plan (which requests and token ranges a program handles) is not recomputed here: a small Triton kernel
+(:mod:`backends.kernels.mla_decode_plan_kernels`) writes each program's first request, its global start, its first
+split slot, the end of its request range, the chunk and the chunk's end; this kernel walks those requests as the
+Triton stage 1 does, and writes the same outputs (finished requests to ``out``, split pieces to workspace slots),
+so the Triton merge kernel combines them (reading the plan's per-request rows).
+
+Measured on an H100 (bench/TRITON_NOTES.md): 1.5-1.9x the Triton stage 1's speed at 64 and 128 heads, 255
+registers and no spills, 225,296 bytes of shared memory. Issuing each tile's P @ V and the next tile's scores
+back to back (one wait, the next tile's load then issued later) measured the same or up to 2% slower, so the
+loop keeps the simple order.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _issue_tile(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, row, pred, D_HALF: gl.constexpr):
+    """TMA loads of one KV tile (rows row .. row + BLOCK_N of the cache) into ``stage``, completing on its barrier."""
+    bar = bars.index(stage)
+    nbytes: gl.constexpr = 2 * desc_c.block_type.nbytes + desc_pe.block_type.nbytes
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc_c, [row, 0], bar, kv_lo.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(desc_c, [row, D_HALF], bar, kv_hi.index(stage), pred=pred)
+    tma.async_copy_global_to_shared(desc_pe, [row, 2 * D_HALF], bar, kv_pe.index(stage), pred=pred)
+
+
+@gluon.jit
+def _zero_rows_past(buf, valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
+    """Rows >= valid of a [BLOCK_N, COLS] shared tile set to 0 (through registers)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    x = buf.load(layout)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
+    buf.store(x)
+
+
+@gluon.jit
+def _load_q(Q, stride_h, q_smem, ROWS: gl.constexpr, COLS: gl.constexpr, CDT: gl.constexpr, num_warps: gl.constexpr):
+    """q rows [ROWS, COLS] (row stride stride_h, columns contiguous) -> shared memory in the products' dtype."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    q = gl.load(Q + gl.expand_dims(rows, 1) * stride_h + gl.expand_dims(cols, 0))
+    q_smem.store(q.to(CDT))
+
+
+@gluon.jit
+def _store_half(
+    o, lse, cols0, b64, split, slot, slot_div, h0, PO, PL, OUT,
+    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
+    WRITE_LSE: gl.constexpr, BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, o_layout: gl.constexpr,
+    s_layout: gl.constexpr,
+):  # fmt: skip
+    """o [BLOCK_H, D_HALF] (normalized) -> OUT (a finished request) or a workspace slot (a split piece)."""
+    rows = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_layout))
+    cols = cols0 + gl.arange(0, D_HALF, layout=gl.SliceLayout(0, o_layout))
+    if split:
+        ws_b = (slot // slot_div).to(gl.int64)
+        ws_s = slot % slot_div
+        base = PO + ws_b * stride_po_b + ws_s * stride_po_s
+        gl.store(base + gl.expand_dims(rows, 1) * stride_po_h + gl.expand_dims(cols, 0), o)
+        if WRITE_LSE:
+            rows_s = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, s_layout))
+            gl.store(PL + ws_b * stride_pl_b + rows_s * stride_pl_h + ws_s * stride_pl_s, lse)
+    else:
+        ptrs = OUT + b64 * stride_o_b + gl.expand_dims(rows, 1) * stride_o_h + gl.expand_dims(cols, 0)
+        gl.store(ptrs, o.to(OUT.dtype.element_ty))
+
+
+@gluon.jit
+def _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, PT_row, n, end, pred,
+                PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr):  # fmt: skip
+    """The tile at request token n into ``stage`` when ``pred`` (its page read at a clamped index otherwise)."""
+    n = gl.minimum(n, end - 1)
+    page = gl.load(PT_row + n // PAGE_SIZE)
+    _issue_tile(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, page * PAGE_SIZE + n % PAGE_SIZE, pred, D_HALF)
+
+
+@gluon.jit
+def _ready(k_lo, k_hi, valid, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr, num_warps: gl.constexpr):
+    """A landed tile made safe for P @ V: in the ragged last tile of a piece (valid < BLOCK_N) the latent rows
+    past the end (never-written pool memory, possibly NaN) are zeroed; their scores are masked to -inf."""
+    if valid < BLOCK_N:
+        _zero_rows_past(k_lo, valid, BLOCK_N, D_HALF, num_warps)
+        _zero_rows_past(k_hi, valid, BLOCK_N, D_HALF, num_warps)
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _scores(q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, stage, s_zero):
+    """q . k over the latent halves and the rope part of the tile in ``stage``, issued (not waited for)."""
+    s = warpgroup_mma(q_lo, kv_lo.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_hi, kv_hi.index(stage).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(q_pe, kv_pe.index(stage).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, keep, qk_scale, CDT: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
+    """Online softmax over one tile's scores (columns not in ``keep`` masked): P as the tensor-core operand, the
+    rescale of the running output, and the new running max and sum."""
+    s = gl.where(gl.expand_dims(keep, 0), s * qk_scale, gl.full_like(s, float("-inf")))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 1))
+    l_i = l_i * alpha + gl.sum(p, 1)
+    alpha_o = gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    return gl.convert_layout(p.to(CDT), p_layout), alpha_o, m_new, l_i
+
+
+@gluon.jit
+def _decode_piece_wgmma(
+    QN, QP, desc_c, desc_pe, PT_row, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, bars, it,
+    qk_scale, out_scale, b64, start, end, split, slot, slot_div, h0,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
+    PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Tokens [start, end) of request b64 for heads h0 .. h0 + BLOCK_H. ``it`` counts the tiles this program has
+    consumed so far (each stage's barrier phase follows from it); returns the updated count."""
+    D_HALF: gl.constexpr = D_CKV // 2
+    CDT: gl.constexpr = kv_lo.dtype
+    # scores: each warpgroup the [BLOCK_H, BLOCK_N / 2] scores of its half of the tile's tokens
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    # output: each warpgroup half the columns of each latent half, from the whole probability tile
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_HALF // 2, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    gl.thread_barrier()  # the previous piece's products have read q
+    _load_q(QN + b64 * stride_qn_b + h0 * stride_qn_h, stride_qn_h, q_lo, BLOCK_H, D_HALF, CDT, num_warps)
+    _load_q(QN + b64 * stride_qn_b + h0 * stride_qn_h + D_HALF, stride_qn_h, q_hi, BLOCK_H, D_HALF, CDT, num_warps)
+    _load_q(QP + b64 * stride_qp_b + h0 * stride_qp_h, stride_qp_h, q_pe, BLOCK_H, D_PE, CDT, num_warps)
+    fence_async_shared()
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
+    o_lo = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
+    o_hi = gl.zeros([BLOCK_H, D_HALF], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+    cols_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+
+    nt = gl.cdiv(end - start, BLOCK_N)
+    page = gl.load(PT_row + start // PAGE_SIZE)
+    _issue_tile(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, it % 2, page * PAGE_SIZE + start % PAGE_SIZE, True, D_HALF)
+    for i in range(nt):  # tile i + 1 loads while tile i is multiplied
+        stage = it % 2
+        n0 = start + i * BLOCK_N
+        mbarrier.wait(bars.index(stage), (it // 2) & 1)
+        gl.thread_barrier()  # every warp is done with the previous tile: its stage can be refilled
+        _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, 1 - stage, PT_row, n0 + BLOCK_N, end, i + 1 < nt,
+                    PAGE_SIZE, D_HALF)  # fmt: skip
+        _ready(kv_lo.index(stage), kv_hi.index(stage), end - n0, BLOCK_N, D_HALF, num_warps)
+        s = _scores(q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, stage, s_zero)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        p_op, alpha_o, m_i, l_i = _softmax(s, m_i, l_i, cols_n < end - n0, qk_scale, CDT, row_o, p_layout)
+        o_lo = warpgroup_mma(p_op, kv_lo.index(stage), o_lo * alpha_o, is_async=True)
+        o_hi = warpgroup_mma(p_op, kv_hi.index(stage), o_hi * alpha_o, is_async=True)
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
+        it += 1
+
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    inv = gl.expand_dims(gl.convert_layout(out_scale / l_i, row_o), 1)
+    _store_half(
+        o_lo * inv, lse, 0, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h, stride_po_s,
+        stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, True, BLOCK_H, D_HALF, o_layout, s_layout,
+    )  # fmt: skip
+    _store_half(
+        o_hi * inv, lse, D_HALF, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h,
+        stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, False, BLOCK_H, D_HALF,
+        o_layout, s_layout,
+    )  # fmt: skip
+    return it
+
+
+@gluon.jit(do_not_specialize=["slot_div"])
+def _mla_decode_wgmma_kernel(
+    QN, QP, desc_c, desc_pe, PT, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div,
+    PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """grid (H // BLOCK_H, programs): program (h, p) runs the pieces of work row p for heads h * BLOCK_H .. +
+    BLOCK_H (the head block varies fastest, so the programs that read the same KV tiles run together)."""
+    D_HALF: gl.constexpr = D_CKV // 2
+    h0 = gl.program_id(0) * BLOCK_H
+    pid_p = gl.program_id(1)
+    w = WORK + pid_p * 8  # the plan kernel's row: 8 int32 (mla_decode_wgmma.WORK_FIELDS)
+    b0 = gl.load(w)
+    s_b = gl.load(w + 1)
+    slot0 = gl.load(w + 2)
+    b_end = gl.load(w + 3)
+    chunk = gl.load(w + 4)
+    hi_g = gl.load(w + 5)
+    lo_g = pid_p * chunk
+
+    CDT: gl.constexpr = desc_c.dtype
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)
+    qpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], CDT)
+    q_lo = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
+    q_pe = gl.allocate_shared_memory(CDT, [BLOCK_H, D_PE], qpe_layout)
+    kv_lo = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], desc_c.layout)
+    kv_hi = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], desc_c.layout)
+    kv_pe = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_PE], desc_pe.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+
+    it = 0
+    for b in range(b0, b_end):  # the requests that overlap this program's chunk
+        seq_len = gl.load(SL + b)
+        e_b = s_b + gl.cdiv(seq_len, BLOCK_N) * BLOCK_N
+        start = gl.maximum(lo_g, s_b) - s_b
+        end = gl.minimum(gl.minimum(hi_g, e_b) - s_b, seq_len)
+        p0 = s_b // chunk
+        p1 = gl.maximum(e_b - 1, 0) // chunk
+        split = p1 > p0
+        if start < end:
+            b64 = (s_b * 0 + b).to(gl.int64)
+            it = _decode_piece_wgmma(
+                QN, QP, desc_c, desc_pe, PT + b64 * stride_pt_b, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe,
+                bars, it, qk_scale, out_scale, b64, start, end, split, slot0 + (pid_p - p0), slot_div, h0,
+                stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
+                stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H,
+                BLOCK_N, num_warps,
+            )  # fmt: skip
+        if (seq_len > 0) & split:
+            slot0 += p1 - p0 + 1
+        s_b = e_b
+    mbarrier.invalidate(bars.index(0))
+    mbarrier.invalidate(bars.index(1))

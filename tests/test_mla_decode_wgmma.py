@@ -1,0 +1,228 @@
+"""The Gluon (wgmma) stage 1 of the MLA decode (64 heads per program, Hopper).
+
+CPU: the plan kernel it reads (interpreted) against a Python mirror of the plan, and the refusals with their
+reasons. GPU (``gpu``-marked): 64 and 128 heads, bf16 and fp16, odd lengths (1, 7, 63, 64, 65, empty, page
+boundaries) with NaN rows past every request's end, batches of one, split pieces, against a float32 reference
+and against the Triton stage 1; CUDA-graph replay with other lengths gives the eager bits.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+import triton
+from triton_env import DEV, INTERPRETED, needs_gpu, rel_err  # noqa: F401  (skips the module without Triton)
+
+from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
+from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel, plan_ints
+from backends.kernels.mla_decode_wgmma import wgmma_problems
+
+D_CKV, D_PE = 512, 64
+
+
+def _plan_rows(lens, programs, min_chunk, block_n=64, snap=True):
+    """Python mirror of the plan kernel: per program (first request, its global start, its first slot, end of the
+    request range, chunk, chunk end)."""
+    pad = [-(-L // block_n) * block_n for L in lens]
+    total = sum(pad)
+    chunk = max(triton.cdiv(triton.cdiv(total, programs), block_n) * block_n, min_chunk, block_n)
+    nonzero = {p for p in pad if p > 0}
+    if snap and len(nonzero) == 1:
+        eq = next(iter(nonzero))
+        r = triton.cdiv(chunk, eq) * eq
+        chunk = r if 8 * r <= 9 * chunk else chunk
+    rows = []
+    for p in range(programs):
+        lo, hi = p * chunk, min((p + 1) * chunk, total)
+        s, slot, b0, s0, slot_b0 = 0, 0, 0, 0, 0
+        for b, (L, pd) in enumerate(zip(lens, pad)):
+            e = s + pd
+            if e <= lo:  # ends at or before the chunk: before it
+                b0, s0 = b + 1, e
+                p0, p1 = s // chunk, max(e - 1, 0) // chunk
+                slot += p1 - p0 + 1 if (L > 0 and p1 > p0) else 0
+                slot_b0 = slot
+            s = e
+        b_end = sum(1 for b in range(len(lens)) if sum(pad[:b]) < hi) if lo < total else b0
+        rows.append((b0, s0, slot_b0, b_end, chunk, hi))
+    return rows
+
+
+def _merge_plan(lens, programs, min_chunk):
+    """(chunk, per request (first slot, pieces) of a split request or None, slots used): the shared Python mirror
+    in test_triton_kernels."""
+    from test_triton_kernels import _plan
+
+    return _plan(lens, programs, min_chunk, 64)
+
+
+@pytest.mark.parametrize(
+    "lens,programs",
+    [([1, 7, 63, 64, 65, 0, 129], 5), ([4097], 9), ([0, 0, 300, 0], 3), ([128, 128, 128], 4), ([5, 200, 3], 16)],
+)
+def test_plan_kernel_rows_match_the_python_plan(lens, programs):
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    work = torch.full((plan_ints(programs, len(lens)),), -7, dtype=torch.int32, device=DEV)
+    kw = {} if INTERPRETED else dict(num_warps=4)
+    _mla_decode_plan_kernel[(programs,)](sl, work, len(lens), programs, 64, 1, BLOCK_N=64, BLOCK_B=256, PDL=False, **kw)
+    got = [tuple(r[:6]) for r in work[: 8 * programs].view(programs, 8).cpu().tolist()]
+    assert got == _plan_rows(lens, programs, 64)
+    # the merge's rows: (first slot, pieces) of every non-empty request, as the kernels' shared plan gives them
+    chunk, plan, _ = _merge_plan(lens, programs, 64)
+    req = work[8 * programs :].view(len(lens), 2).cpu().tolist()
+    for b, L in enumerate(lens):
+        if L:
+            assert tuple(req[b]) == (plan[b] if plan[b] else (req[b][0], 1)), (b, req[b], plan[b])
+
+
+def test_wgmma_refusals_name_every_reason():
+    q = torch.zeros(1, 16, D_CKV, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 16, D_CKV + D_PE, dtype=torch.float32)
+    why = wgmma_problems(q, kv, 8, None)
+    assert len(why) == 5 and "Hopper" in why[0] and "bf16 / fp16" in why[1] and "multiple of 64 heads" in why[2]
+    assert "page size 16" in why[3] and "work list" in why[4]
+    q = torch.zeros(1, 128, D_CKV, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 64, D_CKV + D_PE, dtype=torch.bfloat16)
+    assert wgmma_problems(q, kv, 9, torch.zeros(8, dtype=torch.int32)) == []
+    po, pl = decode_workspace_shapes(1, 128, 4)
+    with pytest.raises(ValueError, match="for use_wgmma: a Hopper GPU"):
+        mla_decode(q, q[..., :D_PE], kv, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1,
+                   torch.empty_like(q), torch.empty(po), torch.empty(pl), max_splits=4, use_wgmma=True)
+
+
+# ------------------------------------------------------------------------------------------------- GPU
+def _problem(lens, H, dtype, seed, page=64):
+    """A shuffled paged cache whose rows past each request's end are NaN (never-written pool memory), q."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [max(1, math.ceil(L / page)) for L in lens]
+    total = sum(pages) + 4
+    kv = torch.randn(total, page, D_CKV + D_PE, device="cuda", generator=g).to(dtype)
+    perm = torch.randperm(total, device="cuda", generator=g).to(torch.int32)
+    pt = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
+    pos = 0
+    for b, n in enumerate(pages):
+        pt[b, :n] = perm[pos : pos + n]
+        pos += n
+        L = lens[b]
+        if L % page or L == 0:
+            kv[pt[b, L // page].long(), L % page :] = float("nan")
+    q_nope = torch.randn(len(lens), H, D_CKV, device="cuda", generator=g).to(dtype)
+    q_pe = torch.randn(len(lens), H, D_PE, device="cuda", generator=g).to(dtype)
+    return kv, pt, q_nope, q_pe
+
+
+def _reference(q_nope, q_pe, kv, pt, lens, scale):
+    page = kv.shape[1]
+    out = torch.zeros(q_nope.shape, dtype=torch.float32, device="cuda")
+    for b, L in enumerate(lens):
+        if L:
+            t = torch.arange(L, device="cuda")
+            rows = kv[pt[b, t // page].long(), t % page].float()
+            s = (q_nope[b].float() @ rows[:, :D_CKV].T + q_pe[b].float() @ rows[:, D_CKV:].T) * scale
+            out[b] = torch.softmax(s, dim=-1) @ rows[:, :D_CKV]
+    return out
+
+
+def _decode(q_nope, q_pe, kv, pt, lens, scale, **kw):
+    B, H = q_nope.shape[:2]
+    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
+    po = torch.full(po_shape, float("nan"), device="cuda")
+    pl = torch.full(pl_shape, float("nan"), device="cuda")
+    out = torch.full((B, H, D_CKV), float("nan"), dtype=q_nope.dtype, device="cuda")
+    work = torch.full((8 * 2048,), -1, dtype=torch.int32, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, work=work, **kw)
+    return out
+
+
+ODD = [1, 7, 63, 64, 65, 0, 129, 4097, 2000, 8192, 513, 127, 128]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lens", [ODD, [1], [32768], [5, 3]], ids=["odd", "one-token", "one-long", "two-short"])
+def test_gpu_wgmma_decode_matches_reference_and_triton(H, dtype, lens):
+    needs_gpu()
+    kv, pt, q_nope, q_pe = _problem(lens, H, dtype, seed=H + len(lens))
+    scale = 1.0 / math.sqrt(192)
+    ref = _reference(q_nope, q_pe, kv, pt, lens, scale)
+    ours = _decode(q_nope, q_pe, kv, pt, lens, scale, use_wgmma=True)
+    tri = _decode(q_nope, q_pe, kv, pt, lens, scale, use_wgmma=False)
+    for b, L in enumerate(lens):
+        if L == 0:
+            assert (ours[b] == 0).all(), "a request with no keys gets zeros"
+    err = rel_err(ours, ref)
+    assert err < 1e-2, err
+    assert rel_err(ours, tri.float()) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_decode_graph_replay_matches_eager():
+    needs_gpu()
+    H, dtype = 128, torch.bfloat16
+    lens_a, lens_b = [4096, 17, 1, 2048, 333, 8192], [5, 8192, 700, 1, 64, 3000]
+    kv, pt, q_nope, q_pe = _problem([max(a, b) for a, b in zip(lens_a, lens_b)], H, dtype, seed=5)
+    kv = kv.nan_to_num()  # lengths change between replays: every row up to the longer one is real
+    B = len(lens_a)
+    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
+    po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
+    out = torch.empty(B, H, D_CKV, dtype=dtype, device="cuda")
+    work = torch.empty(8 * 2048, dtype=torch.int32, device="cuda")
+    sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
+
+    def step():
+        mla_decode(q_nope, q_pe, kv, pt, sl, 0.1, out, po, pl, max_splits=8, work=work, use_wgmma=True, pdl=True)
+
+    step()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in (lens_a, lens_b):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        step()
+        eager = out.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert rel_err(out, _reference(q_nope, q_pe, kv, pt, lens, 0.1)) < 1e-2
+
+
+def test_wgmma_branch_merges_through_the_plan_rows(monkeypatch):
+    """mla_decode's wgmma branch on the CPU, with the Triton stage 1 over the same plan standing in for the Gluon
+    kernel: the plan kernel's per-request rows (not a recomputed plan) drive the merge of split requests."""
+    from test_triton_kernels import _check, _make_cache, _ref_decode
+
+    md = importlib.import_module("backends.kernels.mla_decode")  # the module (the package exports the function)
+    lens, H, scale = [1, 7, 300, 0, 65, 129, 200], 4, 0.06
+    g = torch.Generator().manual_seed(3)
+    kv, pt = _make_cache(lens, 64, torch.float32, g)
+    q_nope, q_pe = torch.randn(len(lens), H, D_CKV, generator=g), torch.randn(len(lens), H, D_PE, generator=g)
+    seen = {}
+
+    def stand_in(q_nope, q_pe, kv, pt, sl, work, po, pl, out, *, programs, min_chunk, snap, max_splits, **_):
+        _mla_decode_plan_kernel[(programs,)](sl, work, len(lens), programs, min_chunk, int(snap), BLOCK_N=64,
+                                             BLOCK_B=256, PDL=False)  # fmt: skip
+        md.mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=max_splits, block_n=64, block_h=16,
+                      target_programs=programs, min_tokens_per_split=min_chunk, use_wgmma=False, _skip_merge=True)
+        seen.update(programs=programs, req=work[8 * programs :].clone())
+
+    monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
+    monkeypatch.setattr(md, "launch_wgmma_stage1", stand_in)
+    po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
+    pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)
+    out = torch.full((len(lens), H, D_CKV), float("nan"), device=DEV)
+    work = torch.full((plan_ints(16, len(lens)),), -1, dtype=torch.int32, device=DEV)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    md.mla_decode(q_nope.to(DEV), q_pe.to(DEV), kv.to(DEV), pt.to(DEV), sl, scale, out, po, pl, max_splits=4,
+                  work=work, use_wgmma=True, target_programs=16)  # fmt: skip
+    assert seen["req"].view(-1, 2)[:, 1].max() > 1, "no request was split: the merge rows went untested"
+    _check(out, _ref_decode(q_nope, q_pe, kv, pt, lens, scale), torch.float32)
