@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import triton
-from triton_env import DEV, INTERPRETED, needs_gpu, rel_err  # noqa: F401  (skips the module without Triton)
+from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err  # noqa: F401  (skips the module without Triton)
 
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel, plan_ints
@@ -175,15 +175,8 @@ def test_gpu_wgmma_decode_graph_replay_matches_eager():
     def step():
         mla_decode(q_nope, q_pe, kv, pt, sl, 0.1, out, po, pl, max_splits=8, work=work, use_wgmma=True, pdl=True)
 
-    step()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    step()  # compile outside capture
+    graph = capture_graph(step)
     for lens in (lens_a, lens_b):
         sl.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from triton_env import DEV, INTERPRETED, TOL  # noqa: F401  (skips the module without Triton)
+from triton_env import DEV, INTERPRETED, TOL, capture_graph  # noqa: F401  (skips the module without Triton)
 from triton_env import needs_gpu as _needs_gpu
 
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
@@ -154,14 +154,7 @@ def test_gpu_decode_cuda_graph_replay_matches_eager(pdl):
         mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, pdl=pdl)
 
     step(pdl)  # compile outside capture
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(pdl)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(pdl)
+    graph = capture_graph(lambda: step(pdl))
     for lens in (lens_a, lens_b):
         sl.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))

@@ -35,3 +35,16 @@ def needs_gpu() -> None:
     """Skip unless the kernels run compiled on CUDA (real sizes, CUDA graphs)."""
     if not torch.cuda.is_available() or INTERPRETED:
         pytest.skip("needs CUDA (and compiled, not interpreted, kernels)")
+
+
+def capture_graph(step) -> "torch.cuda.CUDAGraph":
+    """``step`` (a launcher call, already compiled) run once on a side stream, as capture requires, then captured."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
