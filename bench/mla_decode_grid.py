@@ -86,13 +86,14 @@ class Case:
 
 def ours(case: Case, fp8: bool, **kw):
     from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
+    from backends.kernels.mla_decode_plan_kernels import plan_ints
 
     b = len(case.lens)
     po_s, pl_s = decode_workspace_shapes(max(1, 2048 // 2048), case.h, 2048)
     po = torch.empty(po_s, device="cuda")
     pl = torch.empty(pl_s, device="cuda")
     out = torch.empty(b, case.h, D_CKV, device="cuda", dtype=torch.bfloat16)
-    work = torch.empty(8 * 2048, dtype=torch.int32, device="cuda")  # the wgmma stage 1's plan (<= 1025 programs)
+    work = torch.empty(plan_ints(1025, b), dtype=torch.int32, device="cuda")  # the wgmma path's plan: <= 1025 programs
     kv = case.kv8 if fp8 else case.kv
 
     def fn():

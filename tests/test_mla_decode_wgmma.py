@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import triton
-from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err  # noqa: F401  (skips the module without Triton)
+from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err, replays_equal_eager  # noqa: F401  (skips the module without Triton)
 
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel, plan_ints
@@ -130,7 +130,7 @@ def _decode(q_nope, q_pe, kv, pt, lens, scale, **kw):
     po = torch.full(po_shape, float("nan"), device="cuda")
     pl = torch.full(pl_shape, float("nan"), device="cuda")
     out = torch.full((B, H, D_CKV), float("nan"), dtype=q_nope.dtype, device="cuda")
-    work = torch.full((8 * 2048,), -1, dtype=torch.int32, device="cuda")
+    work = torch.full((plan_ints(2048, B),), -1, dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, work=work, **kw)
     return out
@@ -169,7 +169,7 @@ def test_gpu_wgmma_decode_graph_replay_matches_eager():
     po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
     po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
     out = torch.empty(B, H, D_CKV, dtype=dtype, device="cuda")
-    work = torch.empty(8 * 2048, dtype=torch.int32, device="cuda")
+    work = torch.empty(plan_ints(2048, B), dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
 
     def step():
@@ -177,15 +177,7 @@ def test_gpu_wgmma_decode_graph_replay_matches_eager():
 
     step()  # compile outside capture
     graph = capture_graph(step)
-    for lens in (lens_a, lens_b):
-        sl.copy_(torch.tensor(lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        step()
-        eager = out.clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    for lens in replays_equal_eager(graph, step, out, sl, (lens_a, lens_b)):
         assert rel_err(out, _reference(q_nope, q_pe, kv, pt, lens, 0.1)) < 1e-2
 
 

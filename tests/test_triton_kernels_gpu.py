@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from triton_env import DEV, INTERPRETED, TOL, capture_graph  # noqa: F401  (skips the module without Triton)
+from triton_env import DEV, INTERPRETED, TOL, capture_graph, replays_equal_eager  # noqa: F401  (skips the module without Triton)
 from triton_env import needs_gpu as _needs_gpu
 
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
@@ -155,15 +155,7 @@ def test_gpu_decode_cuda_graph_replay_matches_eager(pdl):
 
     step(pdl)  # compile outside capture
     graph = capture_graph(lambda: step(pdl))
-    for lens in (lens_a, lens_b):
-        sl.copy_(torch.tensor(lens, dtype=torch.int32))
-        out.fill_(float("nan"))
-        step()
-        eager = out.clone()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    for lens in replays_equal_eager(graph, step, out, sl, (lens_a, lens_b)):
         assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
 
 

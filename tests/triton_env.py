@@ -48,3 +48,19 @@ def capture_graph(step) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph):
         step()
     return graph
+
+
+def replays_equal_eager(graph, step, out: torch.Tensor, seq_lens: torch.Tensor, cases):
+    """For each lengths list in ``cases``: ``seq_lens`` set in place, ``step`` run eagerly, then ``graph`` replayed
+    (``out`` NaN-filled before each); asserts both give the same bits and yields the lengths, ``out`` holding the
+    replay's result."""
+    for lens in cases:
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        step()
+        eager = out.clone()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        yield lens

@@ -169,14 +169,21 @@ def _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N: tl.cons
 
 
 @triton.jit
+def _span(s, lens, chunk, BLOCK_N: tl.constexpr):
+    """Request(s) of ``lens`` tokens starting at global token ``s``: the padded end, the first and last chunk it
+    overlaps (p0, p1), and the split pieces it takes in the slot space (0: one chunk holds it, or it is empty)."""
+    e = s + tl.cdiv(lens, BLOCK_N) * BLOCK_N
+    p0 = s // chunk
+    p1 = tl.maximum(e - 1, 0) // chunk
+    return e, p0, p1, tl.where((lens > 0) & (p1 > p0), p1 - p0 + 1, 0)
+
+
+@triton.jit
 def _block_stats(offs, lens, carry, num_reqs, limit_b, limit_t, end_t, chunk, BLOCK_N: tl.constexpr):
     valid = offs < num_reqs
     pad = tl.cdiv(lens, BLOCK_N) * BLOCK_N
-    e = tl.cumsum(pad, 0) + carry
-    s = e - pad
-    p0 = s // chunk
-    p1 = tl.maximum(e - 1, 0) // chunk
-    pieces = tl.where((lens > 0) & (p1 > p0), p1 - p0 + 1, 0)
+    s = tl.cumsum(pad, 0) + carry - pad
+    e, p0, p1, pieces = _span(s, lens, chunk, BLOCK_N)
     before = valid & (offs < limit_b) & (e <= limit_t)
     n_before = tl.sum(before.to(tl.int32), 0)
     t_before = tl.sum(tl.where(before, pad, 0), 0)
@@ -436,12 +443,10 @@ def _mla_decode_stage1_kernel(
         b0, s_b, slot0, b_end = _requests_before(lens0, SL, num_reqs, num_reqs, lo_g, hi_g, chunk, BLOCK_N, BLOCK_B)
         for b in range(b0, b_end):  # the requests that overlap [lo_g, hi_g)
             seq_len = tl.load(SL + b)
-            e_b = s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N
+            e_b, p0, p1, pieces = _span(s_b, seq_len, chunk, BLOCK_N)
             # local token range of this piece: start is a multiple of BLOCK_N, end may be ragged
             start = tl.maximum(lo_g, s_b) - s_b
             end = tl.minimum(tl.minimum(hi_g, e_b) - s_b, seq_len)
-            p0 = s_b // chunk
-            p1 = tl.maximum(e_b - 1, 0) // chunk
             split = p1 > p0
             slot = slot0 + (pid_p - p0)
             if start < end:
@@ -453,7 +458,7 @@ def _mla_decode_stage1_kernel(
                     stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H, BLOCK_N, PREC, UPCAST,
                     USE_TMA, KV_FP8,
                 )  # fmt: skip
-            slot0 += tl.where((seq_len > 0) & split, p1 - p0 + 1, 0)
+            slot0 += pieces
             s_b = e_b
 
 
@@ -509,8 +514,7 @@ def _mla_decode_stage2_kernel(
             lens0, total, equal_pad = _lengths_total(SL, num_reqs, BLOCK_N, BLOCK_B)
             chunk = _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N)
             _, s_b, slot0, _ = _requests_before(lens0, SL, num_reqs, pid_b, total, 0, chunk, BLOCK_N, BLOCK_B)
-            p0 = s_b // chunk
-            p1 = (s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N - 1) // chunk
+            _, p0, p1, _ = _span(s_b, seq_len, chunk, BLOCK_N)
             n_pieces = p1 - p0 + 1
         if n_pieces > 1:
             m = tl.full([BLOCK_HM], float("-inf"), dtype=tl.float32)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.kernels.mla_decode_kernels import _chunk_len, _lengths_total, _requests_before
+from backends.kernels.mla_decode_kernels import _chunk_len, _lengths_total, _requests_before, _span
 from backends.kernels.pdl import pdl_enter
 
 
@@ -48,10 +48,7 @@ def _mla_decode_plan_kernel(
     REQ = WORK + num_programs * 8
     for b in range(b0, b_end):
         seq_len = tl.load(SL + b)
-        e_b = s_b + tl.cdiv(seq_len, BLOCK_N) * BLOCK_N
-        p0 = s_b // chunk
-        p1 = tl.maximum(e_b - 1, 0) // chunk
-        pieces = tl.where((seq_len > 0) & (p1 > p0), p1 - p0 + 1, 0)
+        e_b, p0, _, pieces = _span(s_b, seq_len, chunk, BLOCK_N)
         if p0 == pid_p:
             tl.store(REQ + 2 * b, slot0)
             tl.store(REQ + 2 * b + 1, tl.maximum(pieces, 1))
