@@ -25,7 +25,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpec:
     """Partial outputs (float32 [slots, H, kv_lora]) and LSEs (float32 [slots, H]) of the split-KV decode, and at
-    the end the work list of its wgmma stage 1 (int32, :func:`_work_ints`; Hopper, 64+ heads).
+    the end the work list of its wgmma stage 1 (int32, :func:`_work_ints`; Hopper).
 
     ``split_slots`` bounds (batch x splits): a decode batch of B requests gets at most
     ``min(max_splits, split_slots // B)`` splits per request, so the scratch does not grow with the batch.

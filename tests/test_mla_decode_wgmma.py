@@ -1,9 +1,11 @@
-"""The Gluon (wgmma) stage 1 of the MLA decode (64 heads per program, Hopper).
+"""The Gluon (wgmma) stage 1 of the MLA decode (Hopper): 64 heads per program, and 16 / 32 heads per program with
+tokens as the matrix rows (fewer heads, fp8 caches).
 
 CPU: the plan kernel it reads (interpreted) against a Python mirror of the plan, and the refusals with their
-reasons. GPU (``gpu``-marked): 64 and 128 heads, bf16 and fp16, odd lengths (1, 7, 63, 64, 65, empty, page
-boundaries) with NaN rows past every request's end, batches of one, split pieces, against a float32 reference
-and against the Triton stage 1; CUDA-graph replay with other lengths gives the eager bits.
+reasons. GPU (``gpu``-marked): 16, 32, 64 and 128 heads, bf16, fp16 and fp8 caches, odd lengths (1, 7, 63, 64,
+65, empty, page boundaries) with NaN rows past every request's end, batches of one, split pieces, against a
+float32 reference (reading the same fp8 values, times the cache scale) and against the Triton stage 1; CUDA-graph
+replay with other lengths gives the eager bits.
 """
 
 import importlib
@@ -16,7 +18,7 @@ from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err, repl
 
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel, plan_ints
-from backends.kernels.mla_decode_wgmma import wgmma_problems
+from backends.kernels.mla_decode_wgmma import TOKENS_MIN_BATCH, wgmma_block_h, wgmma_by_default, wgmma_problems
 
 D_CKV, D_PE = 512, 64
 
@@ -77,27 +79,43 @@ def test_plan_kernel_rows_match_the_python_plan(lens, programs):
 
 
 def test_wgmma_refusals_name_every_reason():
-    q = torch.zeros(1, 16, D_CKV, dtype=torch.bfloat16)
+    q = torch.zeros(1, 24, D_CKV, dtype=torch.bfloat16)
     kv = torch.zeros(2, 16, D_CKV + D_PE, dtype=torch.float32)
     why = wgmma_problems(q, kv, 8, None)
-    assert len(why) == 5 and "Hopper" in why[0] and "bf16 / fp16" in why[1] and "multiple of 64 heads" in why[2]
+    assert len(why) == 5 and "Hopper" in why[0] and "bf16 / fp16 / fp8" in why[1] and "multiple of 16 heads" in why[2]
     assert "page size 16" in why[3] and "work list" in why[4]
     q = torch.zeros(1, 128, D_CKV, dtype=torch.bfloat16)
     kv = torch.zeros(2, 64, D_CKV + D_PE, dtype=torch.bfloat16)
     assert wgmma_problems(q, kv, 9, torch.zeros(8, dtype=torch.int32)) == []
+    why = wgmma_problems(q.float(), kv.to(torch.float8_e4m3fn), 9, torch.zeros(8, dtype=torch.int32))
+    assert len(why) == 1 and "bf16 / fp16 query over an fp8 cache" in why[0]
     po, pl = decode_workspace_shapes(1, 128, 4)
     with pytest.raises(ValueError, match="for use_wgmma: a Hopper GPU"):
         mla_decode(q, q[..., :D_PE], kv, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1,
                    torch.empty_like(q), torch.empty(po), torch.empty(pl), max_splits=4, use_wgmma=True)
 
 
+def test_wgmma_heads_per_program():
+    """64 heads per program for a 16-bit cache and a multiple of 64 heads; the tokens kernel's 32 or 16 otherwise
+    (fp8 caches at every head count); 0 where neither tiles the heads."""
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert [wgmma_block_h(h, bf16) for h in (16, 32, 48, 64, 128, 8, 24)] == [16, 32, 16, 64, 64, 0, 0]
+    assert [wgmma_block_h(h, fp8) for h in (16, 32, 64, 128)] == [16, 32, 32, 32]
+    # the default where it runs: measured faster than the Triton stage 1 (16 / 32 heads: not at batch 1; fp8: never)
+    assert wgmma_by_default(128, bf16, 1) and wgmma_by_default(64, torch.float16, 1)
+    assert wgmma_by_default(16, bf16, TOKENS_MIN_BATCH) and not wgmma_by_default(16, bf16, TOKENS_MIN_BATCH - 1)
+    assert not any(wgmma_by_default(h, fp8, 256) for h in (16, 32, 64, 128))
+    assert not wgmma_by_default(24, bf16, 256)
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 def _problem(lens, H, dtype, seed, page=64):
-    """A shuffled paged cache whose rows past each request's end are NaN (never-written pool memory), q."""
+    """A shuffled paged cache whose rows past each request's end are NaN (never-written pool memory), q (bf16 over
+    an fp8 cache)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages = [max(1, math.ceil(L / page)) for L in lens]
     total = sum(pages) + 4
-    kv = torch.randn(total, page, D_CKV + D_PE, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(total, page, D_CKV + D_PE, device="cuda", generator=g)
     perm = torch.randperm(total, device="cuda", generator=g).to(torch.int32)
     pt = torch.zeros(len(lens), max(pages), dtype=torch.int32, device="cuda")
     pos = 0
@@ -107,18 +125,20 @@ def _problem(lens, H, dtype, seed, page=64):
         L = lens[b]
         if L % page or L == 0:
             kv[pt[b, L // page].long(), L % page :] = float("nan")
-    q_nope = torch.randn(len(lens), H, D_CKV, device="cuda", generator=g).to(dtype)
-    q_pe = torch.randn(len(lens), H, D_PE, device="cuda", generator=g).to(dtype)
+    kv = kv.to(dtype)
+    qdt = torch.bfloat16 if dtype == FP8 else dtype
+    q_nope = torch.randn(len(lens), H, D_CKV, device="cuda", generator=g).to(qdt)
+    q_pe = torch.randn(len(lens), H, D_PE, device="cuda", generator=g).to(qdt)
     return kv, pt, q_nope, q_pe
 
 
-def _reference(q_nope, q_pe, kv, pt, lens, scale):
+def _reference(q_nope, q_pe, kv, pt, lens, scale, kv_scale=1.0):
     page = kv.shape[1]
     out = torch.zeros(q_nope.shape, dtype=torch.float32, device="cuda")
     for b, L in enumerate(lens):
         if L:
             t = torch.arange(L, device="cuda")
-            rows = kv[pt[b, t // page].long(), t % page].float()
+            rows = kv[pt[b, t // page].long(), t % page].float() * kv_scale
             s = (q_nope[b].float() @ rows[:, :D_CKV].T + q_pe[b].float() @ rows[:, D_CKV:].T) * scale
             out[b] = torch.softmax(s, dim=-1) @ rows[:, :D_CKV]
     return out
@@ -137,19 +157,20 @@ def _decode(q_nope, q_pe, kv, pt, lens, scale, **kw):
 
 
 ODD = [1, 7, 63, 64, 65, 0, 129, 4097, 2000, 8192, 513, 127, 128]
+FP8 = torch.float8_e4m3fn
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, FP8], ids=["bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("lens", [ODD, [1], [32768], [5, 3]], ids=["odd", "one-token", "one-long", "two-short"])
 def test_gpu_wgmma_decode_matches_reference_and_triton(H, dtype, lens):
     needs_gpu()
     kv, pt, q_nope, q_pe = _problem(lens, H, dtype, seed=H + len(lens))
-    scale = 1.0 / math.sqrt(192)
-    ref = _reference(q_nope, q_pe, kv, pt, lens, scale)
-    ours = _decode(q_nope, q_pe, kv, pt, lens, scale, use_wgmma=True)
-    tri = _decode(q_nope, q_pe, kv, pt, lens, scale, use_wgmma=False)
+    scale, kv_scale = 1.0 / math.sqrt(192), (0.75 if dtype == FP8 else 1.0)
+    ref = _reference(q_nope, q_pe, kv, pt, lens, scale, kv_scale)
+    ours = _decode(q_nope, q_pe, kv, pt, lens, scale, use_wgmma=True, kv_scale=kv_scale)
+    tri = _decode(q_nope, q_pe, kv, pt, lens, scale, use_wgmma=False, kv_scale=kv_scale)
     for b, L in enumerate(lens):
         if L == 0:
             assert (ours[b] == 0).all(), "a request with no keys gets zeros"
@@ -159,16 +180,16 @@ def test_gpu_wgmma_decode_matches_reference_and_triton(H, dtype, lens):
 
 
 @pytest.mark.gpu
-def test_gpu_wgmma_decode_graph_replay_matches_eager():
+@pytest.mark.parametrize("H,dtype", [(128, torch.bfloat16), (16, FP8)], ids=["128-bf16", "16-fp8"])
+def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
     needs_gpu()
-    H, dtype = 128, torch.bfloat16
     lens_a, lens_b = [4096, 17, 1, 2048, 333, 8192], [5, 8192, 700, 1, 64, 3000]
     kv, pt, q_nope, q_pe = _problem([max(a, b) for a, b in zip(lens_a, lens_b)], H, dtype, seed=5)
-    kv = kv.nan_to_num()  # lengths change between replays: every row up to the longer one is real
+    kv = kv.float().nan_to_num().to(kv.dtype)  # lengths change between replays: every row up to the longer one is real
     B = len(lens_a)
     po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
     po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
-    out = torch.empty(B, H, D_CKV, dtype=dtype, device="cuda")
+    out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device="cuda")
     work = torch.empty(plan_ints(2048, B), dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
 
@@ -201,6 +222,7 @@ def test_wgmma_branch_merges_through_the_plan_rows(monkeypatch):
         seen.update(programs=programs, req=work[8 * programs :].clone())
 
     monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
+    monkeypatch.setattr(md, "wgmma_block_h", lambda *a: 16)
     monkeypatch.setattr(md, "launch_wgmma_stage1", stand_in)
     po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
     pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)

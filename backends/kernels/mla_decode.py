@@ -23,7 +23,13 @@ import triton
 from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
 from backends.kernels.mla_decode_plan_kernels import plan_ints
-from backends.kernels.mla_decode_wgmma import WGMMA_BLOCK_H, WGMMA_BLOCK_N, launch_wgmma_stage1, wgmma_problems
+from backends.kernels.mla_decode_wgmma import (
+    WGMMA_BLOCK_N,
+    launch_wgmma_stage1,
+    wgmma_block_h,
+    wgmma_by_default,
+    wgmma_problems,
+)
 from backends.kernels.pdl import use_pdl
 from backends.kernels.sm_count import capability_major, sm_count
 
@@ -195,10 +201,11 @@ def mla_decode(
     work : int32, at least ``8 * SMs + 2 * B`` elements: the wgmma path's plan (written by its plan kernel, read by
         its stage 1 and the merge; :mod:`backends.kernels.mla_decode_plan_kernels`); without it the Triton stage 1
         runs.
-    use_wgmma : stage 1 as the Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: 64 heads per program,
-        Hopper, bf16/fp16 cache, heads a multiple of 64, DeepSeek dims, ``work`` given); None -> wherever it can
-        run and no Triton tiling (block_h, block_n, num_warps, num_stages) was given; True where it cannot run is
-        an error naming why.
+    use_wgmma : stage 1 as a Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: Hopper, a multiple of 16
+        heads, DeepSeek dims, pages of a multiple of 64 tokens, ``work`` given; 64 heads per program for a bf16/fp16
+        cache and a multiple of 64 heads, else 16 or 32 heads per program with tokens as the matrix rows, fp8 caches
+        included); None -> where it can run, measured faster (``wgmma_by_default``) and no Triton tiling (block_h,
+        block_n, num_warps, num_stages) was given; True where it cannot run is an error naming why.
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
     """
     B, H, D_CKV = q_nope.shape
@@ -264,11 +271,12 @@ def mla_decode(
     on_gpu = q_nope.is_cuda and not interp
     sms = sm_count(q_nope.device, 4) if on_gpu else 4
     why_not = wgmma_problems(q_nope, kv_cache, capability_major(q_nope.device) if on_gpu else 0, work)
-    if use_wgmma is None:  # where it can run, unless Triton tiles were asked for
-        use_wgmma = not why_not and not tiles_given
+    if use_wgmma is None:  # where it runs and measured faster, unless Triton tiles were asked for
+        use_wgmma = not why_not and not tiles_given and wgmma_by_default(H, kv_cache.dtype, B)
     require(not use_wgmma or not why_not, "for use_wgmma: " + "; ".join(why_not))
-    if use_wgmma:  # its fixed tiling; one ~224 KiB program per SM
-        block_h, block_n = WGMMA_BLOCK_H, WGMMA_BLOCK_N
+    if use_wgmma:  # its fixed tiling; one program (~180-225 KiB of shared memory) per SM
+        block_h, block_n = wgmma_block_h(H, kv_cache.dtype), WGMMA_BLOCK_N
+        target_programs = sms if target_programs is None else target_programs
     head_blocks = triton.cdiv(H, block_h)
     slots = partial_out.shape[0] * max_splits
     tma_ok = (

@@ -1,23 +1,59 @@
-"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode: 64 heads per program on Hopper.
+"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in two kernels:
 
-:func:`backends.kernels.mla_decode.mla_decode` picks it for caches it can read (see :func:`wgmma_problems`); the
-plan and the merge stay the Triton ones, so the outputs (finished requests, split pieces in the flat slot space)
-are the same as the Triton stage 1's. Gluon is imported only when this path launches: the rest of the package
-imports on any Triton.
+* 64 heads per program, heads as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16
+  cache and a multiple of 64 heads;
+* 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
+  fewer heads, and fp8 caches (widened to fp16 in shared memory).
+
+:func:`backends.kernels.mla_decode.mla_decode` picks one for caches it can read (see :func:`wgmma_problems` and
+:func:`wgmma_block_h`); the plan and the merge stay the Triton ones, so the outputs (finished requests, split
+pieces in the flat slot space) are the same as the Triton stage 1's. Gluon is imported only when this path
+launches: the rest of the package imports on any Triton.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel
 
-#: The kernel's fixed tiling: 64 heads x 64 tokens per tile, two warpgroups, ~224 KiB of shared memory.
+#: The 64-head kernel's fixed tiling: 64 heads x 64 tokens per tile, two warpgroups, ~224 KiB of shared memory.
 WGMMA_BLOCK_H = 64
 WGMMA_BLOCK_N = 64
 WGMMA_WARPS = 8
+#: The tokens kernel: one warpgroup; KV tiles in flight (bf16 / fp16: 2 x 72 KiB; fp8: 36 KiB each, plus the
+#: 72 KiB widened tile, so 3 fit beside 16 heads of q and 2 beside 32).
+TOKENS_WARPS = 4
 _D_CKV, _D_PE = 512, 64
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
+    """Heads per program of the wgmma stage 1 for this head count and cache (0: neither kernel tiles it): 64 (the
+    64-head kernel) for a 16-bit cache and a multiple of 64 heads, else 32 or 16 (the tokens kernel)."""
+    if kv_dtype in _HALF and heads % WGMMA_BLOCK_H == 0:
+        return WGMMA_BLOCK_H
+    return 32 if heads % 32 == 0 else 16 if heads % 16 == 0 else 0
+
+
+#: Requests from which the tokens kernel (16 / 32 heads) is the default: at batch 1 its extra plan launch made it
+#: ~1 us slower than the Triton stage 1 (16.8 against 15.8 us at 1 x 1024 tokens, 16 heads); from batch 8 up it
+#: was faster at every shape measured (bench/TRITON_NOTES.md).
+TOKENS_MIN_BATCH = 8
+
+
+def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
+    """Whether ``mla_decode(use_wgmma=None)`` takes the wgmma stage 1 where it can run: where it measured faster
+    than the Triton stage 1 on an H100 (bench/TRITON_NOTES.md): bf16 / fp16 caches, 64-head blocks at any batch,
+    16 / 32-head blocks from :data:`TOKENS_MIN_BATCH` requests. Over an fp8 cache the tokens kernel widens each
+    tile in the same warpgroup that multiplies it and measured 1.6-2.5x slower than the Triton stage 1, so fp8
+    keeps the Triton kernel unless ``use_wgmma=True``."""
+    block_h = wgmma_block_h(heads, kv_dtype)
+    return kv_dtype in _HALF and (block_h == WGMMA_BLOCK_H or (block_h > 0 and batch >= TOKENS_MIN_BATCH))
+
+
+def _tokens_stages(block_h: int, kv_dtype: torch.dtype) -> int:
+    return 3 if kv_dtype == torch.float8_e4m3fn and block_h == 16 else 2
 
 
 def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int, work: torch.Tensor | None) -> list:
@@ -28,10 +64,12 @@ def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int
     out = []
     if capability != 9:
         out.append(f"a Hopper GPU (wgmma; compute capability 9), got {capability or 'no GPU'}")
-    if kv_cache.dtype not in (torch.bfloat16, torch.float16):
-        out.append(f"a bf16 / fp16 cache, got {kv_cache.dtype}")
-    if H % WGMMA_BLOCK_H:
-        out.append(f"a multiple of {WGMMA_BLOCK_H} heads, got {H}")
+    if kv_cache.dtype not in (*_HALF, torch.float8_e4m3fn):
+        out.append(f"a bf16 / fp16 / fp8 e4m3 cache, got {kv_cache.dtype}")
+    if kv_cache.dtype == torch.float8_e4m3fn and q_nope.dtype not in _HALF:
+        out.append(f"a bf16 / fp16 query over an fp8 cache (fp16 products), got {q_nope.dtype}")
+    if not wgmma_block_h(H, kv_cache.dtype):
+        out.append(f"a multiple of 16 heads, got {H}")
     if (d_ckv, d_pe) != (_D_CKV, _D_PE):
         out.append(f"DeepSeek's latent dims ({_D_CKV} + {_D_PE}), got {d_ckv} + {d_pe}")
     if kv_cache.shape[1] % WGMMA_BLOCK_N or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
@@ -46,30 +84,37 @@ def launch_wgmma_stage1(
     out_scale: float, programs: int, min_chunk: int, snap: bool, max_splits: int, block_b: int, pdl: bool,
 ) -> None:  # fmt: skip
     """The plan kernel (writes ``work``, :mod:`backends.kernels.mla_decode_plan_kernels`) then the wgmma stage 1
-    over ``(H // 64, programs)``; the caller then launches the merge with ``BLOCK_N = WGMMA_BLOCK_N`` and the plan's
-    per-request rows (``REQ = work[8 * programs:]``)."""
+    over ``(H // block_h, programs)`` (``block_h`` from :func:`wgmma_block_h`); the caller then launches the merge
+    with ``BLOCK_N = WGMMA_BLOCK_N`` and the plan's per-request rows (``REQ = work[8 * programs:]``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from backends.kernels.mla_decode_wgmma_kernels import _mla_decode_wgmma_kernel
+    from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
 
     B, H, _ = q_nope.shape
+    block_h = wgmma_block_h(H, kv_cache.dtype)
     _mla_decode_plan_kernel[(programs,)](
         seq_lens, work, B, programs, min_chunk, int(bool(snap)),
         BLOCK_N=WGMMA_BLOCK_N, BLOCK_B=block_b, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    gdt = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[kv_cache.dtype]
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[-1]], [kv_cache.stride(1), 1]
     lay_c = gl.NVMMASharedLayout.get_default_for([WGMMA_BLOCK_N, _D_CKV // 2], gdt)
     lay_pe = gl.NVMMASharedLayout.get_default_for([WGMMA_BLOCK_N, _D_PE], gdt)
     desc_c = TensorDescriptor(kv_cache, shape, strides, [WGMMA_BLOCK_N, _D_CKV // 2], lay_c)
     desc_pe = TensorDescriptor(kv_cache, shape, strides, [WGMMA_BLOCK_N, _D_PE], lay_pe)
-    _mla_decode_wgmma_kernel[(triton.cdiv(H, WGMMA_BLOCK_H), programs)](
+    args = (
         q_nope, q_pe, desc_c, desc_pe, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale, out_scale,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2), out.stride(0), out.stride(1), max_splits,
-        PAGE_SIZE=kv_cache.shape[1], D_CKV=_D_CKV, D_PE=_D_PE, BLOCK_H=WGMMA_BLOCK_H, BLOCK_N=WGMMA_BLOCK_N,
-        num_warps=WGMMA_WARPS,
     )  # fmt: skip
+    dims = dict(PAGE_SIZE=kv_cache.shape[1], D_CKV=_D_CKV, D_PE=_D_PE, BLOCK_H=block_h, BLOCK_N=WGMMA_BLOCK_N)
+    if block_h == WGMMA_BLOCK_H:
+        _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
+    else:
+        _mla_decode_wgmma_tokens_kernel[(H // block_h, programs)](
+            *args, **dims, STAGES=_tokens_stages(block_h, kv_cache.dtype), num_warps=TOKENS_WARPS
+        )

@@ -55,22 +55,63 @@ def _issue_tile(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, row, pred, D_
 
 @gluon.jit
 def _zero_rows_past(buf, valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
-    """Rows >= valid of a [BLOCK_N, COLS] shared tile set to 0 (through registers)."""
+    """Rows >= valid of a [BLOCK_N, COLS] shared tile set to 0, through registers, 16 rows at a time and only the
+    row blocks that reach past ``valid``."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    x = buf.load(layout)
-    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
-    buf.store(x)
+    for r0 in gl.static_range(0, BLOCK_N, 16):
+        if r0 + 16 > valid:
+            part = buf.slice(r0, 16, dim=0)
+            x = part.load(layout)
+            rows = r0 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+            part.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
 
 
 @gluon.jit
 def _load_q(Q, stride_h, q_smem, ROWS: gl.constexpr, COLS: gl.constexpr, CDT: gl.constexpr, num_warps: gl.constexpr):
-    """q rows [ROWS, COLS] (row stride stride_h, columns contiguous) -> shared memory in the products' dtype."""
+    """q rows [ROWS, COLS] (row stride stride_h, columns contiguous) -> shared memory in the products' dtype (a bf16
+    q for fp16 products is clamped to fp16's range, 65504, instead of becoming inf)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
     q = gl.load(Q + gl.expand_dims(rows, 1) * stride_h + gl.expand_dims(cols, 0))
+    if (CDT == gl.float16) & (q.dtype == gl.bfloat16):
+        q = gl.minimum(gl.maximum(q.to(gl.float32), -65504.0), 65504.0)
     q_smem.store(q.to(CDT))
+
+
+@gluon.jit
+def _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe,
+                  BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """A piece's q (latent halves and rope part of heads h0 .. h0 + BLOCK_H) into shared memory, once the previous
+    piece's products are done reading it, fenced for the tensor cores."""
+    CDT: gl.constexpr = q_lo.dtype
+    gl.thread_barrier()  # the previous piece's products have read q
+    _load_q(QN + b64 * stride_qn_b + h0 * stride_qn_h, stride_qn_h, q_lo, BLOCK_H, D_HALF, CDT, num_warps)
+    _load_q(QN + b64 * stride_qn_b + h0 * stride_qn_h + D_HALF, stride_qn_h, q_hi, BLOCK_H, D_HALF, CDT, num_warps)
+    _load_q(QP + b64 * stride_qp_b + h0 * stride_qp_h, stride_qp_h, q_pe, BLOCK_H, D_PE, CDT, num_warps)
+    fence_async_shared()
+
+
+@gluon.jit
+def _work_row(WORK, pid_p):
+    """Program pid_p's row of the plan (mla_decode_plan_kernels, 8 int32): first request, its global start, its
+    first split slot, end of the request range, chunk, chunk end; and the chunk's start."""
+    w = WORK + pid_p * 8
+    chunk = gl.load(w + 4)
+    return gl.load(w), gl.load(w + 1), gl.load(w + 2), gl.load(w + 3), chunk, gl.load(w + 5), pid_p * chunk
+
+
+@gluon.jit
+def _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N: gl.constexpr):
+    """Request b (global start s_b) in the chunk [lo_g, hi_g): its length, padded end, token range [start, end) in
+    this chunk, first and last chunk and whether it is split."""
+    seq_len = gl.load(SL + b)
+    e_b = s_b + gl.cdiv(seq_len, BLOCK_N) * BLOCK_N
+    start = gl.maximum(lo_g, s_b) - s_b
+    end = gl.minimum(gl.minimum(hi_g, e_b) - s_b, seq_len)
+    p0 = s_b // chunk
+    p1 = gl.maximum(e_b - 1, 0) // chunk
+    return seq_len, e_b, start, end, p0, p1, p1 > p0
 
 
 @gluon.jit
@@ -162,11 +203,8 @@ def _decode_piece_wgmma(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    gl.thread_barrier()  # the previous piece's products have read q
-    _load_q(QN + b64 * stride_qn_b + h0 * stride_qn_h, stride_qn_h, q_lo, BLOCK_H, D_HALF, CDT, num_warps)
-    _load_q(QN + b64 * stride_qn_b + h0 * stride_qn_h + D_HALF, stride_qn_h, q_hi, BLOCK_H, D_HALF, CDT, num_warps)
-    _load_q(QP + b64 * stride_qp_b + h0 * stride_qp_h, stride_qp_h, q_pe, BLOCK_H, D_PE, CDT, num_warps)
-    fence_async_shared()
+    _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, BLOCK_H,
+                  D_HALF, D_PE, num_warps)  # fmt: skip
 
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=row_s)
@@ -221,14 +259,7 @@ def _mla_decode_wgmma_kernel(
     D_HALF: gl.constexpr = D_CKV // 2
     h0 = gl.program_id(0) * BLOCK_H
     pid_p = gl.program_id(1)
-    w = WORK + pid_p * 8  # the plan kernel's row: 8 int32 (mla_decode_wgmma.WORK_FIELDS)
-    b0 = gl.load(w)
-    s_b = gl.load(w + 1)
-    slot0 = gl.load(w + 2)
-    b_end = gl.load(w + 3)
-    chunk = gl.load(w + 4)
-    hi_g = gl.load(w + 5)
-    lo_g = pid_p * chunk
+    b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, pid_p)
 
     CDT: gl.constexpr = desc_c.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)
@@ -245,13 +276,7 @@ def _mla_decode_wgmma_kernel(
 
     it = 0
     for b in range(b0, b_end):  # the requests that overlap this program's chunk
-        seq_len = gl.load(SL + b)
-        e_b = s_b + gl.cdiv(seq_len, BLOCK_N) * BLOCK_N
-        start = gl.maximum(lo_g, s_b) - s_b
-        end = gl.minimum(gl.minimum(hi_g, e_b) - s_b, seq_len)
-        p0 = s_b // chunk
-        p1 = gl.maximum(e_b - 1, 0) // chunk
-        split = p1 > p0
+        seq_len, e_b, start, end, p0, p1, split = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
         if start < end:
             b64 = (s_b * 0 + b).to(gl.int64)
             it = _decode_piece_wgmma(

@@ -1,0 +1,223 @@
+"""Gluon stage-1 kernel of the absorbed-MLA decode for 16 or 32 heads per GPU (Hopper), bf16 / fp16 or fp8 cache.
+
+Why tokens as the matrix dimension: a wgmma instruction multiplies 64 rows, and 16 or 32 heads are too few rows
+for it (the Triton kernel falls back to ``mma.sync`` there). Transposed, both products have 64-row operands taken
+straight from the KV tile in shared memory, and the heads are the narrow ``N`` side (16 or 32):
+
+* scores ``S^T [64 tokens, H] = K [64, 576] . q^T [576, H]`` (A = the tile, B = q in shared memory);
+* output ``O^T [512, H] += V^T [512, 64] . P^T [64, H]`` (A = the same tile read transposed, B = ``P^T`` written
+  to shared memory after the softmax, which runs down the token axis).
+
+One warpgroup per program (the accumulators are small: ``O^T`` is 2 x [256, H] floats). The plan (which requests
+and token ranges a program handles) comes from the plan kernel, as for the 64-head kernel
+(:mod:`backends.kernels.mla_decode_wgmma_kernels`), and the outputs are the same (finished requests to ``out``, split
+pieces to workspace slots), so the Triton merge combines them.
+
+fp8 (e4m3) caches: TMA brings the fp8 tile (half the bytes), one pass widens it to fp16 into a second shared
+buffer (``cvt.rn.f16x2.e4m3x2``, one instruction per two values; rows past the request's end become 0 there), and
+the products read the widened tile. The products run in fp16 (a bf16 q clamped to fp16's range), the cache scale
+is folded into the score scale and the output scale. With half the bytes per stage, fp8 keeps three tiles in
+flight (bf16: two). Shared memory at 16 heads: 18 KiB of q + 2 x 72 KiB (bf16) or 3 x 36 + 72 KiB (fp8).
+
+Measured on an H100 (bench/TRITON_NOTES.md, "Tokens as the matrix rows"): bf16 at 16 / 32 heads 1.07-1.22x the
+Triton stage 1's speed, 93-97% of copy bandwidth at long contexts (255 registers, 28 bytes of spills). fp8 is
+1.6-2.6x slower than the Triton kernel (512 bytes of spills, and the widening runs in the warpgroup that then
+multiplies, overlapping nothing), so ``mla_decode`` takes this kernel for fp8 only when asked (``use_wgmma=True``).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from backends.kernels.mla_decode_wgmma_kernels import _issue_next, _load_q_piece, _ready, _request_span, _work_row
+
+
+@gluon.jit
+def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
+    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), 16 rows at a time; rows >= valid set to 0 (never-written
+    pool memory may hold NaN bit patterns)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
+    for r0 in gl.static_range(0, ROWS, 16):
+        x = src.slice(r0, 16, dim=0).load(layout).to(dst.dtype)
+        if r0 + 16 > valid:
+            rows = r0 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+            x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
+        dst.slice(r0, 16, dim=0).store(x)
+
+
+@gluon.jit
+def _store_t(
+    o, cols0, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s, stride_o_b,
+    stride_o_h, ROWS: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """o^T [ROWS latent columns, BLOCK_H heads] (normalized) -> OUT (a finished request) or a workspace slot (a
+    split piece), through a layout whose threads hold 4 consecutive columns (coalesced rows of OUT)."""
+    layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    o = gl.convert_layout(o, layout)
+    cols = cols0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
+    if split:
+        base = PO + (slot // slot_div).to(gl.int64) * stride_po_b + (slot % slot_div) * stride_po_s
+        gl.store(base + gl.expand_dims(heads, 0) * stride_po_h + gl.expand_dims(cols, 1), o)
+    else:
+        ptrs = OUT + b64 * stride_o_b + gl.expand_dims(heads, 0) * stride_o_h + gl.expand_dims(cols, 1)
+        gl.store(ptrs, o.to(OUT.dtype.element_ty))
+
+
+@gluon.jit
+def _operands(kv_lo, kv_hi, kv_pe, w_lo, w_hi, w_pe, stage, valid, FP8: gl.constexpr, BLOCK_N: gl.constexpr,
+              D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """The landed tile in ``stage`` made ready for the products: fp8 widened into w_* (rows past the end zeroed),
+    bf16 / fp16 zeroed past the end in place; returns the three operand buffers."""
+    if FP8:
+        _widen(kv_lo.index(stage), w_lo, valid, BLOCK_N, D_HALF, num_warps)
+        _widen(kv_hi.index(stage), w_hi, valid, BLOCK_N, D_HALF, num_warps)
+        _widen(kv_pe.index(stage), w_pe, valid, BLOCK_N, D_PE, num_warps)
+        fence_async_shared()
+        gl.thread_barrier()
+        return w_lo, w_hi, w_pe
+    else:
+        _ready(kv_lo.index(stage), kv_hi.index(stage), valid, BLOCK_N, D_HALF, num_warps)
+        return kv_lo.index(stage), kv_hi.index(stage), kv_pe.index(stage)
+
+
+@gluon.jit
+def _decode_piece_tokens(
+    QN, QP, desc_c, desc_pe, PT_row, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, w_lo, w_hi, w_pe, p_smem,
+    bars, it, qk_scale, out_scale, b64, start, end, split, slot, slot_div, h0,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
+    PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """Tokens [start, end) of request b64 for heads h0 .. h0 + BLOCK_H. ``it`` counts the tiles this program has
+    consumed so far (tile k of the piece lives in stage (it0 + k) % STAGES); returns the updated count."""
+    D_HALF: gl.constexpr = D_CKV // 2
+    CDT: gl.constexpr = q_lo.dtype
+    # one layout for S^T [BLOCK_N, BLOCK_H] and O^T [D_HALF, BLOCK_H]: per-head vectors need no conversion
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16]
+    )
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+    _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, BLOCK_H,
+                  D_HALF, D_PE, num_warps)  # fmt: skip
+
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=col_l)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=col_l)
+    o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+    o_hi = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=acc_layout)
+    rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+
+    nt = gl.cdiv(end - start, BLOCK_N)
+    for j in gl.static_range(STAGES - 1):  # the first tiles in flight
+        _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + j) % STAGES, PT_row, start + j * BLOCK_N,
+                    end, j < nt, PAGE_SIZE, D_HALF)  # fmt: skip
+    for i in range(nt):
+        stage = it % STAGES
+        n0 = start + i * BLOCK_N
+        mbarrier.wait(bars.index(stage), (it // STAGES) & 1)
+        gl.thread_barrier()  # every warp is done with the previous tile: its stage can be refilled
+        _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + STAGES - 1) % STAGES, PT_row,
+                    n0 + (STAGES - 1) * BLOCK_N, end, i + STAGES - 1 < nt, PAGE_SIZE, D_HALF)  # fmt: skip
+        a_lo, a_hi, a_pe = _operands(kv_lo, kv_hi, kv_pe, w_lo, w_hi, w_pe, stage, end - n0, FP8, BLOCK_N, D_HALF,
+                                     D_PE, num_warps)  # fmt: skip
+        s = warpgroup_mma(a_lo, q_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(a_hi, q_hi.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(a_pe, q_pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        # online softmax down the token axis (rows past the end masked)
+        s = gl.where(gl.expand_dims(rows_n < end - n0, 1), s * qk_scale, gl.full_like(s, float("-inf")))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        p_smem.store(p.to(CDT))
+        fence_async_shared()
+        gl.thread_barrier()
+        alpha_o = gl.expand_dims(alpha, 0)
+        o_lo = warpgroup_mma(a_lo.permute((1, 0)), p_smem, o_lo * alpha_o, is_async=True)
+        o_hi = warpgroup_mma(a_hi.permute((1, 0)), p_smem, o_hi * alpha_o, is_async=True)
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
+        it += 1
+
+    inv = gl.expand_dims(out_scale / l_i, 0)
+    _store_t(o_lo * inv, 0, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s,
+             stride_o_b, stride_o_h, D_HALF, BLOCK_H, num_warps)  # fmt: skip
+    _store_t(o_hi * inv, D_HALF, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s,
+             stride_o_b, stride_o_h, D_HALF, BLOCK_H, num_warps)  # fmt: skip
+    if split:
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        heads = h0 + gl.arange(0, BLOCK_H, layout=col_l)
+        gl.store(PL + (slot // slot_div).to(gl.int64) * stride_pl_b + heads * stride_pl_h
+                 + (slot % slot_div) * stride_pl_s, lse)  # fmt: skip
+    return it
+
+
+@gluon.jit(do_not_specialize=["slot_div"])
+def _mla_decode_wgmma_tokens_kernel(
+    QN, QP, desc_c, desc_pe, PT, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div,
+    PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """grid (H // BLOCK_H, programs): program (h, p) runs the pieces of work row p for heads h * BLOCK_H .. +
+    BLOCK_H (see the 64-head kernel: same plan rows, same outputs)."""
+    D_HALF: gl.constexpr = D_CKV // 2
+    h0 = gl.program_id(0) * BLOCK_H
+    pid_p = gl.program_id(1)
+    b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, pid_p)
+
+    KDT: gl.constexpr = desc_c.dtype
+    FP8: gl.constexpr = KDT == gl.float8e4nv
+    if FP8:  # e4m3 widens to fp16 in one instruction per two values
+        CDT: gl.constexpr = gl.float16
+    else:
+        CDT: gl.constexpr = KDT
+    q_lo = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT))
+    q_hi = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT))
+    q_pe = gl.allocate_shared_memory(CDT, [BLOCK_H, D_PE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], CDT))
+    kv_lo = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
+    kv_hi = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
+    kv_pe = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
+    p_smem = gl.allocate_shared_memory(CDT, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], CDT))
+    if FP8:  # the widened tile the products read
+        w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], CDT)
+        w_lo = gl.allocate_shared_memory(CDT, [BLOCK_N, D_HALF], w_layout)
+        w_hi = gl.allocate_shared_memory(CDT, [BLOCK_N, D_HALF], w_layout)
+        w_pe = gl.allocate_shared_memory(CDT, [BLOCK_N, D_PE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], CDT))
+    else:  # the products read the landed tile itself
+        w_lo = kv_lo
+        w_hi = kv_hi
+        w_pe = kv_pe
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+
+    it = 0
+    for b in range(b0, b_end):  # the requests that overlap this program's chunk
+        seq_len, e_b, start, end, p0, p1, split = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
+        if start < end:
+            b64 = (s_b * 0 + b).to(gl.int64)
+            it = _decode_piece_tokens(
+                QN, QP, desc_c, desc_pe, PT + b64 * stride_pt_b, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe,
+                w_lo, w_hi, w_pe, p_smem, bars, it, qk_scale, out_scale, b64, start, end, split,
+                slot0 + (pid_p - p0), slot_div, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b,
+                stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE,
+                D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES, FP8, num_warps,
+            )  # fmt: skip
+        if (seq_len > 0) & split:
+            slot0 += p1 - p0 + 1
+        s_b = e_b
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
