@@ -36,20 +36,26 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
     return 32 if heads % 32 == 0 else 16 if heads % 16 == 0 else 0
 
 
-#: Requests from which the tokens kernel (16 / 32 heads) is the default: at batch 1 its extra plan launch made it
-#: ~1 us slower than the Triton stage 1 (16.8 against 15.8 us at 1 x 1024 tokens, 16 heads); from batch 8 up it
-#: was faster at every shape measured (bench/TRITON_NOTES.md).
+#: Requests from which each kernel is the default (H100, ``bench.mla_decode_grid --graph``, bench/TRITON_NOTES.md).
+#: Below, the plan launch costs more than the faster stage 1 saves: the 64-head kernel was slower than the Triton
+#: stage 1 at batch 1 and 2 with 64 heads (28.2 vs 24.5 us at 1 x 1024, 38.7 vs 36.9 at 2 x 4096) and at 1 x 1024
+#: with 128 heads (35.4 vs 30.8), faster from batch 4 (49.0 vs 52.8 us at 4 x 4096, 64 heads); the tokens kernel
+#: was ~1 us slower at batch 1 (16.8 vs 15.8 us at 1 x 1024, 16 heads) and faster from batch 8 (28.8 vs 31.2 at
+#: 8 x 2048).
+WGMMA_MIN_BATCH = 4
 TOKENS_MIN_BATCH = 8
 
 
 def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     """Whether ``mla_decode(use_wgmma=None)`` takes the wgmma stage 1 where it can run: where it measured faster
-    than the Triton stage 1 on an H100 (bench/TRITON_NOTES.md): bf16 / fp16 caches, 64-head blocks at any batch,
-    16 / 32-head blocks from :data:`TOKENS_MIN_BATCH` requests. Over an fp8 cache the tokens kernel widens each
-    tile in the same warpgroup that multiplies it and measured 1.6-2.5x slower than the Triton stage 1, so fp8
-    keeps the Triton kernel unless ``use_wgmma=True``."""
+    than the Triton stage 1 on an H100: bf16 / fp16 caches, 64-head blocks from :data:`WGMMA_MIN_BATCH` requests,
+    16 / 32-head blocks from :data:`TOKENS_MIN_BATCH`. Over an fp8 cache the tokens kernel widens each tile in the
+    same warpgroup that multiplies it and measured 1.6-2.6x slower than the Triton stage 1, so fp8 keeps the Triton
+    kernel unless ``use_wgmma=True``."""
     block_h = wgmma_block_h(heads, kv_dtype)
-    return kv_dtype in _HALF and (block_h == WGMMA_BLOCK_H or (block_h > 0 and batch >= TOKENS_MIN_BATCH))
+    if kv_dtype not in _HALF or not block_h:
+        return False
+    return batch >= (WGMMA_MIN_BATCH if block_h == WGMMA_BLOCK_H else TOKENS_MIN_BATCH)
 
 
 def _tokens_stages(block_h: int, kv_dtype: torch.dtype) -> int:
