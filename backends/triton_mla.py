@@ -112,6 +112,7 @@ class TritonMLABackend:
         self._decode_kernel, self._extend_kernel = mla_decode, mla_extend
         self.req_to_token_pool, self.kv_pool, self.model = req_to_token_pool, kv_pool, model
         self.workspace = split_kv_workspace
+        self._work = split_kv_workspace.view(torch.int32)[-_work_ints(int(config["split_slots"])) :]  # the spec's tail
         self.max_splits = int(config["max_splits"])
         self.split_slots = int(config["split_slots"])
         self.min_tokens_per_split = int(config["min_tokens_per_split"])
@@ -150,24 +151,22 @@ class TritonMLABackend:
         self.page_table = self._graph_page_table[: batch.batch_size]
         self.page_table[:, :width].copy_(self._gather_page_table(batch, width))
 
-    def _partials(self, batch_size: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    def _partials(self, batch_size: int, heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         splits = max(1, min(self.max_splits, self.split_slots // max(batch_size, 1)))
         n_out = batch_size * heads * splits * self.model.kv_lora_rank
         f32 = self.workspace.view(torch.float32)
         partial_out = f32[:n_out].view(batch_size, heads, splits, self.model.kv_lora_rank)
         partial_lse = f32[n_out : n_out + batch_size * heads * splits].view(batch_size, heads, splits)
-        n_work = _work_ints(self.split_slots)
-        work = self.workspace.view(torch.int32)[-n_work:]  # the spec's tail, after every partials layout
-        return partial_out, partial_lse, splits, work
+        return partial_out, partial_lse, splits
 
     def forward_decode(self, q_nope, q_pe, layer_id, batch):
         b, h = q_nope.shape[:2]
         out = torch.empty(b, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
-        partial_out, partial_lse, splits, work = self._partials(b, h)
+        partial_out, partial_lse, splits = self._partials(b, h)
         self._decode_kernel(
             q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.seq_lens, self.model.sm_scale,
             out, partial_out, partial_lse, max_splits=splits, min_tokens_per_split=self.min_tokens_per_split,
-            block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale, pdl=self.pdl, work=work,
+            block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale, pdl=self.pdl, work=self._work,
         )
         return out
 

@@ -134,7 +134,7 @@ VARIANTS = {  # name -> our kernel keywords (None: the defaults for the head cou
     "ptr": dict(use_tma=False, use_wgmma=False),
     "tma": dict(use_tma=True, use_wgmma=False),
     "triton": dict(use_wgmma=False),  # the Triton stage 1 at its default tiles
-    "wgmma": dict(use_wgmma=True),  # the Gluon stage 1 (64 heads per program, Hopper)
+    "wgmma": dict(use_wgmma=True),  # a Gluon stage 1 (Hopper: 64-head blocks, or tokens as rows at 16 / 32 heads)
 }
 _KNOBS = {"h": "block_h", "n": "block_n", "w": "num_warps", "s": "num_stages", "r": "max_regs"}
 

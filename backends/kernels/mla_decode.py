@@ -312,7 +312,7 @@ def mla_decode(
     require(D_CKV % merge_block_dv == 0, "D_CKV % merge_block_dv == 0")
 
     desc_c = desc_pe = None
-    if use_tma:
+    if use_tma and not use_wgmma:  # the Triton stage 1's descriptors (the wgmma launcher builds its own)
         rows = kv_cache.shape[0] * kv_cache.shape[1]
         desc_c = _descriptor(kv_cache, rows, block_n, D_CKV // 2)
         desc_pe = _descriptor(kv_cache, rows, block_n, D_PE)
@@ -332,8 +332,8 @@ def mla_decode(
     if use_wgmma:
         launch_wgmma_stage1(
             q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale=qk_scale,
-            out_scale=out_scale, programs=programs, min_chunk=min_chunk, snap=snap, max_splits=max_splits,
-            block_b=_BLOCK_B, pdl=pdl,
+            out_scale=out_scale, block_h=block_h, programs=programs, min_chunk=min_chunk, snap=snap,
+            max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl,
         )  # fmt: skip
     else:
         _mla_decode_stage1_kernel[(head_blocks, programs)](

@@ -87,10 +87,11 @@ def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int
 
 def launch_wgmma_stage1(
     q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, *, qk_scale: float,
-    out_scale: float, programs: int, min_chunk: int, snap: bool, max_splits: int, block_b: int, pdl: bool,
+    out_scale: float, block_h: int, programs: int, min_chunk: int, snap: bool, max_splits: int, block_b: int,
+    pdl: bool,
 ) -> None:  # fmt: skip
     """The plan kernel (writes ``work``, :mod:`backends.kernels.mla_decode_plan_kernels`) then the wgmma stage 1
-    over ``(H // block_h, programs)`` (``block_h`` from :func:`wgmma_block_h`); the caller then launches the merge
+    over ``(H // block_h, programs)`` (``block_h``: :func:`wgmma_block_h`'s choice); the caller then launches the merge
     with ``BLOCK_N = WGMMA_BLOCK_N`` and the plan's per-request rows (``REQ = work[8 * programs:]``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -99,7 +100,6 @@ def launch_wgmma_stage1(
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
 
     B, H, _ = q_nope.shape
-    block_h = wgmma_block_h(H, kv_cache.dtype)
     _mla_decode_plan_kernel[(programs,)](
         seq_lens, work, B, programs, min_chunk, int(bool(snap)),
         BLOCK_N=WGMMA_BLOCK_N, BLOCK_B=block_b, PDL=pdl, num_warps=4, launch_pdl=pdl,

@@ -80,8 +80,10 @@ def _load_q(Q, stride_h, q_smem, ROWS: gl.constexpr, COLS: gl.constexpr, CDT: gl
 
 
 @gluon.jit
-def _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe,
-                  BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+def _load_q_piece(
+    QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe,
+    BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
     """A piece's q (latent halves and rope part of heads h0 .. h0 + BLOCK_H) into shared memory, once the previous
     piece's products are done reading it, fenced for the tensor cores."""
     CDT: gl.constexpr = q_lo.dtype
@@ -103,15 +105,16 @@ def _work_row(WORK, pid_p):
 
 @gluon.jit
 def _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N: gl.constexpr):
-    """Request b (global start s_b) in the chunk [lo_g, hi_g): its length, padded end, token range [start, end) in
-    this chunk, first and last chunk and whether it is split."""
+    """Request b (global start s_b) in the chunk [lo_g, hi_g): its padded end, token range [start, end) in this
+    chunk, first chunk, whether it is split and the split pieces it takes in the slot space (0: one chunk holds it,
+    or it is empty), as the Triton kernels' ``_span``."""
     seq_len = gl.load(SL + b)
     e_b = s_b + gl.cdiv(seq_len, BLOCK_N) * BLOCK_N
     start = gl.maximum(lo_g, s_b) - s_b
     end = gl.minimum(gl.minimum(hi_g, e_b) - s_b, seq_len)
     p0 = s_b // chunk
     p1 = gl.maximum(e_b - 1, 0) // chunk
-    return seq_len, e_b, start, end, p0, p1, p1 > p0
+    return e_b, start, end, p0, p1 > p0, gl.where((seq_len > 0) & (p1 > p0), p1 - p0 + 1, 0)
 
 
 @gluon.jit
@@ -276,7 +279,7 @@ def _mla_decode_wgmma_kernel(
 
     it = 0
     for b in range(b0, b_end):  # the requests that overlap this program's chunk
-        seq_len, e_b, start, end, p0, p1, split = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
+        e_b, start, end, p0, split, pieces = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
         if start < end:
             b64 = (s_b * 0 + b).to(gl.int64)
             it = _decode_piece_wgmma(
@@ -286,8 +289,7 @@ def _mla_decode_wgmma_kernel(
                 stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H,
                 BLOCK_N, num_warps,
             )  # fmt: skip
-        if (seq_len > 0) & split:
-            slot0 += p1 - p0 + 1
+        slot0 += pieces
         s_b = e_b
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))

@@ -20,7 +20,7 @@ is folded into the score scale and the output scale. With half the bytes per sta
 flight (bf16: two). Shared memory at 16 heads: 18 KiB of q + 2 x 72 KiB (bf16) or 3 x 36 + 72 KiB (fp8).
 
 Measured on an H100 (bench/TRITON_NOTES.md, "Tokens as the matrix rows"): bf16 at 16 / 32 heads 1.07-1.22x the
-Triton stage 1's speed, 93-97% of copy bandwidth at long contexts (255 registers, 28 bytes of spills). fp8 is
+Triton stage 1's speed, 93-97% of copy bandwidth at long contexts (217 registers at 16 heads, no spills). fp8 is
 1.6-2.6x slower than the Triton kernel (512 bytes of spills, and the widening runs in the warpgroup that then
 multiplies, overlapping nothing), so ``mla_decode`` takes this kernel for fp8 only when asked (``use_wgmma=True``).
 """
@@ -184,18 +184,21 @@ def _mla_decode_wgmma_tokens_kernel(
         CDT: gl.constexpr = gl.float16
     else:
         CDT: gl.constexpr = KDT
-    q_lo = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT))
-    q_hi = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)
+    q_lo = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
     q_pe = gl.allocate_shared_memory(CDT, [BLOCK_H, D_PE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], CDT))
     kv_lo = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
     kv_hi = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
     kv_pe = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
-    p_smem = gl.allocate_shared_memory(CDT, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], CDT))
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], CDT)
+    p_smem = gl.allocate_shared_memory(CDT, [BLOCK_N, BLOCK_H], p_layout)
     if FP8:  # the widened tile the products read
         w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], CDT)
         w_lo = gl.allocate_shared_memory(CDT, [BLOCK_N, D_HALF], w_layout)
         w_hi = gl.allocate_shared_memory(CDT, [BLOCK_N, D_HALF], w_layout)
-        w_pe = gl.allocate_shared_memory(CDT, [BLOCK_N, D_PE], gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], CDT))
+        wpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], CDT)
+        w_pe = gl.allocate_shared_memory(CDT, [BLOCK_N, D_PE], wpe_layout)
     else:  # the products read the landed tile itself
         w_lo = kv_lo
         w_hi = kv_hi
@@ -206,7 +209,7 @@ def _mla_decode_wgmma_tokens_kernel(
 
     it = 0
     for b in range(b0, b_end):  # the requests that overlap this program's chunk
-        seq_len, e_b, start, end, p0, p1, split = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
+        e_b, start, end, p0, split, pieces = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
         if start < end:
             b64 = (s_b * 0 + b).to(gl.int64)
             it = _decode_piece_tokens(
@@ -216,8 +219,7 @@ def _mla_decode_wgmma_tokens_kernel(
                 stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE,
                 D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES, FP8, num_warps,
             )  # fmt: skip
-        if (seq_len > 0) & split:
-            slot0 += p1 - p0 + 1
+        slot0 += pieces
         s_b = e_b
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
