@@ -21,19 +21,23 @@ from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel
 WGMMA_BLOCK_H = 64
 WGMMA_BLOCK_N = 64
 WGMMA_WARPS = 8
-#: The tokens kernel: one warpgroup; KV tiles in flight (bf16 / fp16: 2 x 72 KiB; fp8: 36 KiB each, plus the
-#: 72 KiB widened tile, so 3 fit beside 16 heads of q and 2 beside 32).
+#: The tokens kernel: one warpgroup, two KV tiles in flight (bf16 / fp16: 2 x 72 KiB; fp8: 2 x 36 KiB plus two
+#: 64 KiB widened latent tiles, which fit beside 16 heads of q only).
 TOKENS_WARPS = 4
+TOKENS_STAGES = 2
 _D_CKV, _D_PE = 512, 64
 _HALF = (torch.bfloat16, torch.float16)
 
 
 def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
     """Heads per program of the wgmma stage 1 for this head count and cache (0: neither kernel tiles it): 64 (the
-    64-head kernel) for a 16-bit cache and a multiple of 64 heads, else 32 or 16 (the tokens kernel)."""
+    64-head kernel) for a 16-bit cache and a multiple of 64 heads, else 32 or 16 (the tokens kernel; 16 over an
+    fp8 cache, whose widened tiles leave no room for 32 heads of q)."""
     if kv_dtype in _HALF and heads % WGMMA_BLOCK_H == 0:
         return WGMMA_BLOCK_H
-    return 32 if heads % 32 == 0 else 16 if heads % 16 == 0 else 0
+    if heads % 32 == 0 and kv_dtype in _HALF:
+        return 32
+    return 16 if heads % 16 == 0 else 0
 
 
 #: Requests from which each kernel is the default (H100, ``bench.mla_decode_grid --graph``, bench/TRITON_NOTES.md).
@@ -56,10 +60,6 @@ def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     if kv_dtype not in _HALF or not block_h:
         return False
     return batch >= (WGMMA_MIN_BATCH if block_h == WGMMA_BLOCK_H else TOKENS_MIN_BATCH)
-
-
-def _tokens_stages(block_h: int, kv_dtype: torch.dtype) -> int:
-    return 3 if kv_dtype == torch.float8_e4m3fn and block_h == 16 else 2
 
 
 def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int, work: torch.Tensor | None) -> list:
@@ -96,6 +96,7 @@ def launch_wgmma_stage1(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from backends.kernels.mla_decode_wgmma_fp8_kernels import _mla_decode_wgmma_fp8_kernel
     from backends.kernels.mla_decode_wgmma_kernels import _mla_decode_wgmma_kernel
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
 
@@ -120,7 +121,11 @@ def launch_wgmma_stage1(
     dims = dict(PAGE_SIZE=kv_cache.shape[1], D_CKV=_D_CKV, D_PE=_D_PE, BLOCK_H=block_h, BLOCK_N=WGMMA_BLOCK_N)
     if block_h == WGMMA_BLOCK_H:
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
+    elif kv_cache.dtype == torch.float8_e4m3fn:
+        _mla_decode_wgmma_fp8_kernel[(H // block_h, programs)](
+            *args, **dims, STAGES=TOKENS_STAGES, num_warps=TOKENS_WARPS
+        )
     else:
         _mla_decode_wgmma_tokens_kernel[(H // block_h, programs)](
-            *args, **dims, STAGES=_tokens_stages(block_h, kv_cache.dtype), num_warps=TOKENS_WARPS
+            *args, **dims, STAGES=TOKENS_STAGES, num_warps=TOKENS_WARPS
         )

@@ -1,4 +1,4 @@
-"""Gluon stage-1 kernel of the absorbed-MLA decode for 16 or 32 heads per GPU (Hopper), bf16 / fp16 or fp8 cache.
+"""Gluon stage-1 kernel of the absorbed-MLA decode for 16 or 32 heads per GPU (Hopper), bf16 / fp16 cache.
 
 Why tokens as the matrix dimension: a wgmma instruction multiplies 64 rows, and 16 or 32 heads are too few rows
 for it (the Triton kernel falls back to ``mma.sync`` there). Transposed, both products have 64-row operands taken
@@ -13,16 +13,12 @@ and token ranges a program handles) comes from the plan kernel, as for the 64-he
 (:mod:`backends.kernels.mla_decode_wgmma_kernels`), and the outputs are the same (finished requests to ``out``, split
 pieces to workspace slots), so the Triton merge combines them.
 
-fp8 (e4m3) caches: TMA brings the fp8 tile (half the bytes), one pass widens it to fp16 into a second shared
-buffer (``cvt.rn.f16x2.e4m3x2``, one instruction per two values; rows past the request's end become 0 there), and
-the products read the widened tile. The products run in fp16 (a bf16 q clamped to fp16's range), the cache scale
-is folded into the score scale and the output scale. With half the bytes per stage, fp8 keeps three tiles in
-flight (bf16: two). Shared memory at 16 heads: 18 KiB of q + 2 x 72 KiB (bf16) or 3 x 36 + 72 KiB (fp8).
+The products' helpers (scores, softmax down the tokens, the output write) are shared with the fp8 kernel
+(:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`), which widens each fp8 tile to fp16 in warps of its own.
+Shared memory at 16 heads: 18 KiB of q + 2 x 72 KiB of KV tiles.
 
 Measured on an H100 (bench/TRITON_NOTES.md, "Tokens as the matrix rows"): bf16 at 16 / 32 heads 1.07-1.22x the
-Triton stage 1's speed, 93-97% of copy bandwidth at long contexts (217 registers at 16 heads, no spills). fp8 is
-1.6-2.6x slower than the Triton kernel (512 bytes of spills, and the widening runs in the warpgroup that then
-multiplies, overlapping nothing), so ``mla_decode`` takes this kernel for fp8 only when asked (``use_wgmma=True``).
+Triton stage 1's speed, 93-97% of copy bandwidth at long contexts (173 registers at 16 heads, no spills).
 """
 
 from __future__ import annotations
@@ -40,27 +36,14 @@ from backends.kernels.mla_decode_wgmma_kernels import _issue_next, _load_q_piece
 
 
 @gluon.jit
-def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
-    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), 16 rows at a time; rows >= valid set to 0 (never-written
-    pool memory may hold NaN bit patterns)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps, 1], [1, 0])
-    for r0 in gl.static_range(0, ROWS, 16):
-        x = src.slice(r0, 16, dim=0).load(layout).to(dst.dtype)
-        if r0 + 16 > valid:
-            rows = r0 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
-            x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
-        dst.slice(r0, 16, dim=0).store(x)
-
-
-@gluon.jit
 def _store_t(
     o, cols0, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s, stride_o_b,
     stride_o_h, ROWS: gl.constexpr, BLOCK_H: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """o^T [ROWS latent columns, BLOCK_H heads] (normalized) -> OUT (a finished request) or a workspace slot (a
-    split piece), through a layout whose threads hold 4 consecutive columns (coalesced rows of OUT)."""
-    layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
-    o = gl.convert_layout(o, layout)
+    split piece), straight from the accumulator layout (8 lanes write 8 consecutive columns of a head; a layout
+    conversion would need 16 KiB of shared memory that the fp8 buffers use)."""
+    layout: gl.constexpr = o.type.layout
     cols = cols0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
     if split:
@@ -72,35 +55,60 @@ def _store_t(
 
 
 @gluon.jit
-def _operands(kv_lo, kv_hi, kv_pe, w_lo, w_hi, w_pe, stage, valid, FP8: gl.constexpr, BLOCK_N: gl.constexpr,
-              D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """The landed tile in ``stage`` made ready for the products: fp8 widened into w_* (rows past the end zeroed),
-    bf16 / fp16 zeroed past the end in place; returns the three operand buffers."""
-    if FP8:
-        _widen(kv_lo.index(stage), w_lo, valid, BLOCK_N, D_HALF, num_warps)
-        _widen(kv_hi.index(stage), w_hi, valid, BLOCK_N, D_HALF, num_warps)
-        _widen(kv_pe.index(stage), w_pe, valid, BLOCK_N, D_PE, num_warps)
-        fence_async_shared()
-        gl.thread_barrier()
-        return w_lo, w_hi, w_pe
-    else:
-        _ready(kv_lo.index(stage), kv_hi.index(stage), valid, BLOCK_N, D_HALF, num_warps)
-        return kv_lo.index(stage), kv_hi.index(stage), kv_pe.index(stage)
+def _scores_t(a_lo, a_hi, a_pe, q_lo, q_hi, q_pe, s_zero):
+    """S^T = K . q^T over the latent halves and the rope part of a tile: three wgmma groups, issued (not waited
+    for)."""
+    s = warpgroup_mma(a_lo, q_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(a_hi, q_hi.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(a_pe, q_pe.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax_t(s, m_i, l_i, rows_n, valid, qk_scale, p_smem):
+    """Online softmax down the token axis of one tile's S^T (rows >= valid masked): P^T into p_smem (fenced, every
+    warp done), the output rescale factor [1, H] and the new running max and sum."""
+    s = gl.where(gl.expand_dims(rows_n < valid, 1), s * qk_scale, gl.full_like(s, float("-inf")))
+    m_new = gl.maximum(m_i, gl.max(s, 0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+    l_i = l_i * alpha + gl.sum(p, 0)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    return gl.expand_dims(alpha, 0), m_new, l_i
+
+
+@gluon.jit
+def _finish_t(
+    o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h,
+    stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, D_HALF: gl.constexpr,
+    BLOCK_H: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """A piece's normalized output (and, for a split piece, its log-sum-exp) written out."""
+    inv = gl.expand_dims(out_scale / l_i, 0)
+    _store_t(o_lo * inv, 0, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s,
+             stride_o_b, stride_o_h, D_HALF, BLOCK_H, num_warps)  # fmt: skip
+    _store_t(o_hi * inv, D_HALF, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s,
+             stride_o_b, stride_o_h, D_HALF, BLOCK_H, num_warps)  # fmt: skip
+    if split:
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        heads = h0 + gl.arange(0, BLOCK_H, layout=m_i.type.layout)
+        gl.store(PL + (slot // slot_div).to(gl.int64) * stride_pl_b + heads * stride_pl_h
+                 + (slot % slot_div) * stride_pl_s, lse)  # fmt: skip
 
 
 @gluon.jit
 def _decode_piece_tokens(
-    QN, QP, desc_c, desc_pe, PT_row, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, w_lo, w_hi, w_pe, p_smem,
-    bars, it, qk_scale, out_scale, b64, start, end, split, slot, slot_div, h0,
+    QN, QP, desc_c, desc_pe, PT_row, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, p_smem, bars, it,
+    qk_scale, out_scale, b64, start, end, split, slot, slot_div, h0,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Tokens [start, end) of request b64 for heads h0 .. h0 + BLOCK_H. ``it`` counts the tiles this program has
     consumed so far (tile k of the piece lives in stage (it0 + k) % STAGES); returns the updated count."""
     D_HALF: gl.constexpr = D_CKV // 2
-    CDT: gl.constexpr = q_lo.dtype
     # one layout for S^T [BLOCK_N, BLOCK_H] and O^T [D_HALF, BLOCK_H]: per-head vectors need no conversion
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16]
@@ -128,38 +136,20 @@ def _decode_piece_tokens(
         gl.thread_barrier()  # every warp is done with the previous tile: its stage can be refilled
         _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + STAGES - 1) % STAGES, PT_row,
                     n0 + (STAGES - 1) * BLOCK_N, end, i + STAGES - 1 < nt, PAGE_SIZE, D_HALF)  # fmt: skip
-        a_lo, a_hi, a_pe = _operands(kv_lo, kv_hi, kv_pe, w_lo, w_hi, w_pe, stage, end - n0, FP8, BLOCK_N, D_HALF,
-                                     D_PE, num_warps)  # fmt: skip
-        s = warpgroup_mma(a_lo, q_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(a_hi, q_hi.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(a_pe, q_pe.permute((1, 0)), s, is_async=True)
+        a_lo = kv_lo.index(stage)
+        a_hi = kv_hi.index(stage)
+        _ready(a_lo, a_hi, end - n0, BLOCK_N, D_HALF, num_warps)
+        s = _scores_t(a_lo, a_hi, kv_pe.index(stage), q_lo, q_hi, q_pe, s_zero)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        # online softmax down the token axis (rows past the end masked)
-        s = gl.where(gl.expand_dims(rows_n < end - n0, 1), s * qk_scale, gl.full_like(s, float("-inf")))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - gl.expand_dims(m_new, 0))
-        l_i = l_i * alpha + gl.sum(p, 0)
-        m_i = m_new
-        p_smem.store(p.to(CDT))
-        fence_async_shared()
-        gl.thread_barrier()
-        alpha_o = gl.expand_dims(alpha, 0)
+        alpha_o, m_i, l_i = _softmax_t(s, m_i, l_i, rows_n, end - n0, qk_scale, p_smem)
         o_lo = warpgroup_mma(a_lo.permute((1, 0)), p_smem, o_lo * alpha_o, is_async=True)
         o_hi = warpgroup_mma(a_hi.permute((1, 0)), p_smem, o_hi * alpha_o, is_async=True)
         o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
         it += 1
 
-    inv = gl.expand_dims(out_scale / l_i, 0)
-    _store_t(o_lo * inv, 0, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s,
-             stride_o_b, stride_o_h, D_HALF, BLOCK_H, num_warps)  # fmt: skip
-    _store_t(o_hi * inv, D_HALF, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s,
-             stride_o_b, stride_o_h, D_HALF, BLOCK_H, num_warps)  # fmt: skip
-    if split:
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-        heads = h0 + gl.arange(0, BLOCK_H, layout=col_l)
-        gl.store(PL + (slot // slot_div).to(gl.int64) * stride_pl_b + heads * stride_pl_h
-                 + (slot % slot_div) * stride_pl_s, lse)  # fmt: skip
+    _finish_t(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b,
+              stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, D_HALF,
+              BLOCK_H, num_warps)  # fmt: skip
     return it
 
 
@@ -178,31 +168,16 @@ def _mla_decode_wgmma_tokens_kernel(
     pid_p = gl.program_id(1)
     b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, pid_p)
 
-    KDT: gl.constexpr = desc_c.dtype
-    FP8: gl.constexpr = KDT == gl.float8e4nv
-    if FP8:  # e4m3 widens to fp16 in one instruction per two values
-        CDT: gl.constexpr = gl.float16
-    else:
-        CDT: gl.constexpr = KDT
+    CDT: gl.constexpr = desc_c.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)
     q_lo = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
     q_hi = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
     q_pe = gl.allocate_shared_memory(CDT, [BLOCK_H, D_PE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], CDT))
-    kv_lo = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
-    kv_hi = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
-    kv_pe = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
+    kv_lo = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
+    kv_hi = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
+    kv_pe = gl.allocate_shared_memory(CDT, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], CDT)
     p_smem = gl.allocate_shared_memory(CDT, [BLOCK_N, BLOCK_H], p_layout)
-    if FP8:  # the widened tile the products read
-        w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], CDT)
-        w_lo = gl.allocate_shared_memory(CDT, [BLOCK_N, D_HALF], w_layout)
-        w_hi = gl.allocate_shared_memory(CDT, [BLOCK_N, D_HALF], w_layout)
-        wpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], CDT)
-        w_pe = gl.allocate_shared_memory(CDT, [BLOCK_N, D_PE], wpe_layout)
-    else:  # the products read the landed tile itself
-        w_lo = kv_lo
-        w_hi = kv_hi
-        w_pe = kv_pe
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
@@ -214,10 +189,10 @@ def _mla_decode_wgmma_tokens_kernel(
             b64 = (s_b * 0 + b).to(gl.int64)
             it = _decode_piece_tokens(
                 QN, QP, desc_c, desc_pe, PT + b64 * stride_pt_b, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe,
-                w_lo, w_hi, w_pe, p_smem, bars, it, qk_scale, out_scale, b64, start, end, split,
+                p_smem, bars, it, qk_scale, out_scale, b64, start, end, split,
                 slot0 + (pid_p - p0), slot_div, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b,
                 stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE,
-                D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES, FP8, num_warps,
+                D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES, num_warps,
             )  # fmt: skip
         slot0 += pieces
         s_b = e_b
