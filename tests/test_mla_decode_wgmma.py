@@ -19,6 +19,7 @@ from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err, repl
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel, plan_ints
 from backends.kernels.mla_decode_wgmma import (
+    FP8_MIN_BATCH,
     TOKENS_MIN_BATCH,
     WGMMA_MIN_BATCH,
     wgmma_block_h,
@@ -107,11 +108,12 @@ def test_wgmma_heads_per_program():
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     assert [wgmma_block_h(h, bf16) for h in (16, 32, 48, 64, 128, 8, 24)] == [16, 32, 16, 64, 64, 0, 0]
     assert [wgmma_block_h(h, fp8) for h in (16, 32, 64, 128)] == [16, 16, 16, 16]
-    # the default where it runs: measured faster than the Triton stage 1 (not at batch 1; fp8: never)
+    # the default where it runs: measured faster than the Triton stage 1 (not at batch 1; fp8: up to 32 heads)
     assert wgmma_by_default(128, bf16, WGMMA_MIN_BATCH) and wgmma_by_default(64, torch.float16, WGMMA_MIN_BATCH)
     assert not wgmma_by_default(128, bf16, 1) and WGMMA_MIN_BATCH > 1 and TOKENS_MIN_BATCH > 1
     assert wgmma_by_default(16, bf16, TOKENS_MIN_BATCH) and not wgmma_by_default(16, bf16, TOKENS_MIN_BATCH - 1)
-    assert not any(wgmma_by_default(h, fp8, 256) for h in (16, 32, 64, 128))
+    assert [wgmma_by_default(h, fp8, 256) for h in (16, 32, 64, 128)] == [True, True, False, False]
+    assert not wgmma_by_default(16, fp8, FP8_MIN_BATCH - 1) and wgmma_by_default(16, fp8, FP8_MIN_BATCH)
     assert not wgmma_by_default(24, bf16, 256)
 
 

@@ -45,19 +45,26 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
 #: stage 1 at batch 1 and 2 with 64 heads (28.2 vs 24.5 us at 1 x 1024, 38.7 vs 36.9 at 2 x 4096) and at 1 x 1024
 #: with 128 heads (35.4 vs 30.8), faster from batch 4 (49.0 vs 52.8 us at 4 x 4096, 64 heads); the tokens kernel
 #: was ~1 us slower at batch 1 (16.8 vs 15.8 us at 1 x 1024, 16 heads) and faster from batch 8 (28.8 vs 31.2 at
-#: 8 x 2048).
+#: 8 x 2048). The fp8 kernel (16-head programs, each tile read once per 16 heads) beat the Triton fp8 stage 1 at 16
+#: and 32 heads (499 vs 887 us at 64 x 32768, 16 heads; 944 vs 1180 at 32) and lost at 64 and 128 (1849 vs 1472,
+#: 3713 vs 2812): it is the default up to :data:`FP8_MAX_HEADS` heads, from :data:`FP8_MIN_BATCH` requests.
 WGMMA_MIN_BATCH = 4
 TOKENS_MIN_BATCH = 8
+FP8_MIN_BATCH = 4
+FP8_MAX_HEADS = 32
 
 
 def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     """Whether ``mla_decode(use_wgmma=None)`` takes the wgmma stage 1 where it can run: where it measured faster
     than the Triton stage 1 on an H100: bf16 / fp16 caches, 64-head blocks from :data:`WGMMA_MIN_BATCH` requests,
-    16 / 32-head blocks from :data:`TOKENS_MIN_BATCH`. Over an fp8 cache the tokens kernel widens each tile in the
-    same warpgroup that multiplies it and measured 1.6-2.6x slower than the Triton stage 1, so fp8 keeps the Triton
-    kernel unless ``use_wgmma=True``."""
+    16 / 32-head blocks from :data:`TOKENS_MIN_BATCH`; fp8 caches with at most :data:`FP8_MAX_HEADS` heads from
+    :data:`FP8_MIN_BATCH` requests."""
     block_h = wgmma_block_h(heads, kv_dtype)
-    if kv_dtype not in _HALF or not block_h:
+    if not block_h:
+        return False
+    if kv_dtype == torch.float8_e4m3fn:
+        return heads <= FP8_MAX_HEADS and batch >= FP8_MIN_BATCH
+    if kv_dtype not in _HALF:
         return False
     return batch >= (WGMMA_MIN_BATCH if block_h == WGMMA_BLOCK_H else TOKENS_MIN_BATCH)
 
