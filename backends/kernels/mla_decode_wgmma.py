@@ -1,9 +1,11 @@
-"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in two kernels:
+"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in three kernels:
 
 * 64 heads per program, heads as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16
   cache and a multiple of 64 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
-  fewer heads, and fp8 caches (widened to fp16 in shared memory).
+  a bf16 / fp16 cache and fewer heads;
+* 16 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the tokens
+  kernel's products, each tile widened to fp16 in shared memory by warps of its own.
 
 :func:`backends.kernels.mla_decode.mla_decode` picks one for caches it can read (see :func:`wgmma_problems` and
 :func:`wgmma_block_h`); the plan and the merge stay the Triton ones, so the outputs (finished requests, split

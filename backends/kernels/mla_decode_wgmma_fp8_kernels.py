@@ -180,8 +180,8 @@ def _mla_decode_wgmma_fp8_kernel(
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``num_warps`` (4) multiply,
-    4 more widen."""
+    """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``num_warps`` (4) warps
+    multiply, :data:`WIDEN_WARPS` (8) more widen."""
     D_HALF: gl.constexpr = D_CKV // 2
     CDT: gl.constexpr = gl.float16
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)

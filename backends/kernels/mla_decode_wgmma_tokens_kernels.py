@@ -42,7 +42,7 @@ def _store_t(
 ):  # fmt: skip
     """o^T [ROWS latent columns, BLOCK_H heads] (normalized) -> OUT (a finished request) or a workspace slot (a
     split piece), straight from the accumulator layout (8 lanes write 8 consecutive columns of a head; a layout
-    conversion would need 16 KiB of shared memory that the fp8 buffers use)."""
+    conversion would take 16 KiB of shared memory, which the fp8 kernel's buffers leave no room for)."""
     layout: gl.constexpr = o.type.layout
     cols = cols0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, layout))
