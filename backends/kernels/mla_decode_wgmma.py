@@ -130,11 +130,7 @@ def launch_wgmma_stage1(
     dims = dict(PAGE_SIZE=kv_cache.shape[1], D_CKV=_D_CKV, D_PE=_D_PE, BLOCK_H=block_h, BLOCK_N=WGMMA_BLOCK_N)
     if block_h == WGMMA_BLOCK_H:
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
-    elif kv_cache.dtype == torch.float8_e4m3fn:
-        _mla_decode_wgmma_fp8_kernel[(H // block_h, programs)](
-            *args, **dims, STAGES=TOKENS_STAGES, num_warps=TOKENS_WARPS
-        )
-    else:
-        _mla_decode_wgmma_tokens_kernel[(H // block_h, programs)](
-            *args, **dims, STAGES=TOKENS_STAGES, num_warps=TOKENS_WARPS
-        )
+    else:  # tokens as the matrix rows; over fp8 with its widening warps
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        kernel = _mla_decode_wgmma_fp8_kernel if fp8 else _mla_decode_wgmma_tokens_kernel
+        kernel[(H // block_h, programs)](*args, **dims, STAGES=TOKENS_STAGES, num_warps=TOKENS_WARPS)
