@@ -33,14 +33,15 @@ def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpe
     speculative draft step, which run one after another on one stream, use the same buffer.
     """
     slots, h = int(backend_cfg["split_slots"]), model.num_heads
-    nbytes = slots * h * (model.kv_lora_rank + 1) * 4 + _work_ints(slots) * 4
+    nbytes = slots * h * (model.kv_lora_rank + 1) * 4 + _work_ints(slots, h) * 4
     return WorkspaceSpec(WORKSPACE, nbytes=nbytes, zero_init=False, shareable=True)
 
 
-def _work_ints(split_slots: int) -> int:
-    """int32 of the wgmma decode's plan: 8 per stage-1 program and 2 per request; a batch's programs never exceed
-    its split slots + 1 (``backends.kernels.mla_decode.decode_programs``), nor its requests the split slots."""
-    return 8 * (split_slots + 1) + 2 * split_slots
+def _work_ints(split_slots: int, heads: int) -> int:
+    """int32 of the wgmma decode's plan: 8 per stage-1 program, 2 per request and a piece counter per request and
+    head block (of at least 16 heads); a batch's programs never exceed its split slots + 1
+    (``backends.kernels.mla_decode.decode_programs``), nor its requests the split slots."""
+    return 8 * (split_slots + 1) + (2 + max(1, heads // 16)) * split_slots
 
 
 class TritonMLABackend:
@@ -112,7 +113,8 @@ class TritonMLABackend:
         self._decode_kernel, self._extend_kernel = mla_decode, mla_extend
         self.req_to_token_pool, self.kv_pool, self.model = req_to_token_pool, kv_pool, model
         self.workspace = split_kv_workspace
-        self._work = split_kv_workspace.view(torch.int32)[-_work_ints(int(config["split_slots"])) :]  # the spec's tail
+        n_work = _work_ints(int(config["split_slots"]), model.num_heads)
+        self._work = split_kv_workspace.view(torch.int32)[-n_work:]  # the spec's tail
         self.max_splits = int(config["max_splits"])
         self.split_slots = int(config["split_slots"])
         self.min_tokens_per_split = int(config["min_tokens_per_split"])

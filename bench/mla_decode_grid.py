@@ -94,7 +94,7 @@ def ours(case: Case, fp8: bool, **kw):
     po = torch.empty(po_s, device="cuda")
     pl = torch.empty(pl_s, device="cuda")
     out = torch.empty(b, case.h, D_CKV, device="cuda", dtype=torch.bfloat16)
-    work = torch.empty(plan_ints(1025, b), dtype=torch.int32, device="cuda")  # the wgmma path's plan: <= 1025 programs
+    work = torch.empty(plan_ints(1025, b, case.h // 16), dtype=torch.int32, device="cuda")  # <= 1025 programs
     kv = case.kv8 if fp8 else case.kv
 
     def fn():

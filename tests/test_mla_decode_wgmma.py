@@ -72,17 +72,23 @@ def _merge_plan(lens, programs, min_chunk):
 )
 def test_plan_kernel_rows_match_the_python_plan(lens, programs):
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    work = torch.full((plan_ints(programs, len(lens)),), -7, dtype=torch.int32, device=DEV)
+    hb = 2  # head blocks: a piece counter each per request
+    work = torch.full((plan_ints(programs, len(lens), hb),), -7, dtype=torch.int32, device=DEV)
     kw = {} if INTERPRETED else dict(num_warps=4)
-    _mla_decode_plan_kernel[(programs,)](sl, work, len(lens), programs, 64, 1, BLOCK_N=64, BLOCK_B=256, PDL=False, **kw)
+    _mla_decode_plan_kernel[(programs,)](sl, work, len(lens), programs, 64, 1, hb, BLOCK_N=64, BLOCK_B=256,
+                                         MERGE_MAX=2, PDL=False, **kw)  # fmt: skip
     got = [tuple(r[:6]) for r in work[: 8 * programs].view(programs, 8).cpu().tolist()]
     assert got == _plan_rows(lens, programs, 64)
     # the merge's rows: (first slot, pieces) of every non-empty request, as the kernels' shared plan gives them
     chunk, plan, _ = _merge_plan(lens, programs, 64)
-    req = work[8 * programs :].view(len(lens), 2).cpu().tolist()
+    req = work[8 * programs : 8 * programs + 2 * len(lens)].view(len(lens), 2).cpu().tolist()
+    cnt = work[8 * programs + 2 * len(lens) :].view(len(lens), hb).cpu()
     for b, L in enumerate(lens):
         if L:
-            assert tuple(req[b]) == (plan[b] if plan[b] else (req[b][0], 1)), (b, req[b], plan[b])
+            # requests of at most MERGE_MAX pieces are merged by stage 1: no merge kernel work (1 piece)
+            want = plan[b] if plan[b] and plan[b][1] > 2 else (plan[b][0] if plan[b] else req[b][0], 1)
+            assert tuple(req[b]) == want, (b, req[b], plan[b])
+            assert (cnt[b] == 0).all(), "every head block's piece counter starts at 0"
 
 
 def test_wgmma_refusals_name_every_reason():
@@ -159,7 +165,7 @@ def _decode(q_nope, q_pe, kv, pt, lens, scale, **kw):
     po = torch.full(po_shape, float("nan"), device="cuda")
     pl = torch.full(pl_shape, float("nan"), device="cuda")
     out = torch.full((B, H, D_CKV), float("nan"), dtype=q_nope.dtype, device="cuda")
-    work = torch.full((plan_ints(2048, B),), -1, dtype=torch.int32, device="cuda")
+    work = torch.full((plan_ints(2048, B, H // 16),), -1, dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, work=work, **kw)
     return out
@@ -189,6 +195,22 @@ def test_gpu_wgmma_decode_matches_reference_and_triton(H, dtype, lens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("merge_max", [0, 2, 1 << 20], ids=["merge-kernel", "few-in-stage1", "all-in-stage1"])
+@pytest.mark.parametrize("H", [16, 64])
+def test_gpu_wgmma_stage1_merge_matches_reference(H, merge_max, monkeypatch):
+    """Split requests merged by the merge kernel, by the stage 1 up to 2 pieces, or all by the stage 1 (the last
+    program to finish a request's pieces): the same outputs, zeros for empty requests, twice (counters reset)."""
+    needs_gpu()
+    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "MERGE_MAX_PIECES", merge_max)
+    lens = [1, 7, 0, 4097, 2000, 64, 129, 30000, 0, 513]
+    kv, pt, q_nope, q_pe = _problem(lens, H, torch.bfloat16, seed=H + merge_max % 7)
+    ref = _reference(q_nope, q_pe, kv, pt, lens, 0.1)
+    for _ in range(2):
+        out = _decode(q_nope, q_pe, kv, pt, lens, 0.1, use_wgmma=True)
+        assert rel_err(out, ref) < 1e-2 and (out[2] == 0).all() and (out[8] == 0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("H,dtype", [(128, torch.bfloat16), (16, FP8)], ids=["128-bf16", "16-fp8"])
 def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
     needs_gpu()
@@ -199,7 +221,7 @@ def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
     po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
     po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
     out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device="cuda")
-    work = torch.empty(plan_ints(2048, B), dtype=torch.int32, device="cuda")
+    work = torch.empty(plan_ints(2048, B, H // 16), dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
 
     def step():
@@ -223,20 +245,23 @@ def test_wgmma_branch_merges_through_the_plan_rows(monkeypatch):
     q_nope, q_pe = torch.randn(len(lens), H, D_CKV, generator=g), torch.randn(len(lens), H, D_PE, generator=g)
     seen = {}
 
-    def stand_in(q_nope, q_pe, kv, pt, sl, work, po, pl, out, *, programs, min_chunk, snap, max_splits, **_):
-        _mla_decode_plan_kernel[(programs,)](sl, work, len(lens), programs, min_chunk, int(snap), BLOCK_N=64,
-                                             BLOCK_B=256, PDL=False)  # fmt: skip
+    def stand_in(q_nope, q_pe, kv, pt, sl, work, po, pl, out, *, programs, min_chunk, snap, max_splits, merge_max,
+                 **_):  # fmt: skip
+        assert merge_max == 0, "the stand-in stage 1 does not merge"
+        _mla_decode_plan_kernel[(programs,)](sl, work, len(lens), programs, min_chunk, int(snap), 1, BLOCK_N=64,
+                                             BLOCK_B=256, MERGE_MAX=0, PDL=False)  # fmt: skip
         md.mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=max_splits, block_n=64, block_h=16,
                       target_programs=programs, min_tokens_per_split=min_chunk, use_wgmma=False, _skip_merge=True)
-        seen.update(programs=programs, req=work[8 * programs :].clone())
+        seen.update(programs=programs, req=work[8 * programs : 8 * programs + 2 * len(lens)].clone())
 
     monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
     monkeypatch.setattr(md, "wgmma_block_h", lambda *a: 16)
     monkeypatch.setattr(md, "launch_wgmma_stage1", stand_in)
+    monkeypatch.setattr(md.mla_decode_wgmma, "MERGE_MAX_PIECES", 0)  # every split request through the merge kernel
     po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
     pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)
     out = torch.full((len(lens), H, D_CKV), float("nan"), device=DEV)
-    work = torch.full((plan_ints(16, len(lens)),), -1, dtype=torch.int32, device=DEV)
+    work = torch.full((plan_ints(16, len(lens), 1),), -1, dtype=torch.int32, device=DEV)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     md.mla_decode(q_nope.to(DEV), q_pe.to(DEV), kv.to(DEV), pt.to(DEV), sl, scale, out, po, pl, max_splits=4,
                   work=work, use_wgmma=True, target_programs=16)  # fmt: skip

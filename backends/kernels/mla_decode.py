@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from backends.kernels import mla_decode_wgmma
 from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
 from backends.kernels.mla_decode_plan_kernels import plan_ints
@@ -300,7 +301,8 @@ def mla_decode(
     if target_programs is None:
         target_programs = programs_per_sm(block_h, use_tma) * sms if on_gpu else 0
     programs = decode_programs(B, slots, head_blocks, target_programs)
-    require(not use_wgmma or work.numel() >= plan_ints(programs, B), f"work of >= {plan_ints(programs, B)} int32")
+    n_work = plan_ints(programs, B, head_blocks)
+    require(not use_wgmma or work.numel() >= n_work, f"work of >= {n_work} int32")
     min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
 
     mcfg = merge_config(B, H, programs, sms, D_CKV)
@@ -329,11 +331,13 @@ def mla_decode(
     if pdl:
         extra["launch_pdl"] = True
 
+    half = kv_cache.dtype in (torch.bfloat16, torch.float16)
+    merge_max = mla_decode_wgmma.MERGE_MAX_PIECES if use_wgmma and half else 0  # stage 1 merges the few-piece ones
     if use_wgmma:
         launch_wgmma_stage1(
             q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale=qk_scale,
             out_scale=out_scale, block_h=block_h, programs=programs, min_chunk=min_chunk, snap=snap,
-            max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl,
+            max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl, merge_max=merge_max,
         )  # fmt: skip
     else:
         _mla_decode_stage1_kernel[(head_blocks, programs)](

@@ -50,6 +50,13 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
 #: 8 x 2048). The fp8 kernel (16-head programs, each tile read once per 16 heads) beat the Triton fp8 stage 1 at 16
 #: and 32 heads (499 vs 887 us at 64 x 32768, 16 heads; 944 vs 1180 at 32) and lost at 64 and 128 (1849 vs 1472,
 #: 3713 vs 2812): it is the default up to :data:`FP8_MAX_HEADS` heads, from :data:`FP8_MIN_BATCH` requests.
+#: Over a bf16 / fp16 cache, split requests of at most this many pieces are merged by the stage 1 itself (the program
+#: that finishes the last piece reads the others' partials back from L2; one round trip per piece, so more pieces
+#: are left to the merge kernel, which spreads them over the GPU). H100, bench/TRITON_NOTES.md: 16 heads 64 x 4096
+#: 137.5 -> 128.2 us, 64 heads 189.9 -> 147.9; with no merge kernel at all 125.2, but a request of 70000 tokens
+#: among short ones took 123.6 us against 67.9. The fp8 kernel keeps the merge kernel (6% slower at 64 x 32768
+#: with the merge in it).
+MERGE_MAX_PIECES = 4
 WGMMA_MIN_BATCH = 4
 TOKENS_MIN_BATCH = 8
 FP8_MIN_BATCH = 4
@@ -97,11 +104,13 @@ def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int
 def launch_wgmma_stage1(
     q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, *, qk_scale: float,
     out_scale: float, block_h: int, programs: int, min_chunk: int, snap: bool, max_splits: int, block_b: int,
-    pdl: bool,
+    pdl: bool, merge_max: int,
 ) -> None:  # fmt: skip
     """The plan kernel (writes ``work``, :mod:`backends.kernels.mla_decode_plan_kernels`) then the wgmma stage 1
-    over ``(H // block_h, programs)`` (``block_h``: :func:`wgmma_block_h`'s choice); the caller then launches the merge
-    with ``BLOCK_N = WGMMA_BLOCK_N`` and the plan's per-request rows (``REQ = work[8 * programs:]``)."""
+    over ``(H // block_h, programs)`` (``block_h``: :func:`wgmma_block_h`'s choice), which merges split requests of at
+    most ``merge_max`` pieces itself (0: none). The caller then launches the merge with ``BLOCK_N = WGMMA_BLOCK_N``
+    and the plan's per-request rows (``REQ = work[8 * programs:]``), for the other split requests and the empty
+    ones."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -111,8 +120,8 @@ def launch_wgmma_stage1(
 
     B, H, _ = q_nope.shape
     _mla_decode_plan_kernel[(programs,)](
-        seq_lens, work, B, programs, min_chunk, int(bool(snap)),
-        BLOCK_N=WGMMA_BLOCK_N, BLOCK_B=block_b, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        seq_lens, work, B, programs, min_chunk, int(bool(snap)), H // block_h,
+        BLOCK_N=WGMMA_BLOCK_N, BLOCK_B=block_b, MERGE_MAX=merge_max, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[kv_cache.dtype]
     rows = kv_cache.shape[0] * kv_cache.shape[1]
@@ -126,8 +135,10 @@ def launch_wgmma_stage1(
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2), out.stride(0), out.stride(1), max_splits,
+        B,
     )  # fmt: skip
-    dims = dict(PAGE_SIZE=kv_cache.shape[1], D_CKV=_D_CKV, D_PE=_D_PE, BLOCK_H=block_h, BLOCK_N=WGMMA_BLOCK_N)
+    dims = dict(PAGE_SIZE=kv_cache.shape[1], D_CKV=_D_CKV, D_PE=_D_PE, BLOCK_H=block_h, BLOCK_N=WGMMA_BLOCK_N,
+                MERGE=merge_max)
     if block_h == WGMMA_BLOCK_H:
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
     else:  # tokens as the matrix rows; over fp8 with its widening warps

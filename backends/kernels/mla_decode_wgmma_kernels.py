@@ -141,6 +141,77 @@ def _store_half(
 
 
 @gluon.jit
+def _merge_chunk_ends(
+    WORK, SL, PO, PL, OUT, s_end, slot_end, h0, slot_div, num_reqs, stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
+    D_CKV: gl.constexpr, MERGE_MAX: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """After a program's last piece: the split requests it has a piece of (only its chunk's first and last request
+    can be split) through :func:`_merge_if_last`. ``s_end`` / ``slot_end``: the global token and the slot after its
+    last request (the request walk's final values), from which the last request's start and slot are recovered
+    (nothing is carried through the walk: the 64-head kernel has no register to spare)."""
+    b0, s_b0, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, gl.program_id(1))
+    if b_end > b0:
+        _, _, _, _, split, pieces = _request_span(SL, b0, s_b0, lo_g, hi_g, chunk, BLOCK_N)
+        if split & (pieces <= MERGE_MAX):
+            _merge_if_last(WORK, PO, PL, OUT, b0, h0, slot0, pieces, slot_div, num_reqs, stride_po_b, stride_po_h,
+                           stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, BLOCK_H, D_CKV,
+                           num_warps)  # fmt: skip
+        b1 = b_end - 1
+        if b1 > b0:
+            s_b1 = s_end - gl.cdiv(gl.load(SL + b1), BLOCK_N) * BLOCK_N
+            _, _, _, _, split, pieces = _request_span(SL, b1, s_b1, lo_g, hi_g, chunk, BLOCK_N)
+            if split & (pieces <= MERGE_MAX):
+                _merge_if_last(WORK, PO, PL, OUT, b1, h0, slot_end - pieces, pieces, slot_div, num_reqs,
+                               stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+                               stride_o_b, stride_o_h, BLOCK_H, D_CKV, num_warps)  # fmt: skip
+
+
+@gluon.jit
+def _merge_if_last(
+    WORK, PO, PL, OUT, b, h0, slot_first, pieces, slot_div, num_reqs, stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, BLOCK_H: gl.constexpr, D_CKV: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    """For split request b, of which this program wrote a piece (heads h0 .. h0 + BLOCK_H): count
+    the piece in the plan's counter of (request, head block); the program that counts the last one merges every
+    piece's output and log-sum-exp into OUT, as the merge kernel would (no merge launch). The partial writes of
+    every warp are ordered before the count (barrier, then a release at GPU scope) and the last program's reads
+    after it (acquire, loads that bypass L1)."""
+    b64 = b.to(gl.int64)
+    cnt = WORK + 8 * gl.num_programs(1) + 2 * num_reqs + b64 * gl.num_programs(0) + gl.program_id(0)
+    gl.thread_barrier()  # every warp's partial stores issued before the count
+    done = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if done == pieces - 1:
+        # [BLOCK_H, COLS] tiles of 64 floats a thread (16 heads: the whole row), each piece's tile one load: the
+        # pieces' round trips follow one another, so a merge costs pieces x D_CKV / COLS of them
+        COLS: gl.constexpr = min(D_CKV, 64 * 32 * num_warps // BLOCK_H)
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+        heads = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+        for c0 in gl.static_range(0, D_CKV, COLS):
+            cols = c0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+            m = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, layout))
+            den = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, layout))
+            acc = gl.zeros([BLOCK_H, COLS], gl.float32, layout=layout)
+            for p in range(pieces):
+                ws_b = ((slot_first + p) // slot_div).to(gl.int64)
+                ws_s = (slot_first + p) % slot_div
+                lse = gl.load(PL + ws_b * stride_pl_b + ws_s * stride_pl_s + heads * stride_pl_h,
+                              cache_modifier=".cg")  # fmt: skip
+                o = gl.load(PO + ws_b * stride_po_b + ws_s * stride_po_s
+                            + (gl.expand_dims(heads, 1) * stride_po_h + gl.expand_dims(cols, 0)),
+                            cache_modifier=".cg")  # fmt: skip
+                m_new = gl.maximum(m, lse)
+                alpha = gl.exp(m - m_new)
+                w = gl.exp(lse - m_new)
+                acc = acc * gl.expand_dims(alpha, 1) + o * gl.expand_dims(w, 1)
+                den = den * alpha + w
+                m = m_new
+            ptrs = OUT + b64 * stride_o_b + (gl.expand_dims(heads, 1) * stride_o_h + gl.expand_dims(cols, 0))
+            gl.store(ptrs, (acc / gl.expand_dims(den, 1)).to(OUT.dtype.element_ty))
+
+
+@gluon.jit
 def _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, PT_row, n, end, pred,
                 PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr):  # fmt: skip
     """The tile at request token n into ``stage`` when ``pred`` (its page read at a clamped index otherwise)."""
@@ -249,13 +320,13 @@ def _decode_piece_wgmma(
     return it
 
 
-@gluon.jit(do_not_specialize=["slot_div"])
+@gluon.jit(do_not_specialize=["slot_div", "num_reqs"])
 def _mla_decode_wgmma_kernel(
     QN, QP, desc_c, desc_pe, PT, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
-    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div, num_reqs,
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, MERGE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """grid (H // BLOCK_H, programs): program (h, p) runs the pieces of work row p for heads h * BLOCK_H .. +
     BLOCK_H (the head block varies fastest, so the programs that read the same KV tiles run together)."""
@@ -291,5 +362,9 @@ def _mla_decode_wgmma_kernel(
             )  # fmt: skip
         slot0 += pieces
         s_b = e_b
+    if MERGE > 0:  # the last program to finish a split request's pieces merges them
+        _merge_chunk_ends(WORK, SL, PO, PL, OUT, s_b, slot0, h0, slot_div, num_reqs, stride_po_b, stride_po_h,
+                          stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, BLOCK_H, BLOCK_N,
+                          D_CKV, MERGE, num_warps)  # fmt: skip
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))

@@ -32,7 +32,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from backends.kernels.mla_decode_wgmma_kernels import _issue_next, _load_q_piece, _ready, _request_span, _work_row
+from backends.kernels.mla_decode_wgmma_kernels import (
+    _issue_next,
+    _load_q_piece,
+    _merge_chunk_ends,
+    _ready,
+    _request_span,
+    _work_row,
+)
 
 
 @gluon.jit
@@ -153,13 +160,13 @@ def _decode_piece_tokens(
     return it
 
 
-@gluon.jit(do_not_specialize=["slot_div"])
+@gluon.jit(do_not_specialize=["slot_div", "num_reqs"])
 def _mla_decode_wgmma_tokens_kernel(
     QN, QP, desc_c, desc_pe, PT, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
-    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div,
+    stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div, num_reqs,
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MERGE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """grid (H // BLOCK_H, programs): program (h, p) runs the pieces of work row p for heads h * BLOCK_H .. +
     BLOCK_H (see the 64-head kernel: same plan rows, same outputs)."""
@@ -196,5 +203,9 @@ def _mla_decode_wgmma_tokens_kernel(
             )  # fmt: skip
         slot0 += pieces
         s_b = e_b
+    if MERGE > 0:  # the last program to finish a split request's pieces merges them
+        _merge_chunk_ends(WORK, SL, PO, PL, OUT, s_b, slot0, h0, slot_div, num_reqs, stride_po_b, stride_po_h,
+                          stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, BLOCK_H, BLOCK_N,
+                          D_CKV, MERGE, num_warps)  # fmt: skip
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
