@@ -20,13 +20,13 @@ from __future__ import annotations
 import torch
 import triton
 
-from backends.kernels import mla_decode_wgmma
 from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
 from backends.kernels.mla_decode_plan_kernels import plan_ints
 from backends.kernels.mla_decode_wgmma import (
     WGMMA_BLOCK_N,
     launch_wgmma_stage1,
+    stage1_merge_max,
     wgmma_block_h,
     wgmma_by_default,
     wgmma_problems,
@@ -331,13 +331,11 @@ def mla_decode(
     if pdl:
         extra["launch_pdl"] = True
 
-    half = kv_cache.dtype in (torch.bfloat16, torch.float16)
-    merge_max = mla_decode_wgmma.MERGE_MAX_PIECES if use_wgmma and half else 0  # stage 1 merges the few-piece ones
     if use_wgmma:
         launch_wgmma_stage1(
             q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale=qk_scale,
             out_scale=out_scale, block_h=block_h, programs=programs, min_chunk=min_chunk, snap=snap,
-            max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl, merge_max=merge_max,
+            max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl, merge_max=stage1_merge_max(kv_cache.dtype),
         )  # fmt: skip
     else:
         _mla_decode_stage1_kernel[(head_blocks, programs)](

@@ -78,6 +78,12 @@ def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     return batch >= (WGMMA_MIN_BATCH if block_h == WGMMA_BLOCK_H else TOKENS_MIN_BATCH)
 
 
+def stage1_merge_max(kv_dtype: torch.dtype) -> int:
+    """Split requests of at most this many pieces the wgmma stage 1 merges itself (0: the merge kernel does them
+    all): :data:`MERGE_MAX_PIECES` over a bf16 / fp16 cache, 0 over fp8."""
+    return MERGE_MAX_PIECES if kv_dtype in _HALF else 0
+
+
 def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int, work: torch.Tensor | None) -> list:
     """Why the wgmma stage 1 cannot run on these arguments (empty: it can). ``capability``: the GPU's compute
     capability major version (0 off the GPU or under Triton's interpreter)."""
