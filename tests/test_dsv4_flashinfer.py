@@ -27,6 +27,10 @@ from transformers import DeepseekV4ForCausalLM  # noqa: E402
 
 PROMPT_LENS = (140, 3, 131)
 NEW = 6
+#: The torch impl's top-1 / top-2 logit margin must exceed this at every generated position (a few bf16 steps at
+#: these logits' size): the two impls round differently in bf16, so a closer call may go either way (with prompt
+#: seed 7, one margin was 0.008 and the impls picked different tokens on an AVX2-only CPU; 88's smallest is 0.11).
+MIN_MARGIN = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +42,34 @@ def wide(tmp_path_factory):
                                                  max_position_embeddings=256, o_groups=2)).eval()
     randomize_(model, 5)
     model.save_pretrained(folder)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(88)
     return folder, [torch.randint(0, 97, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
 def _serve(wide, *overrides: str):
+    rt, res = _run(wide, *overrides)
+    return rt, [res.outputs[i] for i in range(len(PROMPT_LENS))]
+
+
+def _run(wide, *overrides: str):
     folder, prompts = wide
     cfg = compose_config("model=hf", f"model.path={folder}", "backend=dsv4", "model.dtype=bfloat16", "device=cpu",
                          "check=off", "progress=false", *prompt_overrides(folder, prompts, NEW), *overrides)
     rt = build(cfg)
-    res = rt.engine.run()
-    return rt, [res.outputs[i] for i in range(len(PROMPT_LENS))]
+    return rt, rt.engine.run()
+
+
+def _torch_tokens(wide) -> list[list[int]]:
+    """The torch impl's tokens, refused where a margin is a near-tie (then the prompts need another seed)."""
+    _, res = _run(wide, "backend.impl=torch")
+    margin = min(min(res.margins[i]) for i in range(len(PROMPT_LENS)))
+    assert margin > MIN_MARGIN, f"torch impl near-tie (top-1 / top-2 logit margin {margin:.3g}): reseed the prompts"
+    return [res.outputs[i] for i in range(len(PROMPT_LENS))]
 
 
 FI = ("backend.impl=flashinfer", "backend.kernel=emulate", "backend.workspace_bytes=4096")
 
 
-@pytest.mark.xfail(strict=False, reason="token mismatch against the torch path first seen on 2026-11-25 with the code "
-                   "unchanged (commit 14af7db fails too) after set-up installed transformers 5.24.0 / triton 3.9.0: "
-                   "under investigation, see the stop-34 note")
 def test_emulated_flashinfer_decode_gives_the_torch_tokens(wide):
     rt, tokens = _serve(wide, *FI)
     fi = rt.container.dsv4_flashinfer()
@@ -64,19 +77,14 @@ def test_emulated_flashinfer_decode_gives_the_torch_tokens(wide):
     assert fi.kernel.calls == 4 * (NEW - 1) > 0  # every layer of every decode step (one batch of 3)
     assert "flashinfer" not in sys.modules  # the real kernel is imported only by load_kernel
     assert rt.container.workspace_ledger().report()["dsv4_flashinfer_workspace"] == 4096
-    _, reference = _serve(wide, "backend.impl=torch")
-    assert tokens == reference
+    assert tokens == _torch_tokens(wide)
 
 
-@pytest.mark.xfail(strict=False, reason="token mismatch against the torch path first seen on 2026-11-25 with the code "
-                   "unchanged (commit 14af7db fails too) after set-up installed transformers 5.24.0 / triton 3.9.0: "
-                   "under investigation, see the stop-34 note")
 def test_emulated_flashinfer_decode_over_the_hisparse_buffer(wide):
     rt, tokens = _serve(wide, *FI, "hisparse.enabled=true", "hisparse.top_k=3", "hisparse.device_buffer_size=8",
                         "hisparse.host_to_device_ratio=1.0")
     assert rt.container.hisparse_coordinator().stats()["swap_ins"] > 0
-    _, reference = _serve(wide, "backend.impl=torch")
-    assert tokens == reference
+    assert tokens == _torch_tokens(wide)
 
 
 def test_contract_violations_are_named():
