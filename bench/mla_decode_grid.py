@@ -140,22 +140,29 @@ _KNOBS = {"h": "block_h", "n": "block_n", "w": "num_warps", "s": "num_stages", "
 
 
 def variant_kwargs(name: str, sms: int) -> dict:
-    """A named variant, or a sweep spec of dot-separated knobs over the defaults: ``tma`` / ``ptr``, ``h16``
-    (block_h), ``n128`` (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1
-    programs per SM). E.g. ``tma.s3.n128``."""
+    """A named variant, or a sweep spec of dot-separated knobs over the defaults: a named variant (``wgmma``),
+    ``tma`` / ``ptr`` (alone: the named variants), ``pdl`` (programmatic dependent launch between the plan, stage 1 and merge kernels, as the
+    engine launches them on sm_90+ with ``model.pdl``), ``h16`` (block_h), ``n128`` (block_n), ``w4`` (warps),
+    ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs per SM). E.g. ``tma.s3.n128``,
+    ``wgmma.pdl``."""
     if name in VARIANTS:
         return dict(VARIANTS[name])
     kw: dict = {}
     for tok in name.split("."):
-        if tok in ("tma", "ptr"):
+        if tok in ("tma", "ptr"):  # as knobs (the named variants of these names also pick the Triton stage 1)
             kw["use_tma"] = tok == "tma"
+        elif tok in VARIANTS:
+            kw.update(VARIANTS[tok])
+        elif tok == "pdl":
+            kw["pdl"] = True
         elif tok[:1] == "p" and tok[1:].isdigit():
             kw["target_programs"] = int(tok[1:]) * sms
         elif tok[:1] in _KNOBS and tok[1:].isdigit():
             kw[_KNOBS[tok[:1]]] = int(tok[1:])
         else:
             raise SystemExit(f"unknown variant '{name}' (knob '{tok}'): expected one of {sorted(VARIANTS)} or "
-                             f"dot-separated knobs tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, p<N> (e.g. tma.s3.n128)")
+                             f"dot-separated knobs: a variant name, pdl, tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, p<N> (e.g. "
+                             f"tma.s3.n128, wgmma.pdl)")
     return kw
 
 

@@ -214,6 +214,7 @@ def test_mla_decode_grid_variant_knobs_and_a_bad_one():
     assert variant_kwargs("tma.s3.n128.w4.p2", 132) == dict(use_tma=True, num_stages=3, block_n=128, num_warps=4,
                                                             target_programs=264)
     assert variant_kwargs("ptr.h32.r128", 132) == dict(use_tma=False, block_h=32, max_regs=128)
+    assert variant_kwargs("wgmma.pdl", 132) == dict(use_wgmma=True, pdl=True)
     with pytest.raises(SystemExit, match="knob 'x3'"):
         variant_kwargs("tma.x3", 132)
 

@@ -211,8 +211,12 @@ def test_gpu_wgmma_stage1_merge_matches_reference(H, merge_max, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,dtype", [(128, torch.bfloat16), (16, FP8)], ids=["128-bf16", "16-fp8"])
+@pytest.mark.parametrize("H,dtype", [(128, torch.bfloat16), (16, torch.bfloat16), (16, FP8)],
+                         ids=["128-bf16", "16-bf16", "16-fp8"])
 def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
+    """Plan, Gluon stage 1 (merging its few-piece requests at bf16) and merge in a graph, with ``pdl=True``
+    (programmatic dependent launch for the plan, the 16-head kernels and the merge; the 64-head kernel launches
+    plainly): the eager launch's bits, replayed with other lengths (the counters re-zeroed by the plan)."""
     needs_gpu()
     lens_a, lens_b = [4096, 17, 1, 2048, 333, 8192], [5, 8192, 700, 1, 64, 3000]
     kv, pt, q_nope, q_pe = _problem([max(a, b) for a, b in zip(lens_a, lens_b)], H, dtype, seed=5)

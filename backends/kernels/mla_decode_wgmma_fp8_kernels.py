@@ -44,6 +44,7 @@ from backends.kernels.mla_decode_wgmma_kernels import (
     _issue_next,
     _load_q_piece,
     _merge_chunk_ends,
+    _pdl_enter,
     _request_span,
     _work_row,
 )
@@ -80,10 +81,11 @@ def _rope_buffer(kv_lo, stage, BLOCK_N: gl.constexpr, D_PE: gl.constexpr):
 @gluon.jit
 def _widener(
     SL, WORK, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, full, empty,
-    D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """Worker partition: every tile of this program's pieces, as it lands, widened into buffer ``it % 2`` once the
     multiplier has freed it (``empty``), then handed over (``full``)."""
+    _pdl_enter(PDL)
     NW: gl.constexpr = WIDEN_WARPS
     D_HALF: gl.constexpr = D_CKV // 2
     b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, gl.program_id(1))
@@ -188,10 +190,11 @@ def _mla_decode_wgmma_fp8_kernel(
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div, num_reqs,
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MERGE: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``num_warps`` (4) warps
     multiply, :data:`WIDEN_WARPS` (8) more widen."""
+    _pdl_enter(PDL)  # the widener warps start at the partition below, after this wait (and wait again themselves)
     D_HALF: gl.constexpr = D_CKV // 2
     CDT: gl.constexpr = gl.float16
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)
@@ -223,7 +226,8 @@ def _mla_decode_wgmma_fp8_kernel(
                 kv_pe, w_lo, w_hi, p_smem, bars, full, empty, PAGE_SIZE, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES, MERGE,
                 num_warps,
             )),
-            (_widener, (SL, WORK, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, full, empty, D_CKV, D_PE, BLOCK_N, STAGES)),
+            (_widener, (SL, WORK, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, full, empty, D_CKV, D_PE, BLOCK_N, STAGES,
+                         PDL)),
         ],
         [WIDEN_WARPS],
         [WIDEN_REGS],

@@ -43,6 +43,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
+def _pdl_enter(PDL: gl.constexpr):
+    """With PDL (:mod:`backends.kernels.pdl`, Triton's ``pdl_enter`` for Gluon): wait until the previous grid's
+    writes (the plan kernel's work rows and counters) are visible, then let the next grid (the merge) launch. Used
+    by the 16 / 32-head kernels (tokens and fp8)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def _issue_tile(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, row, pred, D_HALF: gl.constexpr):
     """TMA loads of one KV tile (rows row .. row + BLOCK_N of the cache) into ``stage``, completing on its barrier."""
     bar = bars.index(stage)

@@ -36,6 +36,7 @@ from backends.kernels.mla_decode_wgmma_kernels import (
     _issue_next,
     _load_q_piece,
     _merge_chunk_ends,
+    _pdl_enter,
     _ready,
     _request_span,
     _work_row,
@@ -166,10 +167,11 @@ def _mla_decode_wgmma_tokens_kernel(
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div, num_reqs,
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MERGE: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """grid (H // BLOCK_H, programs): program (h, p) runs the pieces of work row p for heads h * BLOCK_H .. +
     BLOCK_H (see the 64-head kernel: same plan rows, same outputs)."""
+    _pdl_enter(PDL)
     D_HALF: gl.constexpr = D_CKV // 2
     h0 = gl.program_id(0) * BLOCK_H
     pid_p = gl.program_id(1)
