@@ -141,10 +141,10 @@ _KNOBS = {"h": "block_h", "n": "block_n", "w": "num_warps", "s": "num_stages", "
 
 def variant_kwargs(name: str, sms: int) -> dict:
     """A named variant, or a sweep spec of dot-separated knobs over the defaults: a named variant (``wgmma``),
-    ``tma`` / ``ptr`` (alone: the named variants), ``pdl`` (programmatic dependent launch between the plan, stage 1 and merge kernels, as the
-    engine launches them on sm_90+ with ``model.pdl``), ``h16`` (block_h), ``n128`` (block_n), ``w4`` (warps),
-    ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs per SM). E.g. ``tma.s3.n128``,
-    ``wgmma.pdl``."""
+    ``tma`` / ``ptr`` (alone: the named variants), ``pdl`` (programmatic dependent launch between the plan, stage 1
+    and merge kernels, as the engine launches them on sm_90+ with ``model.pdl``), ``h16`` (block_h), ``n128``
+    (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs per SM). E.g.
+    ``tma.s3.n128``, ``wgmma.pdl``."""
     if name in VARIANTS:
         return dict(VARIANTS[name])
     kw: dict = {}
@@ -161,8 +161,8 @@ def variant_kwargs(name: str, sms: int) -> dict:
             kw[_KNOBS[tok[:1]]] = int(tok[1:])
         else:
             raise SystemExit(f"unknown variant '{name}' (knob '{tok}'): expected one of {sorted(VARIANTS)} or "
-                             f"dot-separated knobs: a variant name, pdl, tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, p<N> (e.g. "
-                             f"tma.s3.n128, wgmma.pdl)")
+                             f"dot-separated knobs: a variant name, pdl, tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, "
+                             f"p<N> (e.g. tma.s3.n128, wgmma.pdl)")
     return kw
 
 
