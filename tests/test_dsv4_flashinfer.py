@@ -59,8 +59,10 @@ def _run(wide, *overrides: str):
     return rt, rt.engine.run()
 
 
-def _torch_tokens(wide) -> list[list[int]]:
-    """The torch impl's tokens, refused where a margin is a near-tie (then the prompts need another seed)."""
+@pytest.fixture(scope="module")
+def torch_tokens(wide) -> list[list[int]]:
+    """The torch impl's tokens (served once for the module), refused where a margin is a near-tie (then the prompts
+    need another seed)."""
     _, res = _run(wide, "backend.impl=torch")
     margin = min(min(res.margins[i]) for i in range(len(PROMPT_LENS)))
     assert margin > MIN_MARGIN, f"torch impl near-tie (top-1 / top-2 logit margin {margin:.3g}): reseed the prompts"
@@ -70,21 +72,21 @@ def _torch_tokens(wide) -> list[list[int]]:
 FI = ("backend.impl=flashinfer", "backend.kernel=emulate", "backend.workspace_bytes=4096")
 
 
-def test_emulated_flashinfer_decode_gives_the_torch_tokens(wide):
+def test_emulated_flashinfer_decode_gives_the_torch_tokens(wide, torch_tokens):
     rt, tokens = _serve(wide, *FI)
     fi = rt.container.dsv4_flashinfer()
     assert rt.container.backend().flashinfer is fi and isinstance(fi.kernel, EmulatedDSV4SparseDecode)
     assert fi.kernel.calls == 4 * (NEW - 1) > 0  # every layer of every decode step (one batch of 3)
     assert "flashinfer" not in sys.modules  # the real kernel is imported only by load_kernel
     assert rt.container.workspace_ledger().report()["dsv4_flashinfer_workspace"] == 4096
-    assert tokens == _torch_tokens(wide)
+    assert tokens == torch_tokens
 
 
-def test_emulated_flashinfer_decode_over_the_hisparse_buffer(wide):
+def test_emulated_flashinfer_decode_over_the_hisparse_buffer(wide, torch_tokens):
     rt, tokens = _serve(wide, *FI, "hisparse.enabled=true", "hisparse.top_k=3", "hisparse.device_buffer_size=8",
                         "hisparse.host_to_device_ratio=1.0")
     assert rt.container.hisparse_coordinator().stats()["swap_ins"] > 0
-    assert tokens == _torch_tokens(wide)
+    assert tokens == torch_tokens
 
 
 def test_contract_violations_are_named():

@@ -261,7 +261,8 @@ def test_wgmma_branch_merges_through_the_plan_rows(monkeypatch):
     monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
     monkeypatch.setattr(md, "wgmma_block_h", lambda *a: 16)
     monkeypatch.setattr(md, "launch_wgmma_stage1", stand_in)
-    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "MERGE_MAX_PIECES", 0)  # every split request through the merge kernel
+    # every split request through the merge kernel
+    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "MERGE_MAX_PIECES", 0)
     po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
     pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)
     out = torch.full((len(lens), H, D_CKV), float("nan"), device=DEV)
