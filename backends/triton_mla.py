@@ -123,6 +123,13 @@ class TritonMLABackend:
         self.page_size = kv_pool.page_size
         self.page_table = torch.empty(0, 0, dtype=torch.int32)
         self._graph_page_table = torch.empty(0, 0, dtype=torch.int32)
+        # the decode plan of the running forward pass (written by its first layer's call, reused by the others) and
+        # the last layer decoded: a layer id not above it starts a new pass, which plans again (the graph runner's
+        # warm-ups and capture run several passes after one metadata hook)
+        self._plan, self._last_layer = None, -1
+
+    def _new_step(self) -> None:
+        self._plan, self._last_layer = None, -1
 
     def _gather_page_table(self, batch: ForwardBatch, width: int) -> torch.Tensor:
         """[B, width] int32 page ids, gathered on the device from the request table."""
@@ -133,6 +140,7 @@ class TritonMLABackend:
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Page table [B, ceil(max_len / page_size)] for this step."""
+        self._new_step()
         self.page_table = self._gather_page_table(batch, -(-batch.max_seq_len // self.page_size))
 
     # ------------------------------------------------------------------------------- decode graphs
@@ -145,11 +153,13 @@ class TritonMLABackend:
         self._graph_page_table = torch.zeros(batch.batch_size, width, dtype=torch.int32, device=self.workspace.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        self._new_step()
         self.page_table = self._graph_page_table[: batch.batch_size]
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Refresh the static page table in place (the kernel reads only pages below each seq_len)."""
         width = -(-batch.max_seq_len // self.page_size)
+        self._new_step()
         self.page_table = self._graph_page_table[: batch.batch_size]
         self.page_table[:, :width].copy_(self._gather_page_table(batch, width))
 
@@ -162,14 +172,19 @@ class TritonMLABackend:
         return partial_out, partial_lse, splits
 
     def forward_decode(self, q_nope, q_pe, layer_id, batch):
+        """One layer's decode. On Hopper the first layer of a forward pass writes the work plan (one small kernel)
+        and the others reuse it: it depends only on the lengths, the same for every layer of a step."""
         b, h = q_nope.shape[:2]
         out = torch.empty(b, h, self.model.kv_lora_rank, dtype=q_nope.dtype, device=q_nope.device)
         partial_out, partial_lse, splits = self._partials(b, h)
-        self._decode_kernel(
+        reuse = self._plan if layer_id > self._last_layer else None
+        self._plan = self._decode_kernel(
             q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.seq_lens, self.model.sm_scale,
             out, partial_out, partial_lse, max_splits=splits, min_tokens_per_split=self.min_tokens_per_split,
             block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale, pdl=self.pdl, work=self._work,
+            plan=reuse,
         )
+        self._last_layer = layer_id
         return out
 
     def forward_extend(self, q_nope, q_pe, layer_id, batch):

@@ -28,10 +28,14 @@ from bench.harness import Table, eager_ms, graph_ms, measure_ceilings, report  #
 
 D_CKV, D_PE, PAGE = 512, 64, 64
 FP8 = torch.float8_e4m3fn
-SHAPES = ("64x4096", "128x8192", "64x32768", "128xv8192")  # BxL; "v": lengths ~ N(mean, mean / 2)
+SHAPES = ("64x4096", "128x8192", "64x32768", "128xv8192")  # BxL; "v": lengths ~ N(mean, mean / 2); "+" joins
 
 
 def _lengths(shape: str, g: torch.Generator) -> list[int]:
+    """Request lengths of a shape: BxL, Bxv<mean>, or groups joined by "+" (``63x512+1x70000``: one long request
+    among short ones)."""
+    if "+" in shape:
+        return [n for part in shape.split("+") for n in _lengths(part, g)]
     b, l_ = shape.split("x")
     b = int(b)
     if l_.startswith("v"):
@@ -85,7 +89,9 @@ class Case:
         return 2.0 * self.h * sum(self.lens) * (D_CKV + D_PE + D_CKV)
 
 
-def ours(case: Case, fp8: bool, **kw):
+def ours(case: Case, fp8: bool, reuse_plan: bool = False, **kw):
+    """Our decode as a timed call. ``reuse_plan``: the first call writes the wgmma plan, the timed ones reuse it (as
+    every layer but the first of a decode step does; FlashInfer's plan is outside its timed call too)."""
     from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
     from backends.kernels.mla_decode_plan_kernels import plan_ints
 
@@ -96,10 +102,13 @@ def ours(case: Case, fp8: bool, **kw):
     out = torch.empty(b, case.h, D_CKV, device="cuda", dtype=torch.bfloat16)
     work = torch.empty(plan_ints(1025, b, case.h // 16), dtype=torch.int32, device="cuda")  # <= 1025 programs
     kv = case.kv8 if fp8 else case.kv
+    state = {"plan": None}
 
     def fn():
-        mla_decode(case.qn, case.qp, kv, case.pt, case.seq, case.sm, out, po, pl, max_splits=2048,
-                   kv_scale=case.scale, work=work, **kw)
+        plan = mla_decode(case.qn, case.qp, kv, case.pt, case.seq, case.sm, out, po, pl, max_splits=2048,
+                          kv_scale=case.scale, work=work, plan=state["plan"], **kw)
+        if reuse_plan:
+            state["plan"] = plan
     return fn, out
 
 
@@ -142,8 +151,9 @@ _KNOBS = {"h": "block_h", "n": "block_n", "w": "num_warps", "s": "num_stages", "
 def variant_kwargs(name: str, sms: int) -> dict:
     """A named variant, or a sweep spec of dot-separated knobs over the defaults: a named variant (``wgmma``),
     ``tma`` / ``ptr`` (alone: the named variants), ``pdl`` (programmatic dependent launch between the plan, stage 1
-    and merge kernels, as the engine launches them on sm_90+ with ``model.pdl``), ``h16`` (block_h), ``n128``
-    (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs per SM). E.g.
+    and merge kernels, as the engine launches them on sm_90+ with ``model.pdl``), ``reuse`` (the wgmma plan written
+    by the first call and reused by the timed ones, as by a step's later layers), ``h16`` (block_h), ``n128``
+    (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs per SM), ``g4`` (the wgmma path's merge programs per SM). E.g.
     ``tma.s3.n128``, ``wgmma.pdl``."""
     if name in VARIANTS:
         return dict(VARIANTS[name])
@@ -155,14 +165,18 @@ def variant_kwargs(name: str, sms: int) -> dict:
             kw.update(VARIANTS[tok])
         elif tok == "pdl":
             kw["pdl"] = True
+        elif tok == "reuse":
+            kw["reuse_plan"] = True
         elif tok[:1] == "p" and tok[1:].isdigit():
             kw["target_programs"] = int(tok[1:]) * sms
+        elif tok[:1] == "g" and tok[1:].isdigit():
+            kw["merge_programs"] = int(tok[1:]) * sms
         elif tok[:1] in _KNOBS and tok[1:].isdigit():
             kw[_KNOBS[tok[:1]]] = int(tok[1:])
         else:
             raise SystemExit(f"unknown variant '{name}' (knob '{tok}'): expected one of {sorted(VARIANTS)} or "
-                             f"dot-separated knobs: a variant name, pdl, tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, "
-                             f"p<N> (e.g. tma.s3.n128, wgmma.pdl)")
+                             f"dot-separated knobs: a variant name, pdl, reuse, tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, "
+                             f"p<N>, g<N> (e.g. tma.s3.n128, wgmma.pdl.reuse)")
     return kw
 
 

@@ -215,6 +215,8 @@ def test_mla_decode_grid_variant_knobs_and_a_bad_one():
                                                             target_programs=264)
     assert variant_kwargs("ptr.h32.r128", 132) == dict(use_tma=False, block_h=32, max_regs=128)
     assert variant_kwargs("wgmma.pdl", 132) == dict(use_wgmma=True, pdl=True)
+    assert variant_kwargs("wgmma.pdl.reuse.g4", 132) == dict(use_wgmma=True, pdl=True, reuse_plan=True,
+                                                              merge_programs=528)
     with pytest.raises(SystemExit, match="knob 'x3'"):
         variant_kwargs("tma.x3", 132)
 

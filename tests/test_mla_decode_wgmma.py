@@ -17,7 +17,7 @@ import triton
 from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err, replays_equal_eager  # noqa: F401  (skips the module without Triton)
 
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
-from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel, plan_ints
+from backends.kernels.mla_decode_plan_kernels import _mla_decode_merge_rows_kernel, _mla_decode_plan_kernel, plan_ints
 from backends.kernels.mla_decode_wgmma import (
     FP8_MIN_BATCH,
     TOKENS_MIN_BATCH,
@@ -121,6 +121,103 @@ def test_wgmma_heads_per_program():
     assert [wgmma_by_default(h, fp8, 256) for h in (16, 32, 64, 128)] == [True, True, False, False]
     assert not wgmma_by_default(16, fp8, FP8_MIN_BATCH - 1) and wgmma_by_default(16, fp8, FP8_MIN_BATCH)
     assert not wgmma_by_default(24, bf16, 256)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 40])
+def test_merge_rows_kernel_shares_the_jobs_out(programs):
+    """The wgmma path's merge over a fixed grid: requests split into several pieces are merged by their LSEs, empty
+    ones get zeros, the ones finished by the stage 1 are left as they are; requests in several BLOCK_B chunks, heads
+    not a multiple of the head block, more or fewer programs than jobs."""
+    g = torch.Generator().manual_seed(programs)
+    H, D, slot_div = 5, 64, 4
+    lens = [3, 0, 900, 40, 0, 77, 5, 600, 1, 0, 300]
+    pieces = [1, 1, 3, 1, 1, 2, 1, 6, 1, 1, 2]
+    req, slot = [], 0
+    for L, n in zip(lens, pieces):
+        req += [slot, n] if L else [-1, -1]  # empty requests have no row
+        slot += n if n > 1 else 0
+    rows = triton.cdiv(slot, slot_div)
+    po = torch.randn(rows, H, slot_div, D, generator=g)
+    pl = torch.randn(rows, H, slot_div, generator=g) * 3
+    out = torch.full((len(lens), H, D), 7.0)
+    sl, req_t, out_d = torch.tensor(lens, dtype=torch.int32), torch.tensor(req, dtype=torch.int32), out.to(DEV)
+    _mla_decode_merge_rows_kernel[(programs,)](
+        po.to(DEV), pl.to(DEV), sl.to(DEV), req_t.to(DEV), out_d, *po.stride()[:3], *pl.stride(),
+        *out.stride()[:2], H, len(lens), slot_div, D_CKV=D, BLOCK_B=4, BLOCK_S=2, BLOCK_HM=4, BLOCK_DV=32, PDL=False,
+    )  # fmt: skip
+    out_d = out_d.cpu()
+    for b, (L, n) in enumerate(zip(lens, pieces)):
+        if L == 0:
+            assert (out_d[b] == 0).all(), b
+        elif n == 1:
+            assert (out_d[b] == 7.0).all(), f"request {b} was finished by the stage 1: left as it was"
+        else:
+            s = torch.arange(req[2 * b], req[2 * b] + n)
+            lse, o = pl[s // slot_div, :, s % slot_div], po[s // slot_div, :, s % slot_div]  # [n, H], [n, H, D]
+            ref = (torch.softmax(lse, 0)[..., None] * o).sum(0)
+            torch.testing.assert_close(out_d[b], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_plan_is_reused_only_where_it_is_the_same(monkeypatch):
+    """mla_decode returns the wgmma plan it wrote; given back, the plan kernel is skipped, but only where every host
+    choice and the work / lengths tensors are the same (another lengths tensor, batch or chunking plans again)."""
+    md = importlib.import_module("backends.kernels.mla_decode")
+    runs = []
+    monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
+    monkeypatch.setattr(md, "wgmma_block_h", lambda *a: 16)
+    monkeypatch.setattr(md, "launch_wgmma_stage1", lambda *a, run_plan, **k: runs.append(run_plan))
+    B, H = 3, 16
+    q_nope, q_pe = torch.zeros(B, H, D_CKV), torch.zeros(B, H, D_PE)
+    kv, pt = torch.zeros(8, 64, D_CKV + D_PE), torch.zeros(B, 8, dtype=torch.int32)
+    po, pl = (torch.empty(s) for s in decode_workspace_shapes(B, H, 4))
+    work, sl = torch.zeros(plan_ints(64, B, 1), dtype=torch.int32), torch.tensor([5, 300, 64], dtype=torch.int32)
+
+    def call(plan, lens=sl, b=B, **kw):
+        return md.mla_decode(q_nope[:b], q_pe[:b], kv, pt, lens, 0.1, torch.empty(b, H, D_CKV), po, pl,
+                             max_splits=4, work=work, use_wgmma=True, target_programs=8, plan=plan, _skip_merge=True,
+                             **kw)  # fmt: skip
+
+    first = call(None)
+    assert call(first) == first and call(first) == first
+    call(first, lens=sl.clone())
+    call(first, b=2, lens=sl[:2].clone())
+    call(first, min_tokens_per_split=256)
+    assert runs == [True, False, False, True, True, True]
+
+
+def test_triton_backend_plans_once_per_forward_pass():
+    """The triton_mla backend hands its decode kernel no plan on a pass's first layer and the returned plan on the
+    others; every metadata hook and every pass that starts again at a lower layer (the graph runner's warm-ups and
+    capture after one hook) plans anew."""
+    from types import SimpleNamespace
+
+    from conftest import compose_config
+
+    import containers
+
+    backend = containers.build(compose_config("device=cpu", "backend=triton_mla")).container.backend()
+    given = []
+
+    def decode(*a, plan, **k):
+        given.append(plan)
+        return f"plan{len(given)}"
+
+    backend._decode_kernel = decode
+    batch = SimpleNamespace(req_pool_indices=torch.zeros(2, dtype=torch.int64), max_seq_len=5, batch_size=2,
+                            seq_lens=torch.tensor([5, 3], dtype=torch.int32))
+    q_nope, q_pe = torch.zeros(2, backend.model.num_heads, D_CKV), torch.zeros(2, backend.model.num_heads, D_PE)
+    layers = backend.model.kv_cache_layers
+    backend.init_forward_metadata(batch)
+    for _ in range(2):  # two passes after one hook
+        for layer in layers:
+            backend.forward_decode(q_nope, q_pe, layer, batch)
+    backend.init_forward_metadata(batch)
+    backend.forward_decode(q_nope, q_pe, layers[-1], batch)  # a new step starting high still plans
+    n = len(layers)
+    assert n >= 2
+    first_pass = [None] + [f"plan{i}" for i in range(1, n)]
+    second_pass = [None] + [f"plan{i}" for i in range(n + 1, 2 * n)]
+    assert given == first_pass + second_pass + [None]
 
 
 # ------------------------------------------------------------------------------------------------- GPU
@@ -235,6 +332,51 @@ def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
     graph = capture_graph(step)
     for lens in replays_equal_eager(graph, step, out, sl, (lens_a, lens_b)):
         assert rel_err(out, _reference(q_nope, q_pe, kv, pt, lens, 0.1)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,dtype", [(16, torch.bfloat16), (64, torch.bfloat16), (16, FP8)],
+                         ids=["16-bf16", "64-bf16", "16-fp8"])
+def test_gpu_one_plan_serves_every_layer(H, dtype):
+    """Three layers (other caches, queries and page tables; the same lengths) under one plan, as the triton_mla
+    backend runs a step: written by the first call, reused by the others, eagerly and replayed in a graph (twice).
+    Split requests of few pieces (merged by the stage 1) and of many (the merge kernel) and empty ones: each layer
+    matches its reference, so the program that merges re-armed its counter (left at its count, the next layer's
+    request would stay unmerged: NaN)."""
+    needs_gpu()
+    lens = [1, 7, 0, 4097, 2000, 64, 129, 30000, 0, 513]
+    kv_scale = 0.75 if dtype == FP8 else 1.0
+    layers = [_problem(lens, H, dtype, seed=seed) for seed in range(3)]
+    refs = [_reference(qn, qp, kv, pt, lens, 0.1, kv_scale) for kv, pt, qn, qp in layers]
+    B = len(lens)
+    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
+    po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
+    work = torch.full((plan_ints(2048, B, H // 16),), -1, dtype=torch.int32, device="cuda")
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    outs = [torch.empty(B, H, D_CKV, dtype=qn.dtype, device="cuda") for _, _, qn, _ in layers]
+    plans = []
+
+    def step():
+        plan = None
+        for (kv, pt, qn, qp), out in zip(layers, outs):
+            plan = mla_decode(qn, qp, kv, pt, sl, 0.1, out, po, pl, max_splits=8, work=work, use_wgmma=True,
+                              pdl=True, kv_scale=kv_scale, plan=plan)  # fmt: skip
+            plans.append(plan)
+
+    def check(run):
+        for o in outs:
+            o.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize()
+        for layer, (out, ref) in enumerate(zip(outs, refs)):
+            assert rel_err(out, ref) < 1e-2, layer
+            assert (out[2] == 0).all() and (out[8] == 0).all(), "requests with no keys get zeros"
+
+    check(step)
+    assert plans[0] is not None and plans[1] == plans[0] == plans[2]
+    graph = capture_graph(step)
+    for _ in range(2):
+        check(graph.replay)
 
 
 def test_wgmma_branch_merges_through_the_plan_rows(monkeypatch):

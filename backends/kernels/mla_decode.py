@@ -17,12 +17,14 @@ over a grid of (request, head block, column block).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
 from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
-from backends.kernels.mla_decode_plan_kernels import plan_ints
+from backends.kernels.mla_decode_plan_kernels import _mla_decode_merge_rows_kernel, plan_ints
 from backends.kernels.mla_decode_wgmma import (
     WGMMA_BLOCK_N,
     launch_wgmma_stage1,
@@ -36,6 +38,8 @@ from backends.kernels.sm_count import capability_major, sm_count
 
 __all__ = [
     "DEFAULT_MAX_SPLITS",
+    "DecodePlan",
+    "MERGE_PROGRAMS_PER_SM",
     "MIN_WORKSPACE_SLOTS",
     "PROGRAMS_PER_SM",
     "PROGRAMS_PER_SM_TMA",
@@ -46,6 +50,7 @@ __all__ = [
     "merge_config",
     "mla_decode",
     "programs_per_sm",
+    "rows_merge_config",
 ]
 
 #: Default split slots per request row of the workspace (batch 256 x 16 heads -> 64 MiB of partials). The
@@ -61,6 +66,11 @@ MAX_GRID_PROGRAMS = 65535
 #: path (see default_decode_config) holds 1 per SM (block_h 16: 162 KiB, 226 registers).
 PROGRAMS_PER_SM = {16: 2, 32: 2, 64: 1}
 PROGRAMS_PER_SM_TMA = 1
+#: Programs per SM of the wgmma path's merge kernel (128 registers x 128 threads and little shared memory each): as
+#: many as fit beside a 16 / 32-head stage 1 program (228 registers x 128 threads), so under PDL they are all
+#: resident before the stage 1 ends.
+MERGE_PROGRAMS_PER_SM = 2
+_ROWS_TILE, _ROWS_REGS = 2048, 128  # its default tile (floats per piece batch) and register cap, for the 2 per SM
 _BLOCK_B = 256  # seq_lens summed in chunks of this many requests
 
 
@@ -105,6 +115,23 @@ def default_decode_config(heads: int, dtype: torch.dtype, kv_fp8: bool = False) 
     return cfg
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the wgmma path's plan kernel wrote into ``work`` (returned by :func:`mla_decode`): the work and lengths
+    tensors (by address) and every host choice the rows depend on. A later call given an equal plan skips the plan
+    kernel and reads the rows already there, as every layer of one decode step can (one plan per step, as FlashInfer
+    plans once for all layers); the caller vouches that ``seq_lens``' values have not changed since."""
+
+    work_ptr: int
+    seq_lens_ptr: int
+    batch: int
+    head_blocks: int
+    programs: int
+    min_chunk: int
+    snap: bool
+    merge_max: int
+
+
 def _descriptor(kv_cache: torch.Tensor, rows: int, block_rows: int, block_cols: int):
     """Host TMA descriptor over the cache as [pages * page_size, D] rows, boxes of [block_rows, block_cols]."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -136,6 +163,27 @@ def merge_config(batch: int, heads: int, programs: int, sms: int, d_ckv: int = 5
     return dict(merge_block_s=block_s, merge_block_h=bh, merge_block_dv=dv)
 
 
+def rows_merge_config(batch: int, heads: int, programs: int, sms: int, merge_max: int, d_ckv: int = 512) -> dict:
+    """The wgmma path's merge (:mod:`backends.kernels.mla_decode_plan_kernels`): tiles of at most ``_ROWS_TILE``
+    floats (128 registers, so 2 programs fit beside a 16 / 32-head stage 1 program) and its grid.
+
+    Where the stage 1 merges requests of up to ``merge_max`` pieces (bf16 / fp16), the merge kernel gets only the
+    longer ones (and the empty): :data:`MERGE_PROGRAMS_PER_SM` programs per SM, resident beside the stage 1 under PDL,
+    and at 16 / 32 heads 32 pieces x 1 head per tile (H100, ``bench.mla_decode_grid`` graphs, 16 heads, one 70000-token
+    request among 63 of 512: 74.5 us against 86.1 with 8 pieces x 4 heads; fa3 78.6). Over fp8 (``merge_max`` 0)
+    every split request comes here, as over the Triton path: a program per job of a batch whose every request is split
+    (the fixed grid was 18 us slower at 64 x 32768, 16 heads)."""
+    cfg = merge_config(batch, heads, programs, sms, d_ckv)
+    if merge_max > 0 and heads <= 32:
+        cfg.update(merge_block_s=32, merge_block_h=1, merge_block_dv=64)
+    while cfg["merge_block_s"] * cfg["merge_block_h"] * cfg["merge_block_dv"] > _ROWS_TILE:
+        key = "merge_block_h" if cfg["merge_block_h"] > 2 else "merge_block_s"
+        cfg[key] //= 2
+    jobs = batch * triton.cdiv(heads, cfg["merge_block_h"]) * (d_ckv // cfg["merge_block_dv"])
+    cfg["merge_programs"] = MERGE_PROGRAMS_PER_SM * sms if merge_max > 0 else jobs
+    return cfg
+
+
 def mla_decode(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -158,6 +206,7 @@ def mla_decode(
     merge_block_s: int | None = None,
     merge_block_h: int | None = None,
     merge_num_warps: int = 4,
+    merge_programs: int | None = None,
     use_tma: bool | None = None,
     max_regs: int | None = None,
     snap: bool = True,
@@ -165,8 +214,9 @@ def mla_decode(
     pdl: bool = False,
     work: torch.Tensor | None = None,
     use_wgmma: bool | None = None,
+    plan: DecodePlan | None = None,
     _skip_merge: bool = False,
-) -> None:
+) -> DecodePlan | None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
 
     Parameters
@@ -190,6 +240,8 @@ def mla_decode(
         <= 0 -> as many as the slots allow.
     merge_block_dv, merge_block_s, merge_block_h, merge_num_warps : tiling of the merge kernel (None:
         :func:`merge_config`).
+    merge_programs : the wgmma path's merge grid (programs sharing the merge jobs out); None ->
+        :func:`rows_merge_config`.
     use_tma : load KV tiles with TMA (Hopper+, bf16/fp16, page_size % block_n == 0, pages contiguous in the
         cache); None -> the config default where possible (on the GPU; never by default when interpreting).
     max_regs : register cap per thread for stage 1 (ptxas maxnreg; 128 with 8 warps lets 2 programs share
@@ -207,7 +259,16 @@ def mla_decode(
         cache and a multiple of 64 heads, else 16 or 32 heads per program with tokens as the matrix rows, fp8 caches
         included); None -> where it can run, measured faster (``wgmma_by_default``) and no Triton tiling (block_h,
         block_n, num_warps, num_stages) was given; True where it cannot run is an error naming why.
+    plan : the plan an earlier call returned: where it equals this call's (same ``work`` and ``seq_lens`` tensors,
+        batch, heads, cache dtype class and chunking), the plan kernel is not launched and ``work``'s rows are read
+        as they are. Only for calls between which ``seq_lens``' values did not change (the layers of one step).
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
+
+    Returns
+    -------
+    DecodePlan or None
+        The wgmma path's plan, written or reused (give it as ``plan`` to the next layer's call); None on the Triton
+        path, which plans inside its kernels.
     """
     B, H, D_CKV = q_nope.shape
     D_PE = q_pe.shape[-1]
@@ -254,7 +315,7 @@ def mla_decode(
     require(min_tokens_per_split >= 1 and max_splits >= 1, "min_tokens_per_split >= 1 and max_splits >= 1")
     require(B <= 65535, "grid.x limit: at most 65535 requests per call")
     if B == 0:
-        return
+        return None
 
     cfg = default_decode_config(H, cdt, kv_fp8)
     tiles_given = (block_h, block_n, num_warps, num_stages) != (None, None, None, None)
@@ -305,7 +366,12 @@ def mla_decode(
     require(not use_wgmma or work.numel() >= n_work, f"work of >= {n_work} int32")
     min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
 
-    mcfg = merge_config(B, H, programs, sms, D_CKV)
+    merge_max = stage1_merge_max(kv_cache.dtype)
+    if use_wgmma:
+        mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV)
+        merge_programs = mcfg["merge_programs"] if merge_programs is None else merge_programs
+    else:
+        mcfg = merge_config(B, H, programs, sms, D_CKV)
     if interp:  # fewer, bigger merge programs: the interpreter pays per program
         mcfg.update(merge_block_dv=min(D_CKV, 128), merge_block_h=triton.next_power_of_2(H))
     merge_block_dv = mcfg["merge_block_dv"] if merge_block_dv is None else merge_block_dv
@@ -331,11 +397,14 @@ def mla_decode(
     if pdl:
         extra["launch_pdl"] = True
 
+    written = None
     if use_wgmma:
+        written = DecodePlan(work.data_ptr(), seq_lens.data_ptr(), B, head_blocks, programs, min_chunk, bool(snap),
+                             merge_max)  # fmt: skip
         launch_wgmma_stage1(
             q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale=qk_scale,
             out_scale=out_scale, block_h=block_h, programs=programs, min_chunk=min_chunk, snap=snap,
-            max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl, merge_max=stage1_merge_max(kv_cache.dtype),
+            max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl, merge_max=merge_max, run_plan=plan != written,
         )  # fmt: skip
     else:
         _mla_decode_stage1_kernel[(head_blocks, programs)](
@@ -348,33 +417,20 @@ def mla_decode(
             PREC=prec, UPCAST=upcast, USE_TMA=use_tma, KV_FP8=kv_fp8, PDL=pdl, **extra,
         )  # fmt: skip
     if _skip_merge:
-        return
-    extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2, launch_pdl=pdl)
-    _mla_decode_stage2_kernel[(B, triton.cdiv(H, merge_block_h), D_CKV // merge_block_dv)](
-        partial_out,
-        partial_lse,
-        seq_lens,
-        out,
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        partial_lse.stride(2),
-        out.stride(0),
-        out.stride(1),
-        H,
-        B,
-        programs,
-        min_chunk,
-        int(bool(snap)),
-        max_splits,
-        BLOCK_N=block_n,
-        BLOCK_B=_BLOCK_B,
-        BLOCK_S=merge_block_s,
-        BLOCK_HM=merge_block_h,
-        BLOCK_DV=merge_block_dv,
-        PDL=pdl,
-        REQ=work[8 * programs :] if use_wgmma else None,
-        **extra2,
-    )
+        return written
+    strides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2), partial_lse.stride(0),
+               partial_lse.stride(1), partial_lse.stride(2), out.stride(0), out.stride(1))  # fmt: skip
+    tiles = dict(BLOCK_S=merge_block_s, BLOCK_HM=merge_block_h, BLOCK_DV=merge_block_dv, PDL=pdl)
+    if use_wgmma:  # from the plan's rows (see rows_merge_config)
+        extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=1, launch_pdl=pdl, maxnreg=_ROWS_REGS)
+        _mla_decode_merge_rows_kernel[(max(1, merge_programs),)](
+            partial_out, partial_lse, seq_lens, work[8 * programs :], out, *strides, H, B, max_splits, D_CKV=D_CKV,
+            BLOCK_B=_BLOCK_B, **tiles, **extra2,
+        )  # fmt: skip
+    else:
+        extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2, launch_pdl=pdl)
+        _mla_decode_stage2_kernel[(B, triton.cdiv(H, merge_block_h), D_CKV // merge_block_dv)](
+            partial_out, partial_lse, seq_lens, out, *strides, H, B, programs, min_chunk, int(bool(snap)), max_splits,
+            BLOCK_N=block_n, BLOCK_B=_BLOCK_B, **tiles, **extra2,
+        )  # fmt: skip
+    return written

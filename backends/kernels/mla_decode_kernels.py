@@ -462,6 +462,49 @@ def _mla_decode_stage1_kernel(
             s_b = e_b
 
 
+@triton.jit
+def _merge_pieces(
+    PO, PL, o_ptrs, slot0, n_pieces, offs_h, mask_h, offs_d, stride_po_b, stride_po_h, stride_po_s, stride_pl_b,
+    stride_pl_h, stride_pl_s, slot_div, BLOCK_S: tl.constexpr, BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Merge ``n_pieces`` (>= 1) partial outputs from flat slot ``slot0`` on (rows ``offs_h``, columns ``offs_d``)
+    by their LSEs into ``o_ptrs``, BLOCK_S pieces at a time."""
+    m = tl.full([BLOCK_HM], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_HM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_HM, BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, n_pieces, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < n_pieces
+        slot = slot0 + offs_s
+        ws_b = (slot // slot_div).to(tl.int64)
+        ws_s = slot % slot_div
+        mask_sh = mask_s[:, None] & mask_h[None, :]
+        lse = tl.load(
+            PL + ws_b[:, None] * stride_pl_b + offs_h[None, :] * stride_pl_h + ws_s[:, None] * stride_pl_s,
+            mask=mask_sh,
+            other=0.0,
+        )
+        # pieces past the end weigh 0; offs_s[0] < n_pieces so every head's m_new is finite
+        lse = tl.where(mask_s[:, None], lse, float("-inf"))
+        o = tl.load(
+            PO
+            + ws_b[:, None, None] * stride_po_b
+            + offs_h[None, :, None] * stride_po_h
+            + ws_s[:, None, None] * stride_po_s
+            + offs_d[None, None, :],
+            mask=mask_sh[:, :, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new[None, :])
+        l = l * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    res = acc / l[:, None]
+    tl.store(o_ptrs, res.to(o_ptrs.dtype.element_ty), mask=mask_h[:, None])
+
+
 @triton.jit(do_not_specialize=["H", "num_reqs", "num_programs", "min_chunk", "snap", "slot_div"])
 def _mla_decode_stage2_kernel(
     PO,
@@ -488,12 +531,11 @@ def _mla_decode_stage2_kernel(
     BLOCK_HM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
-    REQ=None,
 ):
     """grid (B, cdiv(H, BLOCK_HM), D_CKV // BLOCK_DV): merge the pieces of split request b with their LSEs,
-    BLOCK_S pieces x BLOCK_HM heads x BLOCK_DV columns at a time. Requests finished by stage 1 are skipped;
-    a request with no keys gets zeros. REQ (optional, int32 [B, 2]): each request's first slot and piece count as
-    the plan kernel wrote them, instead of recomputing the plan here."""
+    BLOCK_S pieces x BLOCK_HM heads x BLOCK_DV columns at a time, recomputing the plan. Requests finished by stage 1
+    are skipped; a request with no keys gets zeros. (The wgmma path merges from its plan's rows instead:
+    :mod:`backends.kernels.mla_decode_plan_kernels`.)"""
     pdl_enter(PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -507,47 +549,12 @@ def _mla_decode_stage2_kernel(
     if seq_len <= 0:
         tl.store(o_ptrs, tl.zeros([BLOCK_HM, BLOCK_DV], dtype=OUT.dtype.element_ty), mask=mask_h[:, None])
     else:
-        if REQ is not None:
-            slot0 = tl.load(REQ + 2 * pid_b)
-            n_pieces = tl.load(REQ + 2 * pid_b + 1)
-        else:
-            lens0, total, equal_pad = _lengths_total(SL, num_reqs, BLOCK_N, BLOCK_B)
-            chunk = _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N)
-            _, s_b, slot0, _ = _requests_before(lens0, SL, num_reqs, pid_b, total, 0, chunk, BLOCK_N, BLOCK_B)
-            _, p0, p1, _ = _span(s_b, seq_len, chunk, BLOCK_N)
-            n_pieces = p1 - p0 + 1
+        lens0, total, equal_pad = _lengths_total(SL, num_reqs, BLOCK_N, BLOCK_B)
+        chunk = _chunk_len(total, num_programs, min_chunk, snap, equal_pad, BLOCK_N)
+        _, s_b, slot0, _ = _requests_before(lens0, SL, num_reqs, pid_b, total, 0, chunk, BLOCK_N, BLOCK_B)
+        _, p0, p1, _ = _span(s_b, seq_len, chunk, BLOCK_N)
+        n_pieces = p1 - p0 + 1
         if n_pieces > 1:
-            m = tl.full([BLOCK_HM], float("-inf"), dtype=tl.float32)
-            l = tl.zeros([BLOCK_HM], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_HM, BLOCK_DV], dtype=tl.float32)
-            for s0 in range(0, n_pieces, BLOCK_S):
-                offs_s = s0 + tl.arange(0, BLOCK_S)
-                mask_s = offs_s < n_pieces
-                slot = slot0 + offs_s
-                ws_b = (slot // slot_div).to(tl.int64)
-                ws_s = slot % slot_div
-                mask_sh = mask_s[:, None] & mask_h[None, :]
-                lse = tl.load(
-                    PL + ws_b[:, None] * stride_pl_b + offs_h[None, :] * stride_pl_h + ws_s[:, None] * stride_pl_s,
-                    mask=mask_sh,
-                    other=0.0,
-                )
-                # pieces past the end weigh 0; offs_s[0] < n_pieces so every head's m_new is finite
-                lse = tl.where(mask_s[:, None], lse, float("-inf"))
-                o = tl.load(
-                    PO
-                    + ws_b[:, None, None] * stride_po_b
-                    + offs_h[None, :, None] * stride_po_h
-                    + ws_s[:, None, None] * stride_po_s
-                    + offs_d[None, None, :],
-                    mask=mask_sh[:, :, None],
-                    other=0.0,
-                )
-                m_new = tl.maximum(m, tl.max(lse, 0))
-                alpha = tl.exp(m - m_new)
-                w = tl.exp(lse - m_new[None, :])
-                l = l * alpha + tl.sum(w, 0)
-                acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
-                m = m_new
-            res = acc / l[:, None]
-            tl.store(o_ptrs, res.to(OUT.dtype.element_ty), mask=mask_h[:, None])
+            _merge_pieces(PO, PL, o_ptrs, slot0, n_pieces, offs_h, mask_h, offs_d, stride_po_b, stride_po_h,
+                          stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, slot_div, BLOCK_S, BLOCK_HM,
+                          BLOCK_DV)  # fmt: skip

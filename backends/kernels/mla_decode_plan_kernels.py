@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.kernels.mla_decode_kernels import _chunk_len, _lengths_total, _requests_before, _span
+from backends.kernels.mla_decode_kernels import _chunk_len, _lengths_total, _merge_pieces, _requests_before, _span
 from backends.kernels.pdl import pdl_enter
 
 
@@ -62,6 +62,61 @@ def _mla_decode_plan_kernel(
                 tl.store(CNT + b * head_blocks + hb, 0)
         slot0 += pieces
         s_b = e_b
+
+
+@triton.jit
+def _merge_needs(SL, REQ, bs, num_reqs):
+    """1 for the requests ``bs`` the merge kernel has work for (split into more pieces than the stage 1 merged, or
+    empty: zeros to write), read through L2 (``.cg``: they may be read before the PDL wait, see below)."""
+    in_b = bs < num_reqs
+    lens = tl.load(SL + bs, mask=in_b, other=1, cache_modifier=".cg")
+    pieces = tl.load(REQ + 2 * bs + 1, mask=in_b & (lens > 0), other=1, cache_modifier=".cg")
+    return (in_b & ((lens <= 0) | (pieces > 1))).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["H", "num_reqs", "slot_div"])
+def _mla_decode_merge_rows_kernel(
+    PO, PL, SL, REQ, OUT, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
+    stride_o_h, H, num_reqs, slot_div, D_CKV: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_HM: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The wgmma path's merge, from the plan's per-request rows (``REQ``: first slot, piece count): grid (G,), a
+    fixed number of programs that share the jobs (request needing work x head block x column block) out in turn, so
+    the grid's size does not grow with the batch. Split requests are merged as the Triton merge does; empty ones
+    get zeros; the others (finished by the stage 1) cost nothing.
+
+    The rows are read before the PDL wait: the plan kernel that wrote them finished before the stage 1 passed its
+    own wait, which is before this grid could launch, and the lengths are older still. So with PDL the programs
+    are resident beside the stage 1's (G = 2 per SM fits beside them), know whether there is anything to merge when
+    the stage 1 ends, and end at once when there is not."""
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    CB: tl.constexpr = D_CKV // BLOCK_DV
+    tiles = tl.cdiv(H, BLOCK_HM) * CB
+    offs = tl.arange(0, BLOCK_B)
+    need = _merge_needs(SL, REQ, offs, num_reqs)
+    pdl_enter(PDL)
+    done = 0  # jobs of the requests before this chunk
+    for c0 in range(0, num_reqs, BLOCK_B):
+        if c0 > 0:
+            need = _merge_needs(SL, REQ, c0 + offs, num_reqs)
+        rank = tl.cumsum(need, 0) - need  # among this chunk's requests that need work
+        n_jobs = tl.sum(need, 0) * tiles
+        for j in range((pid - done % G + G) % G, n_jobs, G):  # job done + j is this program's when = pid mod G
+            k = j // tiles
+            t = j % tiles
+            b = c0 + tl.sum(tl.where((rank == k) & (need > 0), offs, 0), 0)
+            offs_h = (t // CB) * BLOCK_HM + tl.arange(0, BLOCK_HM)
+            mask_h = offs_h < H
+            offs_d = (t % CB) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+            o_ptrs = OUT + b.to(tl.int64) * stride_o_b + offs_h[:, None] * stride_o_h + offs_d[None, :]
+            if tl.load(SL + b) <= 0:
+                tl.store(o_ptrs, tl.zeros([BLOCK_HM, BLOCK_DV], dtype=OUT.dtype.element_ty), mask=mask_h[:, None])
+            else:
+                _merge_pieces(PO, PL, o_ptrs, tl.load(REQ + 2 * b), tl.load(REQ + 2 * b + 1), offs_h, mask_h, offs_d,
+                              stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, slot_div,
+                              BLOCK_S, BLOCK_HM, BLOCK_DV)  # fmt: skip
+        done += n_jobs
 
 
 def plan_ints(num_programs: int, num_reqs: int, head_blocks: int) -> int:

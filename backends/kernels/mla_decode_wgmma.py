@@ -110,7 +110,7 @@ def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int
 def launch_wgmma_stage1(
     q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, *, qk_scale: float,
     out_scale: float, block_h: int, programs: int, min_chunk: int, snap: bool, max_splits: int, block_b: int,
-    pdl: bool, merge_max: int,
+    pdl: bool, merge_max: int, run_plan: bool = True,
 ) -> None:  # fmt: skip
     """The plan kernel (writes ``work``, :mod:`backends.kernels.mla_decode_plan_kernels`) then the wgmma stage 1
     over ``(H // block_h, programs)`` (``block_h``: :func:`wgmma_block_h`'s choice), which merges split requests of at
@@ -118,7 +118,9 @@ def launch_wgmma_stage1(
     and the plan's per-request rows (``REQ = work[8 * programs:]``), for the other split requests and the empty
     ones. With ``pdl`` the plan kernel and the 16 / 32-head stage 1 (tokens and fp8 kernels) are launched with
     programmatic dependent launch (each waits on the GPU for its predecessor's writes, then lets its successor
-    launch): about 1 us less per call at 16 heads. The 64-head kernel is not (see the launch below)."""
+    launch): about 1 us less per call at 16 heads. The 64-head kernel is not (see the launch below). ``run_plan``
+    False: ``work`` already holds this plan (an earlier call of the same step wrote it; the stage 1 re-arms the piece
+    counters it uses), so the plan kernel is not launched."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -127,10 +129,11 @@ def launch_wgmma_stage1(
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
 
     B, H, _ = q_nope.shape
-    _mla_decode_plan_kernel[(programs,)](
-        seq_lens, work, B, programs, min_chunk, int(bool(snap)), H // block_h,
-        BLOCK_N=WGMMA_BLOCK_N, BLOCK_B=block_b, MERGE_MAX=merge_max, PDL=pdl, num_warps=4, launch_pdl=pdl,
-    )  # fmt: skip
+    if run_plan:
+        _mla_decode_plan_kernel[(programs,)](
+            seq_lens, work, B, programs, min_chunk, int(bool(snap)), H // block_h,
+            BLOCK_N=WGMMA_BLOCK_N, BLOCK_B=block_b, MERGE_MAX=merge_max, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[kv_cache.dtype]
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     shape, strides = [rows, kv_cache.shape[-1]], [kv_cache.stride(1), 1]

@@ -186,14 +186,16 @@ def _merge_if_last(
 ):  # fmt: skip
     """For split request b, of which this program wrote a piece (heads h0 .. h0 + BLOCK_H): count
     the piece in the plan's counter of (request, head block); the program that counts the last one merges every
-    piece's output and log-sum-exp into OUT, as the merge kernel would (no merge launch). The partial writes of
-    every warp are ordered before the count (barrier, then a release at GPU scope) and the last program's reads
-    after it (acquire, loads that bypass L1)."""
+    piece's output and log-sum-exp into OUT, as the merge kernel would (no merge launch), and sets the counter back
+    to 0: a plan written once serves every layer of a step. The partial writes of every warp are ordered before the
+    count (barrier, then a release at GPU scope) and the last program's reads after it (acquire, loads that bypass
+    L1)."""
     b64 = b.to(gl.int64)
     cnt = WORK + 8 * gl.num_programs(1) + 2 * num_reqs + b64 * gl.num_programs(0) + gl.program_id(0)
     gl.thread_barrier()  # every warp's partial stores issued before the count
     done = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
     if done == pieces - 1:
+        gl.store(cnt, 0)  # every piece is counted: re-armed for the next call that reuses the plan (the next layer)
         # [BLOCK_H, COLS] tiles of 64 floats a thread (16 heads: the whole row), each piece's tile one load: the
         # pieces' round trips follow one another, so a merge costs pieces x D_CKV / COLS of them
         COLS: gl.constexpr = min(D_CKV, 64 * 32 * num_warps // BLOCK_H)
