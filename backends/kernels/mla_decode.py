@@ -12,7 +12,9 @@ request twice the mean gets twice the programs), and with ``num_programs`` = the
 GPU holds at once there is a single wave with no tail. Requests cut by chunk boundaries leave normalized
 partial outputs in a *flat* slot space shared by the whole batch (``partial_out.shape[0] * max_splits``
 slots; at most ``min(2 * (P - 1), P - 1 + B)`` are used, which bounds ``num_programs``), merged by stage 2
-over a grid of (request, head block, column block).
+over a grid of (request, head block, column block). (The Gluon stage 1 of :mod:`backends.kernels.mla_decode_wgmma`
+reads a plan written once, possibly by an earlier layer's call, and its merge reads that plan's rows over a fixed
+grid: :func:`rows_merge_config`.)
 """
 
 from __future__ import annotations
