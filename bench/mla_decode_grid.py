@@ -153,8 +153,8 @@ def variant_kwargs(name: str, sms: int) -> dict:
     ``tma`` / ``ptr`` (alone: the named variants), ``pdl`` (programmatic dependent launch between the plan, stage 1
     and merge kernels, as the engine launches them on sm_90+ with ``model.pdl``), ``reuse`` (the wgmma plan written
     by the first call and reused by the timed ones, as by a step's later layers), ``h16`` (block_h), ``n128``
-    (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs per SM), ``g4`` (the wgmma path's merge programs per SM). E.g.
-    ``tma.s3.n128``, ``wgmma.pdl``."""
+    (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs per SM), ``g4``
+    (the wgmma path's merge programs per SM). E.g. ``tma.s3.n128``, ``wgmma.pdl.reuse``."""
     if name in VARIANTS:
         return dict(VARIANTS[name])
     kw: dict = {}
