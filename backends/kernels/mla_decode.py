@@ -368,8 +368,8 @@ def mla_decode(
     require(not use_wgmma or work.numel() >= n_work, f"work of >= {n_work} int32")
     min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
 
-    merge_max = stage1_merge_max(kv_cache.dtype)
     if use_wgmma:
+        merge_max = stage1_merge_max(kv_cache.dtype)
         mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV)
         merge_programs = mcfg["merge_programs"] if merge_programs is None else merge_programs
     else:
@@ -422,17 +422,17 @@ def mla_decode(
         return written
     strides = (partial_out.stride(0), partial_out.stride(1), partial_out.stride(2), partial_lse.stride(0),
                partial_lse.stride(1), partial_lse.stride(2), out.stride(0), out.stride(1))  # fmt: skip
-    tiles = dict(BLOCK_S=merge_block_s, BLOCK_HM=merge_block_h, BLOCK_DV=merge_block_dv, PDL=pdl)
+    merge_kw = dict(BLOCK_S=merge_block_s, BLOCK_HM=merge_block_h, BLOCK_DV=merge_block_dv, PDL=pdl)
     if use_wgmma:  # from the plan's rows (see rows_merge_config)
         extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=1, launch_pdl=pdl, maxnreg=_ROWS_REGS)
         _mla_decode_merge_rows_kernel[(max(1, merge_programs),)](
             partial_out, partial_lse, seq_lens, work[8 * programs :], out, *strides, H, B, max_splits, D_CKV=D_CKV,
-            BLOCK_B=_BLOCK_B, **tiles, **extra2,
+            BLOCK_B=_BLOCK_B, **merge_kw, **extra2,
         )  # fmt: skip
     else:
         extra2 = {} if interp else dict(num_warps=merge_num_warps, num_stages=2, launch_pdl=pdl)
         _mla_decode_stage2_kernel[(B, triton.cdiv(H, merge_block_h), D_CKV // merge_block_dv)](
             partial_out, partial_lse, seq_lens, out, *strides, H, B, programs, min_chunk, int(bool(snap)), max_splits,
-            BLOCK_N=block_n, BLOCK_B=_BLOCK_B, **tiles, **extra2,
+            BLOCK_N=block_n, BLOCK_B=_BLOCK_B, **merge_kw, **extra2,
         )  # fmt: skip
     return written

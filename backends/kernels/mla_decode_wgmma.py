@@ -116,9 +116,9 @@ def launch_wgmma_stage1(
     over ``(H // block_h, programs)`` (``block_h``: :func:`wgmma_block_h`'s choice), which merges split requests of at
     most ``merge_max`` pieces itself (0: none). The caller then launches the merge from the plan's per-request
     rows (``work[8 * programs:]``, :func:`backends.kernels.mla_decode.rows_merge_config`), for the other split
-    requests and the empty ones. With ``pdl`` the plan kernel and the 16 / 32-head stage 1 (tokens and fp8 kernels) are launched with
-    programmatic dependent launch (each waits on the GPU for its predecessor's writes, then lets its successor
-    launch): about 1 us less per call at 16 heads. The 64-head kernel is not (see the launch below). ``run_plan``
+    requests and the empty ones. With ``pdl`` the plan kernel and the 16 / 32-head stage 1 (tokens and fp8
+    kernels) are launched with programmatic dependent launch (each waits on the GPU for its predecessor's writes,
+    then lets its successor launch): about 1 us less per call at 16 heads. The 64-head kernel is not (see the launch below). ``run_plan``
     False: ``work`` already holds this plan (an earlier call of the same step wrote it; the stage 1 re-arms the piece
     counters it uses), so the plan kernel is not launched."""
     from triton.experimental.gluon import language as gl
