@@ -28,8 +28,10 @@ from backends.kernels.checks import interpreted, require
 from backends.kernels.mla_decode_kernels import _LOG2E, _mla_decode_stage1_kernel, _mla_decode_stage2_kernel
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_merge_rows_kernel, plan_ints
 from backends.kernels.mla_decode_wgmma import (
+    WGMMA_BLOCK_H,
     WGMMA_BLOCK_N,
     launch_wgmma_stage1,
+    seesaw_by_default,
     stage1_merge_max,
     wgmma_block_h,
     wgmma_by_default,
@@ -165,16 +167,20 @@ def merge_config(batch: int, heads: int, programs: int, sms: int, d_ckv: int = 5
     return dict(merge_block_s=block_s, merge_block_h=bh, merge_block_dv=dv)
 
 
-def rows_merge_config(batch: int, heads: int, programs: int, sms: int, merge_max: int, d_ckv: int = 512) -> dict:
+def rows_merge_config(
+    batch: int, heads: int, programs: int, sms: int, merge_max: int, d_ckv: int = 512, kv_fp8: bool = False
+) -> dict:
     """The wgmma path's merge (:mod:`backends.kernels.mla_decode_plan_kernels`): tiles of at most ``_ROWS_TILE``
     floats (128 registers, so 2 programs fit beside a 16 / 32-head stage 1 program) and its grid.
 
     Where the stage 1 merges requests of up to ``merge_max`` pieces (bf16 / fp16), the merge kernel gets only the
-    longer ones (and the empty): :data:`MERGE_PROGRAMS_PER_SM` programs per SM, resident beside the stage 1 under PDL,
-    and at 16 / 32 heads 32 pieces x 1 head per tile (H100, ``bench.mla_decode_grid`` graphs, 16 heads, one 70000-token
-    request among 63 of 512: 74.5 us against 86.1 with 8 pieces x 4 heads; fa3 78.6). Over fp8 (``merge_max`` 0)
-    every split request comes here, as over the Triton path: a program per job of a batch whose every request is split
-    (the fixed grid was 18 us slower at 64 x 32768, 16 heads)."""
+    longer ones (and the empty), and at 16 / 32 heads 32 pieces x 1 head per tile (H100, ``bench.mla_decode_grid``
+    graphs, 16 heads, one 70000-token request among 63 of 512: 74.5 us against 86.1 with 8 pieces x 4 heads; fa3
+    78.6). Over a bf16 / fp16 cache the grid is :data:`MERGE_PROGRAMS_PER_SM` programs per SM (resident beside the
+    stage 1 under PDL), also behind the seesaw kernel, which merges nothing itself (``merge_max`` 0; 128 heads
+    64 x 4096: 173.0 -> 157.4 us against a program per job). Over fp8 (``kv_fp8``) every split request comes here:
+    a program per job of a batch whose every request is split (the fixed grid was 18 us slower at 64 x 32768, 16
+    heads)."""
     cfg = merge_config(batch, heads, programs, sms, d_ckv)
     if merge_max > 0 and heads <= 32:
         cfg.update(merge_block_s=32, merge_block_h=1, merge_block_dv=64)
@@ -182,7 +188,7 @@ def rows_merge_config(batch: int, heads: int, programs: int, sms: int, merge_max
         key = "merge_block_h" if cfg["merge_block_h"] > 2 else "merge_block_s"
         cfg[key] //= 2
     jobs = batch * triton.cdiv(heads, cfg["merge_block_h"]) * (d_ckv // cfg["merge_block_dv"])
-    cfg["merge_programs"] = MERGE_PROGRAMS_PER_SM * sms if merge_max > 0 else jobs
+    cfg["merge_programs"] = jobs if kv_fp8 else MERGE_PROGRAMS_PER_SM * sms
     return cfg
 
 
@@ -217,6 +223,7 @@ def mla_decode(
     work: torch.Tensor | None = None,
     use_wgmma: bool | None = None,
     plan: DecodePlan | None = None,
+    seesaw: bool | None = None,
     _skip_merge: bool = False,
 ) -> DecodePlan | None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
@@ -264,6 +271,9 @@ def mla_decode(
     plan : the plan an earlier call returned: where it equals this call's (same ``work`` and ``seq_lens`` tensors,
         batch, heads, cache dtype class and chunking), the plan kernel is not launched and ``work``'s rows are read
         as they are. Only for calls between which ``seq_lens``' values did not change (the layers of one step).
+    seesaw : 64-head blocks of the wgmma path run the two-warpgroup seesaw kernel
+        (:mod:`backends.kernels.mla_decode_seesaw_kernels`; every split request goes to the merge kernel); None ->
+        where it measured faster (``seesaw_by_default``: 128 heads and more), False -> the lock-step kernel.
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
 
     Returns
@@ -369,8 +379,9 @@ def mla_decode(
     min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
 
     if use_wgmma:
-        merge_max = stage1_merge_max(kv_cache.dtype)
-        mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV)
+        seesaw = block_h == WGMMA_BLOCK_H and (seesaw_by_default(H) if seesaw is None else seesaw)
+        merge_max = 0 if seesaw else stage1_merge_max(kv_cache.dtype)
+        mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV, kv_fp8)
         merge_programs = mcfg["merge_programs"] if merge_programs is None else merge_programs
     else:
         mcfg = merge_config(B, H, programs, sms, D_CKV)
@@ -407,6 +418,7 @@ def mla_decode(
             q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale=qk_scale,
             out_scale=out_scale, block_h=block_h, programs=programs, min_chunk=min_chunk, snap=snap,
             max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl, merge_max=merge_max, run_plan=plan != written,
+            seesaw=seesaw,
         )  # fmt: skip
     else:
         _mla_decode_stage1_kernel[(head_blocks, programs)](

@@ -23,6 +23,8 @@ from backends.kernels.mla_decode_plan_kernels import _mla_decode_plan_kernel
 WGMMA_BLOCK_H = 64
 WGMMA_BLOCK_N = 64
 WGMMA_WARPS = 8
+#: The seesaw kernel's warps at launch: warpgroup A (its worker partition, warpgroup B, adds 4 more).
+SEESAW_WARPS = 4
 #: The tokens kernel: one warpgroup, two KV tiles in flight (bf16 / fp16: 2 x 72 KiB; fp8: 2 x 36 KiB plus two
 #: 64 KiB widened latent tiles, which fit beside 16 heads of q only).
 TOKENS_WARPS = 4
@@ -57,6 +59,13 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
 #: among short ones took 123.6 us against 67.9. The fp8 kernel keeps the merge kernel (6% slower at 64 x 32768
 #: with the merge in it).
 MERGE_MAX_PIECES = 4
+#: Heads from which the 64-head blocks run the seesaw kernel by default (``mla_decode(seesaw=None)``). H100,
+#: ``bench.mla_decode_grid --graph``, plan reused (bench/TRITON_NOTES.md): 128 heads 199.5 -> 171.6 us at 64 x 4096,
+#: 1531.6 -> 1268.3 at 64 x 32768, 771.2 -> 673.8 at 128 x varied 8192, 158.9 -> 159.0 with one 70000-token
+#: request among 63 short ones; 64 heads slower everywhere (142.1 -> 213.1, 868.4 -> 932.1, 507.5 -> 550.4): one
+#: head block per tile, so nothing else reads it from L2, and the seesaw's loads, issued only as its boxes free up,
+#: keep fewer bytes in flight than the lock-step kernel's second stage where the bytes are the bound.
+SEESAW_MIN_HEADS = 128
 WGMMA_MIN_BATCH = 4
 TOKENS_MIN_BATCH = 8
 FP8_MIN_BATCH = 4
@@ -76,6 +85,12 @@ def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     if kv_dtype not in _HALF:
         return False
     return batch >= (WGMMA_MIN_BATCH if block_h == WGMMA_BLOCK_H else TOKENS_MIN_BATCH)
+
+
+def seesaw_by_default(heads: int) -> bool:
+    """Whether 64-head blocks run the seesaw kernel when ``mla_decode`` is not told: from
+    :data:`SEESAW_MIN_HEADS` heads, where it measured faster."""
+    return heads >= SEESAW_MIN_HEADS
 
 
 def stage1_merge_max(kv_dtype: torch.dtype) -> int:
@@ -110,7 +125,7 @@ def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int
 def launch_wgmma_stage1(
     q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, *, qk_scale: float,
     out_scale: float, block_h: int, programs: int, min_chunk: int, snap: bool, max_splits: int, block_b: int,
-    pdl: bool, merge_max: int, run_plan: bool = True,
+    pdl: bool, merge_max: int, run_plan: bool = True, seesaw: bool = False,
 ) -> None:  # fmt: skip
     """The plan kernel (writes ``work``, :mod:`backends.kernels.mla_decode_plan_kernels`) then the wgmma stage 1
     over ``(H // block_h, programs)`` (``block_h``: :func:`wgmma_block_h`'s choice), which merges split requests of at
@@ -118,12 +133,15 @@ def launch_wgmma_stage1(
     rows (``work[8 * programs:]``, :func:`backends.kernels.mla_decode.rows_merge_config`), for the other split
     requests and the empty ones. With ``pdl`` the plan kernel and the 16 / 32-head stage 1 (tokens and fp8
     kernels) are launched with programmatic dependent launch (each waits on the GPU for its predecessor's writes,
-    then lets its successor launch): about 1 us less per call at 16 heads. The 64-head kernel is not (see the launch below). ``run_plan``
-    False: ``work`` already holds this plan (an earlier call of the same step wrote it; the stage 1 re-arms the piece
-    counters it uses), so the plan kernel is not launched."""
+    then lets its successor launch): about 1 us less per call at 16 heads. The 64-head kernels are not (see the
+    launch below). ``run_plan`` False: ``work`` already holds this plan (an earlier call of the same step wrote it;
+    the stage 1 re-arms the piece counters it uses), so the plan kernel is not launched. ``seesaw``: 64-head blocks
+    run the two-warpgroup seesaw kernel (:mod:`backends.kernels.mla_decode_seesaw_kernels`; ``merge_max`` must be
+    0)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from backends.kernels.mla_decode_seesaw_kernels import _mla_decode_seesaw_kernel
     from backends.kernels.mla_decode_wgmma_fp8_kernels import _mla_decode_wgmma_fp8_kernel
     from backends.kernels.mla_decode_wgmma_kernels import _mla_decode_wgmma_kernel
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
@@ -150,7 +168,9 @@ def launch_wgmma_stage1(
     )  # fmt: skip
     dims = dict(PAGE_SIZE=kv_cache.shape[1], D_CKV=_D_CKV, D_PE=_D_PE, BLOCK_H=block_h, BLOCK_N=WGMMA_BLOCK_N,
                 MERGE=merge_max)
-    if block_h == WGMMA_BLOCK_H:  # without PDL: with it, 128 heads at long contexts measured 1-4% slower (H100)
+    if block_h == WGMMA_BLOCK_H and seesaw:  # one warpgroup per tile of a pair (its own launch: 4 + 4 warps)
+        _mla_decode_seesaw_kernel[(H // block_h, programs)](*args, **dims, num_warps=SEESAW_WARPS)
+    elif block_h == WGMMA_BLOCK_H:  # without PDL: with it, 128 heads at long contexts measured 1-4% slower (H100)
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
     else:  # tokens as the matrix rows; over fp8 with its widening warps
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
