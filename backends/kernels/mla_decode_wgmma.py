@@ -1,7 +1,9 @@
-"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in three kernels:
+"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in four kernels:
 
-* 64 heads per program, heads as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16
-  cache and a multiple of 64 heads;
+* 64 heads per program, heads as the matrix rows, both warpgroups on every tile
+  (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache, the default at 64 heads;
+* 64 heads per program in a seesaw, each warpgroup on its own tile of a pair
+  (:mod:`backends.kernels.mla_decode_seesaw_kernels`): a bf16 / fp16 cache, the default from 128 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
   a bf16 / fp16 cache and fewer heads;
 * 16 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the tokens
