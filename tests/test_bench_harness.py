@@ -217,6 +217,8 @@ def test_mla_decode_grid_variant_knobs_and_a_bad_one():
     assert variant_kwargs("wgmma.pdl", 132) == dict(use_wgmma=True, pdl=True)
     assert variant_kwargs("wgmma.pdl.reuse.g4", 132) == dict(use_wgmma=True, pdl=True, reuse_plan=True,
                                                               merge_programs=528)
+    assert variant_kwargs("wgmma.seesaw", 132) == dict(use_wgmma=True, seesaw=True)
+    assert variant_kwargs("wgmma.lockstep", 132) == dict(use_wgmma=True, seesaw=False)
     with pytest.raises(SystemExit, match="knob 'x3'"):
         variant_kwargs("tma.x3", 132)
 

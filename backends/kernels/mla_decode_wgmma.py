@@ -64,7 +64,8 @@ MERGE_MAX_PIECES = 4
 #: Heads from which the 64-head blocks run the seesaw kernel by default (``mla_decode(seesaw=None)``). H100,
 #: ``bench.mla_decode_grid --graph``, plan reused (bench/TRITON_NOTES.md): 128 heads 199.5 -> 171.6 us at 64 x 4096,
 #: 1531.6 -> 1268.3 at 64 x 32768, 771.2 -> 673.8 at 128 x varied 8192, 158.9 -> 159.0 with one 70000-token
-#: request among 63 short ones; 64 heads slower everywhere (142.1 -> 213.1, 868.4 -> 932.1, 507.5 -> 550.4): one
+#: request among 63 short ones (with a merge program per job; over the fixed merge grid now behind it 157.4, 1212.8,
+#: 671.6); 64 heads slower everywhere (142.1 -> 213.1, 868.4 -> 932.1, 507.5 -> 550.4): one
 #: head block per tile, so nothing else reads it from L2, and the seesaw's loads, issued only as its boxes free up,
 #: keep fewer bytes in flight than the lock-step kernel's second stage where the bytes are the bound.
 SEESAW_MIN_HEADS = 128
