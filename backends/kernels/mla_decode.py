@@ -380,7 +380,7 @@ def mla_decode(
 
     if use_wgmma:
         seesaw = block_h == WGMMA_BLOCK_H and (seesaw_by_default(H) if seesaw is None else seesaw)
-        merge_max = 0 if seesaw else stage1_merge_max(kv_cache.dtype)
+        merge_max = stage1_merge_max(kv_cache.dtype, seesaw)
         mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV, kv_fp8)
         merge_programs = mcfg["merge_programs"] if merge_programs is None else merge_programs
     else:

@@ -96,10 +96,10 @@ def seesaw_by_default(heads: int) -> bool:
     return heads >= SEESAW_MIN_HEADS
 
 
-def stage1_merge_max(kv_dtype: torch.dtype) -> int:
+def stage1_merge_max(kv_dtype: torch.dtype, seesaw: bool = False) -> int:
     """Split requests of at most this many pieces the wgmma stage 1 merges itself (0: the merge kernel does them
-    all): :data:`MERGE_MAX_PIECES` over a bf16 / fp16 cache, 0 over fp8."""
-    return MERGE_MAX_PIECES if kv_dtype in _HALF else 0
+    all): :data:`MERGE_MAX_PIECES` over a bf16 / fp16 cache, 0 over fp8 and in the seesaw kernel."""
+    return MERGE_MAX_PIECES if kv_dtype in _HALF and not seesaw else 0
 
 
 def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int, work: torch.Tensor | None) -> list:
