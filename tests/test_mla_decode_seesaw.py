@@ -21,14 +21,11 @@ from backends.kernels.mla_decode_plan_kernels import plan_ints
 D_CKV, D_PE = 512, 64
 
 
-@pytest.mark.parametrize(
-    "H,block_h,seesaw,expected",
-    [(64, 64, True, (True, 0)), (64, 16, True, (False, 4)), (128, 64, None, (True, 0)), (64, 64, None, (False, 4)),
-     (128, 64, False, (False, 4))],
-)
-def test_seesaw_is_asked_for_64_head_blocks_with_the_merge_kernel(monkeypatch, H, block_h, seesaw, expected):
-    """The launcher gets ``seesaw`` and a stage-1 merge limit of 0 (the kernel merges nothing) at 64-head blocks,
-    asked for or by default from 128 heads; other blocks keep their kernel and merge limit (4 over bf16)."""
+FP8 = torch.float8_e4m3fn
+
+
+def _ask(monkeypatch, H, block_h, seesaw, kv_dtype):
+    """mla_decode's request to the wgmma launcher (seesaw, merge limit) and the plan it returns, off the GPU."""
     md = importlib.import_module("backends.kernels.mla_decode")
     seen = []
     monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
@@ -36,12 +33,31 @@ def test_seesaw_is_asked_for_64_head_blocks_with_the_merge_kernel(monkeypatch, H
     monkeypatch.setattr(md, "launch_wgmma_stage1", lambda *a, seesaw, merge_max, **k: seen.append((seesaw, merge_max)))
     B = 3
     po, pl = (torch.empty(s) for s in decode_workspace_shapes(B, H, 4))
-    kv = torch.zeros(8, 64, D_CKV + D_PE, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 64, D_CKV + D_PE).to(kv_dtype)
     plan = md.mla_decode(torch.zeros(B, H, D_CKV), torch.zeros(B, H, D_PE), kv, torch.zeros(B, 8, dtype=torch.int32),
                          torch.tensor([5, 300, 64], dtype=torch.int32), 0.1, torch.empty(B, H, D_CKV), po, pl,
                          max_splits=4, use_wgmma=True, target_programs=8, seesaw=seesaw, _skip_merge=True,
                          work=torch.zeros(plan_ints(64, B, H // 16), dtype=torch.int32))  # fmt: skip
+    return seen, plan
+
+
+@pytest.mark.parametrize(
+    "H,block_h,seesaw,kv_dtype,expected",
+    [(64, 64, True, torch.bfloat16, (True, 0)), (64, 16, True, torch.bfloat16, (False, 4)),
+     (128, 64, None, torch.bfloat16, (True, 0)), (64, 64, None, torch.bfloat16, (False, 4)),
+     (128, 64, False, torch.bfloat16, (False, 4)), (128, 64, None, FP8, (False, 4)), (32, 16, None, FP8, (False, 0))],
+)
+def test_seesaw_is_asked_for_64_head_blocks_with_the_merge_kernel(monkeypatch, H, block_h, seesaw, kv_dtype, expected):
+    """The launcher gets ``seesaw`` and a stage-1 merge limit of 0 (the kernel merges nothing) at 64-head blocks,
+    asked for or by default from 128 heads over a 16-bit cache; other blocks keep their kernel and merge limit (4
+    over bf16 and in the lock-step kernel, which is what 64-head blocks over fp8 run; 0 in the 16-head fp8 kernel)."""
+    seen, plan = _ask(monkeypatch, H, block_h, seesaw, kv_dtype)
     assert seen == [expected] and plan.merge_max == expected[1]
+
+
+def test_seesaw_over_an_fp8_cache_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="seesaw=True needs a bf16 / fp16 cache"):
+        _ask(monkeypatch, 128, 64, True, FP8)
 
 
 SHAPES = {"odd": ODD, "one-token": [1], "one-long": [32768], "two-short": [5, 3], "tile-pairs": [65, 129, 191, 192]}

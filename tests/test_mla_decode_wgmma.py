@@ -1,5 +1,5 @@
-"""The Gluon (wgmma) stage 1 of the MLA decode (Hopper): 64 heads per program, and 16 / 32 heads per program with
-tokens as the matrix rows (fewer heads, fp8 caches).
+"""The Gluon (wgmma) stage 1 of the MLA decode (Hopper): 64 heads per program (an fp8 cache widened to fp16 in
+shared memory), and 16 / 32 heads per program with tokens as the matrix rows (fewer heads; 16 over fp8 caches).
 
 CPU: the plan kernel it reads (interpreted) against a Python mirror of the plan, and the refusals with their
 reasons. GPU (``gpu``-marked): 16, 32, 64 and 128 heads, bf16, fp16 and fp8 caches, odd lengths (1, 7, 63, 64,
@@ -20,6 +20,7 @@ from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_merge_rows_kernel, _mla_decode_plan_kernel, plan_ints
 from backends.kernels.mla_decode_wgmma import (
     FP8_MIN_BATCH,
+    FP8_WIDE_MIN_JOBS,
     TOKENS_MIN_BATCH,
     WGMMA_MIN_BATCH,
     wgmma_block_h,
@@ -109,17 +110,21 @@ def test_wgmma_refusals_name_every_reason():
 
 
 def test_wgmma_heads_per_program():
-    """64 heads per program for a 16-bit cache and a multiple of 64 heads; the tokens kernel's 32 or 16 otherwise
-    (fp8 caches at every head count); 0 where neither tiles the heads."""
+    """64 heads per program for a multiple of 64 heads (any cache); the tokens kernel's 32 or 16 otherwise (16 over
+    an fp8 cache); 0 where neither tiles the heads."""
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     assert [wgmma_block_h(h, bf16) for h in (16, 32, 48, 64, 128, 8, 24)] == [16, 32, 16, 64, 64, 0, 0]
-    assert [wgmma_block_h(h, fp8) for h in (16, 32, 64, 128)] == [16, 16, 16, 16]
-    # the default where it runs: measured faster than the Triton stage 1 (not at batch 1; fp8: up to 32 heads)
+    assert [wgmma_block_h(h, fp8) for h in (16, 32, 48, 64, 128, 8)] == [16, 16, 16, 64, 64, 0]
+    # the default where it runs: measured faster than the Triton stage 1 (not at batch 1; fp8: the 16-head kernel up
+    # to 32 heads, the 64-head kernel from WGMMA_MIN_BATCH requests)
     assert wgmma_by_default(128, bf16, WGMMA_MIN_BATCH) and wgmma_by_default(64, torch.float16, WGMMA_MIN_BATCH)
     assert not wgmma_by_default(128, bf16, 1) and WGMMA_MIN_BATCH > 1 and TOKENS_MIN_BATCH > 1
     assert wgmma_by_default(16, bf16, TOKENS_MIN_BATCH) and not wgmma_by_default(16, bf16, TOKENS_MIN_BATCH - 1)
-    assert [wgmma_by_default(h, fp8, 256) for h in (16, 32, 64, 128)] == [True, True, False, False]
+    assert [wgmma_by_default(h, fp8, 256) for h in (16, 32, 48, 64, 128)] == [True, True, False, True, True]
     assert not wgmma_by_default(16, fp8, FP8_MIN_BATCH - 1) and wgmma_by_default(16, fp8, FP8_MIN_BATCH)
+    # fp8 at 64-head blocks: from FP8_WIDE_MIN_JOBS (request, head block) pairs
+    assert wgmma_by_default(64, fp8, FP8_WIDE_MIN_JOBS) and not wgmma_by_default(64, fp8, FP8_WIDE_MIN_JOBS - 1)
+    assert wgmma_by_default(128, fp8, FP8_WIDE_MIN_JOBS // 2) and not wgmma_by_default(128, fp8, FP8_WIDE_MIN_JOBS // 2 - 1)
     assert not wgmma_by_default(24, bf16, 256)
 
 
@@ -293,14 +298,15 @@ def test_gpu_wgmma_decode_matches_reference_and_triton(H, dtype, lens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("merge_max", [0, 2, 1 << 20], ids=["merge-kernel", "few-in-stage1", "all-in-stage1"])
-@pytest.mark.parametrize("H", [16, 64])
-def test_gpu_wgmma_stage1_merge_matches_reference(H, merge_max, monkeypatch):
+@pytest.mark.parametrize("H,dtype", [(16, torch.bfloat16), (64, torch.bfloat16), (64, FP8)],
+                         ids=["16-bf16", "64-bf16", "64-fp8"])
+def test_gpu_wgmma_stage1_merge_matches_reference(H, dtype, merge_max, monkeypatch):
     """Split requests merged by the merge kernel, by the stage 1 up to 2 pieces, or all by the stage 1 (the last
     program to finish a request's pieces): the same outputs, zeros for empty requests, twice (counters reset)."""
     needs_gpu()
     monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "MERGE_MAX_PIECES", merge_max)
     lens = [1, 7, 0, 4097, 2000, 64, 129, 30000, 0, 513]
-    kv, pt, q_nope, q_pe = _problem(lens, H, torch.bfloat16, seed=H + merge_max % 7)
+    kv, pt, q_nope, q_pe = _problem(lens, H, dtype, seed=H + merge_max % 7)
     ref = _reference(q_nope, q_pe, kv, pt, lens, 0.1)
     for _ in range(2):
         out = _decode(q_nope, q_pe, kv, pt, lens, 0.1, use_wgmma=True)
@@ -308,8 +314,8 @@ def test_gpu_wgmma_stage1_merge_matches_reference(H, merge_max, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,dtype", [(128, torch.bfloat16), (16, torch.bfloat16), (16, FP8)],
-                         ids=["128-bf16", "16-bf16", "16-fp8"])
+@pytest.mark.parametrize("H,dtype", [(128, torch.bfloat16), (16, torch.bfloat16), (16, FP8), (128, FP8)],
+                         ids=["128-bf16", "16-bf16", "16-fp8", "128-fp8"])
 def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
     """Plan, Gluon stage 1 (merging its few-piece requests at bf16) and merge in a graph, with ``pdl=True``
     (programmatic dependent launch for the plan, the 16-head kernels and the merge; the 64-head kernel launches
@@ -335,8 +341,8 @@ def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,dtype", [(16, torch.bfloat16), (64, torch.bfloat16), (16, FP8)],
-                         ids=["16-bf16", "64-bf16", "16-fp8"])
+@pytest.mark.parametrize("H,dtype", [(16, torch.bfloat16), (64, torch.bfloat16), (16, FP8), (64, FP8)],
+                         ids=["16-bf16", "64-bf16", "16-fp8", "64-fp8"])
 def test_gpu_one_plan_serves_every_layer(H, dtype):
     """Three layers (other caches, queries and page tables; the same lengths) under one plan, as the triton_mla
     backend runs a step: written by the first call, reused by the others, eagerly and replayed in a graph (twice).

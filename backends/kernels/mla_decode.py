@@ -178,9 +178,9 @@ def rows_merge_config(
     graphs, 16 heads, one 70000-token request among 63 of 512: 74.5 us against 86.1 with 8 pieces x 4 heads; fa3
     78.6). Over a bf16 / fp16 cache the grid is :data:`MERGE_PROGRAMS_PER_SM` programs per SM (resident beside the
     stage 1 under PDL), also behind the seesaw kernel, which merges nothing itself (``merge_max`` 0; 128 heads
-    64 x 4096: 173.0 -> 157.4 us against a program per job). Over fp8 (``kv_fp8``) every split request comes here:
-    a program per job of a batch whose every request is split (the fixed grid was 18 us slower at 64 x 32768, 16
-    heads)."""
+    64 x 4096: 173.0 -> 157.4 us against a program per job). Behind the 16-head fp8 kernel (``kv_fp8`` and
+    ``merge_max`` 0) every split request comes here: a program per job of a batch whose every request is split (the
+    fixed grid was 18 us slower at 64 x 32768, 16 heads)."""
     cfg = merge_config(batch, heads, programs, sms, d_ckv)
     if merge_max > 0 and heads <= 32:
         cfg.update(merge_block_s=32, merge_block_h=1, merge_block_dv=64)
@@ -188,7 +188,7 @@ def rows_merge_config(
         key = "merge_block_h" if cfg["merge_block_h"] > 2 else "merge_block_s"
         cfg[key] //= 2
     jobs = batch * triton.cdiv(heads, cfg["merge_block_h"]) * (d_ckv // cfg["merge_block_dv"])
-    cfg["merge_programs"] = jobs if kv_fp8 else MERGE_PROGRAMS_PER_SM * sms
+    cfg["merge_programs"] = jobs if kv_fp8 and merge_max == 0 else MERGE_PROGRAMS_PER_SM * sms
     return cfg
 
 
@@ -264,16 +264,17 @@ def mla_decode(
         its stage 1 and the merge; :mod:`backends.kernels.mla_decode_plan_kernels`); without it the Triton stage 1
         runs.
     use_wgmma : stage 1 as a Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: Hopper, a multiple of 16
-        heads, DeepSeek dims, pages of a multiple of 64 tokens, ``work`` given; 64 heads per program for a bf16/fp16
-        cache and a multiple of 64 heads, else 16 or 32 heads per program with tokens as the matrix rows, fp8 caches
-        included); None -> where it can run, measured faster (``wgmma_by_default``) and no Triton tiling (block_h,
+        heads, DeepSeek dims, pages of a multiple of 64 tokens, ``work`` given; 64 heads per program for a multiple of
+        64 heads (an fp8 cache widened to fp16 in shared memory), else 16 or 32 heads per program with tokens as the
+        matrix rows (16 over an fp8 cache)); None -> where it can run, measured faster (``wgmma_by_default``) and no Triton tiling (block_h,
         block_n, num_warps, num_stages) was given; True where it cannot run is an error naming why.
     plan : the plan an earlier call returned: where it equals this call's (same ``work`` and ``seq_lens`` tensors,
         batch, heads, cache dtype class and chunking), the plan kernel is not launched and ``work``'s rows are read
         as they are. Only for calls between which ``seq_lens``' values did not change (the layers of one step).
     seesaw : 64-head blocks of the wgmma path run the two-warpgroup seesaw kernel
         (:mod:`backends.kernels.mla_decode_seesaw_kernels`; every split request goes to the merge kernel); None ->
-        where it measured faster (``seesaw_by_default``: 128 heads and more), False -> the lock-step kernel.
+        where it measured faster (``seesaw_by_default``: 128 heads and more, bf16 / fp16 caches), False -> the
+        lock-step kernel (which also reads fp8 caches).
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
 
     Returns
@@ -379,8 +380,10 @@ def mla_decode(
     min_chunk = triton.cdiv(min_tokens_per_split, block_n) * block_n
 
     if use_wgmma:
-        seesaw = block_h == WGMMA_BLOCK_H and (seesaw_by_default(H) if seesaw is None else seesaw)
-        merge_max = stage1_merge_max(kv_cache.dtype, seesaw)
+        require(not (seesaw and kv_fp8), "seesaw=True needs a bf16 / fp16 cache (the seesaw kernel has no fp8 path); "
+                "leave seesaw=None for fp8 caches (64-head blocks run the lock-step kernel)")
+        seesaw = block_h == WGMMA_BLOCK_H and (seesaw_by_default(H, kv_cache.dtype) if seesaw is None else seesaw)
+        merge_max = stage1_merge_max(kv_cache.dtype, seesaw, block_h)
         mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV, kv_fp8)
         merge_programs = mcfg["merge_programs"] if merge_programs is None else merge_programs
     else:

@@ -22,11 +22,13 @@ No stage is held back for prefetching: 72 KiB of q + 2 x 72 KiB of tiles, 216 Ki
 The plan (which requests and token ranges a program handles) and the outputs (finished requests to ``out``, split
 pieces to workspace slots) are the 64-head kernel's; every split request is left to the merge kernel.
 
-Measured on an H100 (CUDA-graph replays, plan reused; bench/TRITON_NOTES.md): 128 heads 64 x 4096 158.0 us against
-the lock-step kernel's 199.5 (fa3 145.2), 64 x 32768 1148.6-1211.4 against 1531.6 (fa3 1206.4), 128 x varied 8192
-683.1 against 771.2 (fa3 777.3); slower at 64 heads (see ``SEESAW_MIN_HEADS`` in
-:mod:`backends.kernels.mla_decode_wgmma`). 255 registers (spilling 308 bytes in warpgroup A), 222,572 bytes of
-shared memory.
+Measured on an H100 (CUDA-graph replays, plan reused; bench/TRITON_NOTES.md): 128 heads 64 x 4096 151.7 us (fa3
+145.0), 64 x 32768 1053.6 (fa3 1189.3), 128 x varied 8192 632.3 (fa3 777.7); the lock-step kernel took 199.5,
+1531.6 and 771.2 in an earlier call; slower at 64 heads (see ``SEESAW_MIN_HEADS`` in
+:mod:`backends.kernels.mla_decode_wgmma`). 255 registers, no spills, 222,572 bytes of shared memory. The score
+products read q and the tile at an index the compiler cannot fold (:func:`_tile_scores`): with fixed indices their
+wgmma descriptors were hoisted out of the pair loop and 308 bytes spilled in warpgroup A (64 x 32768: 1148.6-1211.4
+us then).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from backends.kernels.mla_decode_wgmma_kernels import (
     _load_q,
+    _opaque_zero,
     _request_span,
     _store_half,
     _work_row,
@@ -84,14 +87,18 @@ def _o_layout(D_HALF, num_warps):
 @gluon.jit
 def _tile_scores(q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, bars, t, phase, s_layout: gl.constexpr, BLOCK_H: gl.constexpr,
                  BLOCK_N: gl.constexpr):
-    """q . k of the tile in slot t, each box's product issued as soon as the box has landed; waited for."""
+    """q . k of the tile in slot t, each box's product issued as soon as the box has landed; waited for. q and the
+    slot are indexed through an opaque 0, so their operand descriptors are built here, per tile, instead of being
+    hoisted out of the loop and kept live (spilled) across it."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_layout)
+    z = _opaque_zero()
+    t = t + z
     mbarrier.wait(bars.index(3 * t), phase)
-    s = warpgroup_mma(q_lo, kv_lo.index(t).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_lo.index(z), kv_lo.index(t).permute((1, 0)), s, use_acc=False, is_async=True)
     mbarrier.wait(bars.index(3 * t + 1), phase)
-    s = warpgroup_mma(q_hi, kv_hi.index(t).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_hi.index(z), kv_hi.index(t).permute((1, 0)), s, is_async=True)
     mbarrier.wait(bars.index(3 * t + 2), phase)
-    s = warpgroup_mma(q_pe, kv_pe.index(t).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_pe.index(z), kv_pe.index(t).permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
 
@@ -157,7 +164,8 @@ def _warpgroup_a(
     b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, pid_p)
     pc = 0  # pairs so far (hand-over phases)
     # tiles in slot 0 so far (its boxes' barrier phases). Always equal to pc; reading pc instead raised the spills
-    # from 308 to 328 bytes, and 128 heads 128 x varied 8192 measured 731.0 us against 671.6-683.1 (H100)
+    # from 308 to 328 bytes, and 128 heads 128 x varied 8192 measured 731.0 us against 671.6-683.1 (H100), before
+    # the opaque operand indices removed the spills
     na = 0
     pk = 0  # pieces so far
     for b in range(b0, b_end):
@@ -173,9 +181,10 @@ def _warpgroup_a(
                 _issue_box(desc_pe, kv_pe.index(1), bars.index(5), PT_row, start + BLOCK_N, 2 * D_HALF, PAGE_SIZE)
             # q: B's score products of the last piece are done (A waited for every B hand-over)
             qn = QN + b64 * stride_qn_b + h0 * stride_qn_h
-            _load_q(qn, stride_qn_h, q_lo, BLOCK_H, D_HALF, CDT, num_warps)
-            _load_q(qn + D_HALF, stride_qn_h, q_hi, BLOCK_H, D_HALF, CDT, num_warps)
-            _load_q(QP + b64 * stride_qp_b + h0 * stride_qp_h, stride_qp_h, q_pe, BLOCK_H, D_PE, CDT, num_warps)
+            _load_q(qn, stride_qn_h, q_lo.index(0), BLOCK_H, D_HALF, CDT, num_warps)
+            _load_q(qn + D_HALF, stride_qn_h, q_hi.index(0), BLOCK_H, D_HALF, CDT, num_warps)
+            _load_q(QP + b64 * stride_qp_b + h0 * stride_qp_h, stride_qp_h, q_pe.index(0), BLOCK_H, D_PE, CDT,
+                    num_warps)  # fmt: skip
             _hand_over(bars, _Q_READY)
 
             m_prev = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=row_s)
@@ -334,9 +343,10 @@ def _mla_decode_seesaw_kernel(
     D_HALF: gl.constexpr = D_CKV // 2
     CDT: gl.constexpr = desc_c.dtype
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)
-    q_lo = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
-    q_hi = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
-    q_pe = gl.allocate_shared_memory(CDT, [BLOCK_H, D_PE], gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], CDT))
+    q_lo = gl.allocate_shared_memory(CDT, [1, BLOCK_H, D_HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(CDT, [1, BLOCK_H, D_HALF], q_layout)
+    q_pe = gl.allocate_shared_memory(CDT, [1, BLOCK_H, D_PE],
+                                     gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], CDT))  # fmt: skip
     kv_lo = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], desc_c.layout)
     kv_hi = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], desc_c.layout)
     kv_pe = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_PE], desc_pe.layout)  # P goes here once it is read

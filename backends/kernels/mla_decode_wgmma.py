@@ -1,7 +1,8 @@
 """Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in four kernels:
 
 * 64 heads per program, heads as the matrix rows, both warpgroups on every tile
-  (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache, the default at 64 heads;
+  (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache (the default at 64 heads) or an fp8 one
+  (each tile widened to fp16 in shared memory first; the default for fp8 at 64 and 128 heads);
 * 64 heads per program in a seesaw, each warpgroup on its own tile of a pair
   (:mod:`backends.kernels.mla_decode_seesaw_kernels`): a bf16 / fp16 cache, the default from 128 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
@@ -36,10 +37,10 @@ _HALF = (torch.bfloat16, torch.float16)
 
 
 def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
-    """Heads per program of the wgmma stage 1 for this head count and cache (0: neither kernel tiles it): 64 (the
-    64-head kernel) for a 16-bit cache and a multiple of 64 heads, else 32 or 16 (the tokens kernel; 16 over an
-    fp8 cache, whose widened tiles leave no room for 32 heads of q)."""
-    if kv_dtype in _HALF and heads % WGMMA_BLOCK_H == 0:
+    """Heads per program of the wgmma stage 1 for this head count and cache (0: no kernel tiles it): 64 (the 64-head
+    kernels) for a multiple of 64 heads, else 32 or 16 (the tokens kernel; 16 over an fp8 cache, whose two widened
+    tiles leave no room for 32 heads of q)."""
+    if kv_dtype in (*_HALF, torch.float8_e4m3fn) and heads % WGMMA_BLOCK_H == 0:
         return WGMMA_BLOCK_H
     if heads % 32 == 0 and kv_dtype in _HALF:
         return 32
@@ -73,33 +74,45 @@ WGMMA_MIN_BATCH = 4
 TOKENS_MIN_BATCH = 8
 FP8_MIN_BATCH = 4
 FP8_MAX_HEADS = 32
+#: The lock-step kernel over an fp8 cache (each tile widened to fp16 by the same 8 warps, between the loads and the
+#: products) is the default from this many (request, 64-head block) pairs. H100, ``bench.mla_decode_grid --graph
+#: --no-fi --dtypes fp8 --variants triton,wgmma``, us Triton -> lock-step: 64 heads 8 x 2048 58.5 -> 67.0, 16 x 2048
+#: 73.3 -> 78.8, 16 x 4096 97.6 -> 94.1, 32 x 2048 110.1 -> 69.9, 64 x 32768 1444.5 -> 1022.3; 128 heads 8 x 2048
+#: 72.9 -> 77.7, 16 x 2048 108.3 -> 71.6, 64 x 32768 2792.4 -> 2031.0.
+FP8_WIDE_MIN_JOBS = 32
 
 
 def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     """Whether ``mla_decode(use_wgmma=None)`` takes the wgmma stage 1 where it can run: where it measured faster
-    than the Triton stage 1 on an H100: bf16 / fp16 caches, 64-head blocks from :data:`WGMMA_MIN_BATCH` requests,
-    16 / 32-head blocks from :data:`TOKENS_MIN_BATCH`; fp8 caches with at most :data:`FP8_MAX_HEADS` heads from
-    :data:`FP8_MIN_BATCH` requests."""
+    than the Triton stage 1 on an H100: 64-head blocks over a bf16 / fp16 cache from :data:`WGMMA_MIN_BATCH`
+    requests, over an fp8 cache from :data:`FP8_WIDE_MIN_JOBS` (request, head block) pairs; 16 / 32-head blocks over
+    a bf16 / fp16 cache from :data:`TOKENS_MIN_BATCH` requests, over an fp8 cache with at most
+    :data:`FP8_MAX_HEADS` heads from :data:`FP8_MIN_BATCH` requests."""
     block_h = wgmma_block_h(heads, kv_dtype)
     if not block_h:
         return False
+    if block_h == WGMMA_BLOCK_H and kv_dtype == torch.float8_e4m3fn:
+        return batch * (heads // WGMMA_BLOCK_H) >= FP8_WIDE_MIN_JOBS
+    if block_h == WGMMA_BLOCK_H:
+        return batch >= WGMMA_MIN_BATCH
     if kv_dtype == torch.float8_e4m3fn:
         return heads <= FP8_MAX_HEADS and batch >= FP8_MIN_BATCH
-    if kv_dtype not in _HALF:
-        return False
-    return batch >= (WGMMA_MIN_BATCH if block_h == WGMMA_BLOCK_H else TOKENS_MIN_BATCH)
+    return kv_dtype in _HALF and batch >= TOKENS_MIN_BATCH
 
 
-def seesaw_by_default(heads: int) -> bool:
+def seesaw_by_default(heads: int, kv_dtype: torch.dtype) -> bool:
     """Whether 64-head blocks run the seesaw kernel when ``mla_decode`` is not told: from
-    :data:`SEESAW_MIN_HEADS` heads, where it measured faster."""
-    return heads >= SEESAW_MIN_HEADS
+    :data:`SEESAW_MIN_HEADS` heads over a bf16 / fp16 cache, where it measured faster (it has no fp8 path)."""
+    return heads >= SEESAW_MIN_HEADS and kv_dtype in _HALF
 
 
-def stage1_merge_max(kv_dtype: torch.dtype, seesaw: bool = False) -> int:
+def stage1_merge_max(kv_dtype: torch.dtype, seesaw: bool = False, block_h: int = WGMMA_BLOCK_H) -> int:
     """Split requests of at most this many pieces the wgmma stage 1 merges itself (0: the merge kernel does them
-    all): :data:`MERGE_MAX_PIECES` over a bf16 / fp16 cache, 0 over fp8 and in the seesaw kernel."""
-    return MERGE_MAX_PIECES if kv_dtype in _HALF and not seesaw else 0
+    all): :data:`MERGE_MAX_PIECES` in the lock-step kernel (64-head blocks, any cache) and the tokens kernel (16 / 32
+    heads, bf16 / fp16), 0 in the 16-head fp8 kernel and the seesaw kernel."""
+    if seesaw:
+        return 0
+    return MERGE_MAX_PIECES if kv_dtype in _HALF or block_h == WGMMA_BLOCK_H else 0
 
 
 def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int, work: torch.Tensor | None) -> list:

@@ -45,6 +45,7 @@ from backends.kernels.mla_decode_wgmma_kernels import (
     _load_q_piece,
     _pdl_enter,
     _request_span,
+    _widen,
     _work_row,
 )
 from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _scores_t, _softmax_t
@@ -53,21 +54,6 @@ from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _scores_
 WIDEN_REGS = gl.constexpr(128)
 #: Warps of the widener.
 WIDEN_WARPS = gl.constexpr(8)
-
-
-@gluon.jit
-def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
-    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (each thread: 16 consecutive bytes per
-    row, no warp repeats another's rows); rows >= valid set to 0."""
-    WC: gl.constexpr = num_warps if COLS // 64 >= num_warps else COLS // 64  # warps side by side along a row
-    CHUNK: gl.constexpr = 32 if 8 * (num_warps // WC) <= 32 else 8 * (num_warps // WC)
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps // WC, WC], [1, 0])
-    for r0 in gl.static_range(0, ROWS, CHUNK):
-        x = src.slice(r0, CHUNK, dim=0).load(layout).to(dst.dtype)
-        if r0 + CHUNK > valid:
-            rows = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-            x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
-        dst.slice(r0, CHUNK, dim=0).store(x)
 
 
 @gluon.jit

@@ -1,4 +1,4 @@
-"""Gluon stage-1 kernel of the absorbed-MLA decode for 64 heads per program (Hopper, bf16 / fp16 cache).
+"""Gluon stage-1 kernel of the absorbed-MLA decode for 64 heads per program (Hopper, bf16 / fp16 / fp8 cache).
 
 Why a separate kernel: with 64 heads per program the per-token work is a real matrix product, and Triton's
 ``tl.dot`` (Triton 3.6) lays the score product ``Q K^T`` out so that both warpgroups compute the same
@@ -23,7 +23,21 @@ split slot, the end of its request range, the chunk and the chunk's end; this ke
 Triton stage 1 does, and writes the same outputs (finished requests to ``out``, split pieces to workspace slots),
 so the Triton merge kernel combines them (reading the plan's per-request rows).
 
-Measured on an H100 (bench/TRITON_NOTES.md): 1.5-1.9x the Triton stage 1's speed at 64 and 128 heads, 255
+Over an fp8 (e4m3) cache the same products run in fp16: both wgmma operands share one type and ``P @ V`` reads V
+transposed, which wgmma allows for 16-bit types only. Each landed tile is widened (``cvt.rn.f16x2.e4m3x2``, exact)
+by the same 8 warps into one fp16 tile in shared memory (rows past the request's end zeroed there), and its stage
+then takes the tile two ahead at once: 72 KiB of fp16 q + 2 x 36 KiB of fp8 stages + 72 KiB widened, the bf16
+kernel's shared memory. H100: 64 heads 64 x 32768 1022.3 us against the Triton fp8 stage 1's 1444.5 (the bf16
+cache here: 861.8); 128 heads 2031.0 against 2792.4. Widening tile i + 1's low latent half and rope part while
+``P @ V_hi`` of tile i ran on the tensor cores measured the same (1060.6 against 1059.9 us), so the loop keeps the
+simple order.
+
+The score products read q (and, over fp8, the widened tile) at an index the compiler cannot fold
+(:func:`_opaque_zero`): with fixed indices their wgmma descriptors were hoisted out of the tile loop and kept live
+across it, and the registers spilled (bf16 136 bytes; fp8 616 bytes, 1486.6 against 1059.9 us at 64 heads 64 x
+32768).
+
+Measured on an H100 (bench/TRITON_NOTES.md): 1.5-1.9x the Triton stage 1's speed at 64 and 128 heads (bf16), 231
 registers and no spills, 225,296 bytes of shared memory. Issuing each tile's P @ V and the next tile's scores
 back to back (one wait, the next tile's load then issued later) measured the same or up to 2% slower, so the
 loop keeps the simple order.
@@ -40,6 +54,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+#: Rows of an fp8 tile the 64-head kernel's warps widen at a time (fewer registers beside the output accumulators).
+WIDEN_ROWS = gl.constexpr(16)
 
 
 @gluon.jit
@@ -75,6 +92,30 @@ def _zero_rows_past(buf, valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr, num_w
             x = part.load(layout)
             rows = r0 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
             part.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr,
+           MIN_CHUNK: gl.constexpr = 32, SERIAL: gl.constexpr = False):
+    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (at least MIN_CHUNK; each thread: 16
+    consecutive bytes per row, no warp repeats another's rows); rows >= valid set to 0."""
+    WC: gl.constexpr = num_warps if COLS // 64 >= num_warps else COLS // 64  # warps side by side along a row
+    CHUNK: gl.constexpr = MIN_CHUNK if 8 * (num_warps // WC) <= MIN_CHUNK else 8 * (num_warps // WC)
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps // WC, WC], [1, 0])
+    for r0 in gl.static_range(0, ROWS, CHUNK):
+        x = src.slice(r0, CHUNK, dim=0).load(layout).to(dst.dtype)
+        if r0 + CHUNK > valid:
+            rows = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
+        dst.slice(r0, CHUNK, dim=0).store(x)
+        if SERIAL:
+            gl.thread_barrier()
+
+
+@gluon.jit
+def _opaque_zero():
+    """0, as a value the compiler cannot see through (an index that keeps address math inside a loop)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -245,11 +286,11 @@ def _ready(k_lo, k_hi, valid, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr, num_w
 
 
 @gluon.jit
-def _scores(q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, stage, s_zero):
-    """q . k over the latent halves and the rope part of the tile in ``stage``, issued (not waited for)."""
-    s = warpgroup_mma(q_lo, kv_lo.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_hi, kv_hi.index(stage).permute((1, 0)), s, is_async=True)
-    return warpgroup_mma(q_pe, kv_pe.index(stage).permute((1, 0)), s, is_async=True)
+def _scores(q_lo, q_hi, q_pe, k_lo, k_hi, k_pe, s_zero):
+    """q . k over the latent halves and the rope part of one tile, issued (not waited for)."""
+    s = warpgroup_mma(q_lo, k_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_hi, k_hi.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(q_pe, k_pe.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -267,7 +308,7 @@ def _softmax(s, m_i, l_i, keep, qk_scale, CDT: gl.constexpr, row_o: gl.constexpr
 
 @gluon.jit
 def _decode_piece_wgmma(
-    QN, QP, desc_c, desc_pe, PT_row, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, bars, it,
+    QN, QP, desc_c, desc_pe, PT_row, PO, PL, OUT, q_lo3, q_hi3, q_pe3, kv_lo, kv_hi, kv_pe, w_lo, w_hi, w_pe, bars, it,
     qk_scale, out_scale, b64, start, end, split, slot, slot_div, h0,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
@@ -275,9 +316,15 @@ def _decode_piece_wgmma(
     BLOCK_N: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """Tokens [start, end) of request b64 for heads h0 .. h0 + BLOCK_H. ``it`` counts the tiles this program has
-    consumed so far (each stage's barrier phase follows from it); returns the updated count."""
+    consumed so far (each stage's barrier phase follows from it); returns the updated count. ``q_lo3`` / ``q_hi3`` /
+    ``q_pe3`` (and ``w_*``) are one-deep buffers, indexed per tile through an opaque 0. Over an fp8 cache
+    (``FP8``) each landed tile is widened into ``w_lo`` / ``w_hi`` / ``w_pe`` (fp16) and the products read those;
+    its stage is then free at once, so the tile two ahead is loaded into it (two tiles in flight, as many bytes as
+    one 16-bit tile). Otherwise the products read the stage itself and the next tile loads into the other one."""
     D_HALF: gl.constexpr = D_CKV // 2
-    CDT: gl.constexpr = kv_lo.dtype
+    q_lo, q_hi, q_pe = q_lo3.index(0), q_hi3.index(0), q_pe3.index(0)
+    CDT: gl.constexpr = q_lo.dtype
+    FP8: gl.constexpr = kv_lo.dtype == gl.float8e4nv
     # scores: each warpgroup the [BLOCK_H, BLOCK_N / 2] scores of its half of the tile's tokens
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
@@ -303,19 +350,34 @@ def _decode_piece_wgmma(
     nt = gl.cdiv(end - start, BLOCK_N)
     page = gl.load(PT_row + start // PAGE_SIZE)
     _issue_tile(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, it % 2, page * PAGE_SIZE + start % PAGE_SIZE, True, D_HALF)
-    for i in range(nt):  # tile i + 1 loads while tile i is multiplied
+    if FP8:  # the second tile too: a stage is refilled as soon as its tile is widened
+        _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + 1) % 2, PT_row, start + BLOCK_N, end, nt > 1,
+                    PAGE_SIZE, D_HALF)  # fmt: skip
+    for i in range(nt):  # tile i + 1 (fp8: and i + 2) loads while tile i is multiplied
         stage = it % 2
         n0 = start + i * BLOCK_N
         mbarrier.wait(bars.index(stage), (it // 2) & 1)
-        gl.thread_barrier()  # every warp is done with the previous tile: its stage can be refilled
-        _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, 1 - stage, PT_row, n0 + BLOCK_N, end, i + 1 < nt,
-                    PAGE_SIZE, D_HALF)  # fmt: skip
-        _ready(kv_lo.index(stage), kv_hi.index(stage), end - n0, BLOCK_N, D_HALF, num_warps)
-        s = _scores(q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, stage, s_zero)
+        gl.thread_barrier()  # every warp is done with the previous tile: its stage (fp8: the widened tile) is free
+        z = _opaque_zero()  # q and the widened tile at an index the compiler cannot fold (see the module's docstring)
+        if FP8:
+            v_lo, v_hi, v_pe = w_lo.index(z), w_hi.index(z), w_pe.index(z)
+            _widen(kv_lo.index(stage), v_lo, end - n0, BLOCK_N, D_HALF, num_warps, WIDEN_ROWS)
+            _widen(kv_hi.index(stage), v_hi, end - n0, BLOCK_N, D_HALF, num_warps, WIDEN_ROWS)
+            _widen(kv_pe.index(stage), v_pe, end - n0, BLOCK_N, D_PE, num_warps, WIDEN_ROWS)
+            fence_async_shared()
+            gl.thread_barrier()  # widened by every warp, and the stage read: refilled with the tile two ahead
+            _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, PT_row, n0 + 2 * BLOCK_N, end,
+                        i + 2 < nt, PAGE_SIZE, D_HALF)  # fmt: skip
+        else:
+            _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, 1 - stage, PT_row, n0 + BLOCK_N, end, i + 1 < nt,
+                        PAGE_SIZE, D_HALF)  # fmt: skip
+            _ready(kv_lo.index(stage), kv_hi.index(stage), end - n0, BLOCK_N, D_HALF, num_warps)
+            v_lo, v_hi, v_pe = kv_lo.index(stage), kv_hi.index(stage), kv_pe.index(stage)
+        s = _scores(q_lo3.index(z), q_hi3.index(z), q_pe3.index(z), v_lo, v_hi, v_pe, s_zero)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         p_op, alpha_o, m_i, l_i = _softmax(s, m_i, l_i, cols_n < end - n0, qk_scale, CDT, row_o, p_layout)
-        o_lo = warpgroup_mma(p_op, kv_lo.index(stage), o_lo * alpha_o, is_async=True)
-        o_hi = warpgroup_mma(p_op, kv_hi.index(stage), o_hi * alpha_o, is_async=True)
+        o_lo = warpgroup_mma(p_op, v_lo, o_lo * alpha_o, is_async=True)
+        o_hi = warpgroup_mma(p_op, v_hi, o_hi * alpha_o, is_async=True)
         o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
         it += 1
 
@@ -348,15 +410,24 @@ def _mla_decode_wgmma_kernel(
     pid_p = gl.program_id(1)
     b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, pid_p)
 
-    CDT: gl.constexpr = desc_c.dtype
+    FP8: gl.constexpr = desc_c.dtype == gl.float8e4nv
+    CDT: gl.constexpr = gl.float16 if FP8 else desc_c.dtype  # the products' dtype (fp8: widened to fp16)
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_HALF], CDT)
     qpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_PE], CDT)
-    q_lo = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
-    q_hi = gl.allocate_shared_memory(CDT, [BLOCK_H, D_HALF], q_layout)
-    q_pe = gl.allocate_shared_memory(CDT, [BLOCK_H, D_PE], qpe_layout)
-    kv_lo = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], desc_c.layout)
-    kv_hi = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], desc_c.layout)
-    kv_pe = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_PE], desc_pe.layout)
+    q_lo = gl.allocate_shared_memory(CDT, [1, BLOCK_H, D_HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(CDT, [1, BLOCK_H, D_HALF], q_layout)
+    q_pe = gl.allocate_shared_memory(CDT, [1, BLOCK_H, D_PE], qpe_layout)
+    kv_lo = gl.allocate_shared_memory(desc_c.dtype, [2, BLOCK_N, D_HALF], desc_c.layout)
+    kv_hi = gl.allocate_shared_memory(desc_c.dtype, [2, BLOCK_N, D_HALF], desc_c.layout)
+    kv_pe = gl.allocate_shared_memory(desc_c.dtype, [2, BLOCK_N, D_PE], desc_pe.layout)
+    if FP8:  # one widened tile: 2 x 32 + 8 KiB
+        w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], CDT)
+        w_lo = gl.allocate_shared_memory(CDT, [1, BLOCK_N, D_HALF], w_layout)
+        w_hi = gl.allocate_shared_memory(CDT, [1, BLOCK_N, D_HALF], w_layout)
+        w_pe = gl.allocate_shared_memory(CDT, [1, BLOCK_N, D_PE],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_PE], CDT))  # fmt: skip
+    else:  # unused: the products read the stages
+        w_lo, w_hi, w_pe = kv_lo, kv_hi, kv_pe
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bars.index(0), count=1)
     mbarrier.init(bars.index(1), count=1)
@@ -368,7 +439,7 @@ def _mla_decode_wgmma_kernel(
             b64 = (s_b * 0 + b).to(gl.int64)
             it = _decode_piece_wgmma(
                 QN, QP, desc_c, desc_pe, PT + b64 * stride_pt_b, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe,
-                bars, it, qk_scale, out_scale, b64, start, end, split, slot0 + (pid_p - p0), slot_div, h0,
+                w_lo, w_hi, w_pe, bars, it, qk_scale, out_scale, b64, start, end, split, slot0 + (pid_p - p0), slot_div, h0,
                 stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
                 stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H,
                 BLOCK_N, num_warps,
