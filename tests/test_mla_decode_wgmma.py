@@ -124,7 +124,8 @@ def test_wgmma_heads_per_program():
     assert not wgmma_by_default(16, fp8, FP8_MIN_BATCH - 1) and wgmma_by_default(16, fp8, FP8_MIN_BATCH)
     # fp8 at 64-head blocks: from FP8_WIDE_MIN_JOBS (request, head block) pairs
     assert wgmma_by_default(64, fp8, FP8_WIDE_MIN_JOBS) and not wgmma_by_default(64, fp8, FP8_WIDE_MIN_JOBS - 1)
-    assert wgmma_by_default(128, fp8, FP8_WIDE_MIN_JOBS // 2) and not wgmma_by_default(128, fp8, FP8_WIDE_MIN_JOBS // 2 - 1)
+    half = FP8_WIDE_MIN_JOBS // 2  # 128 heads: two head blocks per request
+    assert wgmma_by_default(128, fp8, half) and not wgmma_by_default(128, fp8, half - 1)
     assert not wgmma_by_default(24, bf16, 256)
 
 

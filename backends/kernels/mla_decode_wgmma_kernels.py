@@ -55,7 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-#: Rows of an fp8 tile the 64-head kernel's warps widen at a time (fewer registers beside the output accumulators).
+#: Rows of an fp8 tile the 64-head kernel's 8 warps widen per step (each thread 16 bytes of one row; the value the
+#: kernel was measured with: the spills it had came from hoisted operand descriptors, see the docstring).
 WIDEN_ROWS = gl.constexpr(16)
 
 
@@ -439,7 +440,8 @@ def _mla_decode_wgmma_kernel(
             b64 = (s_b * 0 + b).to(gl.int64)
             it = _decode_piece_wgmma(
                 QN, QP, desc_c, desc_pe, PT + b64 * stride_pt_b, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe,
-                w_lo, w_hi, w_pe, bars, it, qk_scale, out_scale, b64, start, end, split, slot0 + (pid_p - p0), slot_div, h0,
+                w_lo, w_hi, w_pe, bars, it, qk_scale, out_scale, b64, start, end, split, slot0 + (pid_p - p0),
+                slot_div, h0,
                 stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
                 stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, PAGE_SIZE, D_CKV, D_PE, BLOCK_H,
                 BLOCK_N, num_warps,
