@@ -78,7 +78,8 @@ FP8_MAX_HEADS = 32
 #: products) is the default from this many (request, 64-head block) pairs. H100, ``bench.mla_decode_grid --graph
 #: --no-fi --dtypes fp8 --variants triton,wgmma``, us Triton -> lock-step: 64 heads 8 x 2048 58.5 -> 67.0, 16 x 2048
 #: 73.3 -> 78.8, 16 x 4096 97.6 -> 94.1, 32 x 2048 110.1 -> 69.9, 64 x 32768 1444.5 -> 1022.3; 128 heads 8 x 2048
-#: 72.9 -> 77.7, 16 x 2048 108.3 -> 71.6, 64 x 32768 2792.4 -> 2031.0.
+#: 72.9 -> 77.7, 16 x 2048 108.3 -> 71.6, 64 x 32768 2792.4 -> 2031.0 (measured with 16 widened rows a step; the
+#: final 32 made 64 x 32768 902.4 and 1732.4 us, so the crossing may now lie at fewer pairs: not measured).
 FP8_WIDE_MIN_JOBS = 32
 
 

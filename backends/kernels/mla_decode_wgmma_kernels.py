@@ -27,8 +27,8 @@ Over an fp8 (e4m3) cache the same products run in fp16: both wgmma operands shar
 transposed, which wgmma allows for 16-bit types only. Each landed tile is widened (``cvt.rn.f16x2.e4m3x2``, exact)
 by the same 8 warps into one fp16 tile in shared memory (rows past the request's end zeroed there), and its stage
 then takes the tile two ahead at once: 72 KiB of fp16 q + 2 x 36 KiB of fp8 stages + 72 KiB widened, the bf16
-kernel's shared memory. H100: 64 heads 64 x 32768 1022.3 us against the Triton fp8 stage 1's 1444.5 (the bf16
-cache here: 861.8); 128 heads 2031.0 against 2792.4. Widening tile i + 1's low latent half and rope part while
+kernel's shared memory. H100: 64 heads 64 x 32768 902.4 us against the Triton fp8 stage 1's 1444.5 (the bf16
+cache here: 861.8); 128 heads 1732.4 against 2792.4 (16 rows widened a step instead of 32: 1021.2 and 2038.8). Widening tile i + 1's low latent half and rope part while
 ``P @ V_hi`` of tile i ran on the tensor cores measured the same (1060.6 against 1059.9 us), so the loop keeps the
 simple order.
 
@@ -54,10 +54,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-#: Rows of an fp8 tile the 64-head kernel's 8 warps widen per step (each thread 16 bytes of one row; the value the
-#: kernel was measured with: the spills it had came from hoisted operand descriptors, see the docstring).
-WIDEN_ROWS = gl.constexpr(16)
 
 
 @gluon.jit
@@ -96,12 +92,11 @@ def _zero_rows_past(buf, valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr, num_w
 
 
 @gluon.jit
-def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr,
-           MIN_CHUNK: gl.constexpr = 32, SERIAL: gl.constexpr = False):
-    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (at least MIN_CHUNK; each thread: 16
-    consecutive bytes per row, no warp repeats another's rows); rows >= valid set to 0."""
+def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
+    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (each thread: 16 consecutive bytes per
+    row, no warp repeats another's rows); rows >= valid set to 0."""
     WC: gl.constexpr = num_warps if COLS // 64 >= num_warps else COLS // 64  # warps side by side along a row
-    CHUNK: gl.constexpr = MIN_CHUNK if 8 * (num_warps // WC) <= MIN_CHUNK else 8 * (num_warps // WC)
+    CHUNK: gl.constexpr = 32 if 8 * (num_warps // WC) <= 32 else 8 * (num_warps // WC)
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps // WC, WC], [1, 0])
     for r0 in gl.static_range(0, ROWS, CHUNK):
         x = src.slice(r0, CHUNK, dim=0).load(layout).to(dst.dtype)
@@ -109,8 +104,6 @@ def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: g
             rows = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
         dst.slice(r0, CHUNK, dim=0).store(x)
-        if SERIAL:
-            gl.thread_barrier()
 
 
 @gluon.jit
@@ -362,9 +355,9 @@ def _decode_piece_wgmma(
         z = _opaque_zero()  # q and the widened tile at an index the compiler cannot fold (see the module's docstring)
         if FP8:
             v_lo, v_hi, v_pe = w_lo.index(z), w_hi.index(z), w_pe.index(z)
-            _widen(kv_lo.index(stage), v_lo, end - n0, BLOCK_N, D_HALF, num_warps, WIDEN_ROWS)
-            _widen(kv_hi.index(stage), v_hi, end - n0, BLOCK_N, D_HALF, num_warps, WIDEN_ROWS)
-            _widen(kv_pe.index(stage), v_pe, end - n0, BLOCK_N, D_PE, num_warps, WIDEN_ROWS)
+            _widen(kv_lo.index(stage), v_lo, end - n0, BLOCK_N, D_HALF, num_warps)
+            _widen(kv_hi.index(stage), v_hi, end - n0, BLOCK_N, D_HALF, num_warps)
+            _widen(kv_pe.index(stage), v_pe, end - n0, BLOCK_N, D_PE, num_warps)
             fence_async_shared()
             gl.thread_barrier()  # widened by every warp, and the stage read: refilled with the tile two ahead
             _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, PT_row, n0 + 2 * BLOCK_N, end,
