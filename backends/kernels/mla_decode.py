@@ -178,7 +178,7 @@ def rows_merge_config(
     graphs, 16 heads, one 70000-token request among 63 of 512: 74.5 us against 86.1 with 8 pieces x 4 heads; fa3
     78.6). Over a bf16 / fp16 cache the grid is :data:`MERGE_PROGRAMS_PER_SM` programs per SM (resident beside the
     stage 1 under PDL), also behind the seesaw kernel, which merges nothing itself (``merge_max`` 0; 128 heads
-    64 x 4096: 173.0 -> 157.4 us against a program per job). Behind the 16-head fp8 kernel (``kv_fp8`` and
+    64 x 4096: 173.0 -> 157.4 us against a program per job). Behind the 16 / 32-head fp8 kernels (``kv_fp8`` and
     ``merge_max`` 0) every split request comes here: a program per job of a batch whose every request is split (the
     fixed grid was 18 us slower at 64 x 32768, 16 heads)."""
     cfg = merge_config(batch, heads, programs, sms, d_ckv)
@@ -266,7 +266,7 @@ def mla_decode(
     use_wgmma : stage 1 as a Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: Hopper, a multiple of 16
         heads, DeepSeek dims, pages of a multiple of 64 tokens, ``work`` given; 64 heads per program for a multiple of
         64 heads (an fp8 cache widened to fp16 in shared memory), else 16 or 32 heads per program with tokens as the
-        matrix rows (16 over an fp8 cache)); None -> where it can run, measured faster (``wgmma_by_default``) and
+        matrix rows (over an fp8 cache widened by warps of their own)); None -> where it can run, measured faster (``wgmma_by_default``) and
         no Triton tiling (block_h, block_n, num_warps, num_stages) was given; True where it cannot run is an error
         naming why.
     plan : the plan an earlier call returned: where it equals this call's (same ``work`` and ``seq_lens`` tensors,

@@ -1,4 +1,4 @@
-"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in four kernels:
+"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in five kernels:
 
 * 64 heads per program, heads as the matrix rows, both warpgroups on every tile
   (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache (the default at 64 heads) or an fp8 one
@@ -8,7 +8,9 @@
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
   a bf16 / fp16 cache and fewer heads;
 * 16 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the tokens
-  kernel's products, each tile widened to fp16 in shared memory by warps of its own.
+  kernel's products, each tile widened to fp16 in shared memory by warps of its own;
+* 32 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_regs_kernels`): the same,
+  with the fp8 tile loaded into the widener's registers instead of a shared-memory stage (32 heads of q then fit).
 
 :func:`backends.kernels.mla_decode.mla_decode` picks one for caches it can read (see :func:`wgmma_problems` and
 :func:`wgmma_block_h`); the plan and the merge stay the Triton ones, so the outputs (finished requests, split
@@ -28,8 +30,8 @@ WGMMA_BLOCK_N = 64
 WGMMA_WARPS = 8
 #: The seesaw kernel's warps at launch: warpgroup A (its worker partition, warpgroup B, adds 4 more).
 SEESAW_WARPS = 4
-#: The tokens kernel: one warpgroup, two KV tiles in flight (bf16 / fp16: 2 x 72 KiB; fp8: 2 x 36 KiB plus two
-#: 64 KiB widened latent tiles, which fit beside 16 heads of q only).
+#: The tokens kernel: one warpgroup, two KV tiles in flight (bf16 / fp16: 2 x 72 KiB; the 16-head fp8 kernel: 2 x 36
+#: KiB plus two 64 KiB widened latent tiles; the 32-head fp8 kernel has no fp8 stage).
 TOKENS_WARPS = 4
 TOKENS_STAGES = 2
 _D_CKV, _D_PE = 512, 64
@@ -38,11 +40,11 @@ _HALF = (torch.bfloat16, torch.float16)
 
 def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
     """Heads per program of the wgmma stage 1 for this head count and cache (0: no kernel tiles it): 64 (the 64-head
-    kernels) for a multiple of 64 heads, else 32 or 16 (the tokens kernel; 16 over an fp8 cache, whose two widened
-    tiles leave no room for 32 heads of q)."""
+    kernels) for a multiple of 64 heads, else 32 or 16 (the tokens kernel, or over an fp8 cache the fp8 kernels:
+    TMA stages at 16 heads, the tile in the widener's registers at 32)."""
     if kv_dtype in (*_HALF, torch.float8_e4m3fn) and heads % WGMMA_BLOCK_H == 0:
         return WGMMA_BLOCK_H
-    if heads % 32 == 0 and kv_dtype in _HALF:
+    if heads % 32 == 0 and kv_dtype in (*_HALF, torch.float8_e4m3fn):
         return 32
     return 16 if heads % 16 == 0 else 0
 
@@ -110,7 +112,7 @@ def seesaw_by_default(heads: int, kv_dtype: torch.dtype) -> bool:
 def stage1_merge_max(kv_dtype: torch.dtype, seesaw: bool = False, block_h: int = WGMMA_BLOCK_H) -> int:
     """Split requests of at most this many pieces the wgmma stage 1 merges itself (0: the merge kernel does them
     all): :data:`MERGE_MAX_PIECES` in the lock-step kernel (64-head blocks, any cache) and the tokens kernel (16 / 32
-    heads, bf16 / fp16), 0 in the 16-head fp8 kernel and the seesaw kernel."""
+    heads, bf16 / fp16), 0 in the 16 / 32-head fp8 kernels and the seesaw kernel."""
     if seesaw:
         return 0
     return MERGE_MAX_PIECES if kv_dtype in _HALF or block_h == WGMMA_BLOCK_H else 0
@@ -160,6 +162,7 @@ def launch_wgmma_stage1(
 
     from backends.kernels.mla_decode_seesaw_kernels import _mla_decode_seesaw_kernel
     from backends.kernels.mla_decode_wgmma_fp8_kernels import _mla_decode_wgmma_fp8_kernel
+    from backends.kernels.mla_decode_wgmma_fp8_regs_kernels import _mla_decode_wgmma_fp8_regs_kernel
     from backends.kernels.mla_decode_wgmma_kernels import _mla_decode_wgmma_kernel
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
 
@@ -189,7 +192,12 @@ def launch_wgmma_stage1(
         _mla_decode_seesaw_kernel[(H // block_h, programs)](*args, **dims, num_warps=SEESAW_WARPS)
     elif block_h == WGMMA_BLOCK_H:  # without PDL: with it, 128 heads at long contexts measured 1-4% slower (H100)
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
-    else:  # tokens as the matrix rows; over fp8 with its widening warps
+    elif kv_cache.dtype == torch.float8_e4m3fn and block_h == 32:  # the tile loaded into the widener's registers
+        _mla_decode_wgmma_fp8_regs_kernel[(H // block_h, programs)](
+            *args[:2], kv_cache.view(torch.int32), kv_cache.stride(1) // 4, *args[4:], **dims, STAGES=TOKENS_STAGES,
+            PDL=pdl, launch_pdl=pdl, num_warps=TOKENS_WARPS,
+        )  # fmt: skip
+    else:  # tokens as the matrix rows; over fp8 (16 heads) widened from TMA stages by warps of their own
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
         kernel = _mla_decode_wgmma_fp8_kernel if fp8 else _mla_decode_wgmma_tokens_kernel
         kernel[(H // block_h, programs)](*args, **dims, STAGES=TOKENS_STAGES, PDL=pdl, launch_pdl=pdl,

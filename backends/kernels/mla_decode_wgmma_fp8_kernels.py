@@ -20,11 +20,13 @@ Both walk the same plan rows and pieces, so they count the same tiles: tile ``it
 widened into buffer ``it % 2``. The widened values are exact (every e4m3 value is an fp16 value); rows past a
 request's end are zeroed there (never-written pool memory may hold NaN bit patterns). Shared memory: 2 x 36 KiB of
 fp8 stages + 2 x 64 KiB of widened latent + 18 KiB of q + 2 KiB of ``P^T``: 220 KiB. 32 heads of q do not fit
-beside the two widened buffers, so more heads run 16-head programs (each reads the tile again).
+beside the two widened buffers: 32-head blocks run :mod:`backends.kernels.mla_decode_wgmma_fp8_regs_kernels`, whose
+widener loads the tile into its registers (no fp8 stage); that design was slower here at 16 heads (597.8 against
+503.0 us at 64 x 32768).
 
 Measured on an H100 (CUDA-graph replays, bench/TRITON_NOTES.md): 16 heads, 64 x 32768 tokens: 499 us, 1.67x
 faster than the bf16 cache through the tokens kernel (832) and 1.78x faster than the Triton fp8 kernel (887); 32
-heads 944 against 1180. Tried and slower: four widener warps (512 us), 32-row half tiles in three stages with the
+heads (two 16-head programs) 944 against 1180. Tried and slower: four widener warps (512 us), 32-row half tiles in three stages with the
 widener issuing the loads and the rope part widened into buffers of its own, so that a stage is free as soon as it
 is widened (610 us).
 """

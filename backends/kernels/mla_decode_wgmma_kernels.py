@@ -91,19 +91,44 @@ def _zero_rows_past(buf, valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr, num_w
             part.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
 
 
+#: Whether _widen reads [64, 256] fp8 tiles with 8 warps through :data:`WIDEN_LAYOUT` (see there).
+WIDEN_XOR_ROWS = gl.constexpr(True)
+
+
+#: _widen's layout for a [32, 256] chunk of an fp8 tile over 8 warps: each thread 16 consecutive bytes of a row
+#: (registers), 4 lanes along 64 bytes and the lanes' rows {0, 5, 2, 7, 4, 1, 6, 3} (a linear layout: lane bit 2
+#: steps 5 rows, not 1), 4 warps along the row and 2 down. Each 8 lanes of a 128-bit access (one wavefront) then
+#: touch every bank once: they hold rows r and r ^ 5 of the 128-byte swizzle (16-byte chunk c of row r sits at
+#: c ^ (r % 8)), so the fp8 loads read chunks {0..3} ^ r and {0..3} ^ r ^ 5 (with rows r and r + 1, as in a blocked
+#: layout, two lanes shared each bank) and the fp16 stores (two chunks per thread) {0, 2, 4, 6} ^ r and ^ r ^ 5.
+WIDEN_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [16, 0]], lane_bases=[[0, 16], [0, 32], [5, 0], [2, 0], [4, 0]],
+    warp_bases=[[0, 64], [0, 128], [8, 0]], block_bases=[], shape=[32, 256],
+))  # fmt: skip
+
+
 @gluon.jit
-def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
-    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (each thread: 16 consecutive bytes per
-    row, no warp repeats another's rows); rows >= valid set to 0."""
-    WC: gl.constexpr = num_warps if COLS // 64 >= num_warps else COLS // 64  # warps side by side along a row
-    CHUNK: gl.constexpr = 32 if 8 * (num_warps // WC) <= 32 else 8 * (num_warps // WC)
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [num_warps // WC, WC], [1, 0])
+def _widen_rows(src, dst, valid, layout: gl.constexpr, ROWS: gl.constexpr, CHUNK: gl.constexpr):
+    """src (fp8 [ROWS, COLS], shared) -> dst (fp16), CHUNK rows at a time in ``layout``; rows >= valid set to 0."""
     for r0 in gl.static_range(0, ROWS, CHUNK):
         x = src.slice(r0, CHUNK, dim=0).load(layout).to(dst.dtype)
         if r0 + CHUNK > valid:
             rows = r0 + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
             x = gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x))
         dst.slice(r0, CHUNK, dim=0).store(x)
+
+
+@gluon.jit
+def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
+    """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (each thread: 16 consecutive bytes per
+    row, no warp repeats another's rows); rows >= valid set to 0. The latent halves ([64, 256], 8 warps) go through
+    :data:`WIDEN_LAYOUT`, without bank conflicts."""
+    if WIDEN_XOR_ROWS and COLS == 256 and num_warps == 8:
+        _widen_rows(src, dst, valid, WIDEN_LAYOUT, ROWS, 32)
+    else:
+        WC: gl.constexpr = num_warps if COLS // 64 >= num_warps else COLS // 64  # warps side by side along a row
+        CHUNK: gl.constexpr = 32 if 8 * (num_warps // WC) <= 32 else 8 * (num_warps // WC)
+        _widen_rows(src, dst, valid, gl.BlockedLayout([1, 16], [8, 4], [num_warps // WC, WC], [1, 0]), ROWS, CHUNK)
 
 
 @gluon.jit
