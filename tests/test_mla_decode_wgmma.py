@@ -116,8 +116,8 @@ def test_wgmma_heads_per_program():
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     assert [wgmma_block_h(h, bf16) for h in (16, 32, 48, 64, 128, 8, 24)] == [16, 32, 16, 64, 64, 0, 0]
     assert [wgmma_block_h(h, fp8) for h in (16, 32, 48, 64, 128, 8)] == [16, 32, 16, 64, 64, 0]
-    # the default where it runs: measured faster than the Triton stage 1 (not at batch 1; fp8: the 16-head kernel up
-    # to 32 heads, the 64-head kernel from WGMMA_MIN_BATCH requests)
+    # the default where it runs: measured faster than the Triton stage 1 (not at batch 1; fp8: the 16 / 32-head
+    # kernels up to 32 heads, the 64-head kernel from WGMMA_MIN_BATCH requests)
     assert wgmma_by_default(128, bf16, WGMMA_MIN_BATCH) and wgmma_by_default(64, torch.float16, WGMMA_MIN_BATCH)
     assert not wgmma_by_default(128, bf16, 1) and WGMMA_MIN_BATCH > 1 and TOKENS_MIN_BATCH > 1
     assert wgmma_by_default(16, bf16, TOKENS_MIN_BATCH) and not wgmma_by_default(16, bf16, TOKENS_MIN_BATCH - 1)

@@ -54,9 +54,10 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
 #: stage 1 at batch 1 and 2 with 64 heads (28.2 vs 24.5 us at 1 x 1024, 38.7 vs 36.9 at 2 x 4096) and at 1 x 1024
 #: with 128 heads (35.4 vs 30.8), faster from batch 4 (49.0 vs 52.8 us at 4 x 4096, 64 heads); the tokens kernel
 #: was ~1 us slower at batch 1 (16.8 vs 15.8 us at 1 x 1024, 16 heads) and faster from batch 8 (28.8 vs 31.2 at
-#: 8 x 2048). The fp8 kernel (16-head programs, each tile read once per 16 heads) beat the Triton fp8 stage 1 at 16
-#: and 32 heads (499 vs 887 us at 64 x 32768, 16 heads; 944 vs 1180 at 32) and lost at 64 and 128 (1849 vs 1472,
-#: 3713 vs 2812): it is the default up to :data:`FP8_MAX_HEADS` heads, from :data:`FP8_MIN_BATCH` requests.
+#: 8 x 2048). The fp8 kernels (16-head programs, each tile read once per 16 heads; 32-head ones from the widener's
+#: registers) beat the Triton fp8 stage 1 at 16 and 32 heads (499 vs 887 us at 64 x 32768, 16 heads; 728.6 vs 1180
+#: at 32) and 16-head programs lost at 64 and 128 (1849 vs 1472, 3713 vs 2812): they are the default up to
+#: :data:`FP8_MAX_HEADS` heads, from :data:`FP8_MIN_BATCH` requests.
 #: Over a bf16 / fp16 cache, split requests of at most this many pieces are merged by the stage 1 itself (the program
 #: that finishes the last piece reads the others' partials back from L2; one round trip per piece, so more pieces
 #: are left to the merge kernel, which spreads them over the GPU). H100, bench/TRITON_NOTES.md: 16 heads 64 x 4096

@@ -91,10 +91,6 @@ def _zero_rows_past(buf, valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr, num_w
             part.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
 
 
-#: Whether _widen reads [64, 256] fp8 tiles with 8 warps through :data:`WIDEN_LAYOUT` (see there).
-WIDEN_XOR_ROWS = gl.constexpr(True)
-
-
 #: _widen's layout for a [32, 256] chunk of an fp8 tile over 8 warps: each thread 16 consecutive bytes of a row
 #: (registers), 4 lanes along 64 bytes and the lanes' rows {0, 5, 2, 7, 4, 1, 6, 3} (a linear layout: lane bit 2
 #: steps 5 rows, not 1), 4 warps along the row and 2 down. Each 8 lanes of a 128-bit access (one wavefront) then
@@ -123,7 +119,7 @@ def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: g
     """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (each thread: 16 consecutive bytes per
     row, no warp repeats another's rows); rows >= valid set to 0. The latent halves ([64, 256], 8 warps) go through
     :data:`WIDEN_LAYOUT`, without bank conflicts."""
-    if WIDEN_XOR_ROWS and COLS == 256 and num_warps == 8:
+    if COLS == 256 and num_warps == 8:
         _widen_rows(src, dst, valid, WIDEN_LAYOUT, ROWS, 32)
     else:
         WC: gl.constexpr = num_warps if COLS // 64 >= num_warps else COLS // 64  # warps side by side along a row
