@@ -97,6 +97,46 @@ def _widener(
 
 
 @gluon.jit
+def _scores_when_widened(full, it, w_lo, w_hi, pe_src, q_lo, q_hi, q_pe, s_zero, STAGES: gl.constexpr):
+    """Tile ``it``'s scores over widened buffer ``it % 2``, issued once the widener has filled it (not waited for).
+    Its rope part: ``pe_src[it % 2]`` where the widened buffers have one (fp16 ``pe_src``, the 32-head kernel), else
+    the first 8 KiB of its fp8 stage ``pe_src[it % STAGES]`` (fp8 ``pe_src``: kv_lo, this kernel)."""
+    mbarrier.wait(full.index(it % 2), (it // 2) & 1)
+    if pe_src.dtype == gl.float16:
+        a_pe = pe_src.index(it % 2)
+    else:
+        a_pe = _rope_buffer(pe_src, it % STAGES, w_lo.shape[1], q_pe.shape[1])
+    return _scores_t(w_lo.index(it % 2), w_hi.index(it % 2), a_pe, q_lo, q_hi, q_pe, s_zero)
+
+
+@gluon.jit
+def _widened_tile_products(
+    s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_scale, p_smem, w_lo, w_hi, pe_src, q_lo, q_hi, q_pe, s_zero, full,
+    empty, it, has_next, STAGES: gl.constexpr,
+):  # fmt: skip
+    """One tile of the fp8 kernels' multiplier: tile ``it``'s softmax (its scores ``s`` done) and ``P @ V`` over
+    widened buffer ``it % 2``, the next tile's scores (rope part from ``pe_src``, see :func:`_scores_when_widened`)
+    queued behind it on the tensor cores when ``has_next`` (three groups), the buffer handed back to the widener
+    once ``P @ V`` is done. Returns the next tile's scores (done), the running max and sum and the output
+    accumulators."""
+    buf = it % 2
+    alpha_o, m_i, l_i = _softmax_t(s, m_i, l_i, rows_n, valid, qk_scale, p_smem)
+    pv_lo = warpgroup_mma(w_lo.index(buf).permute((1, 0)), p_smem, o_lo * alpha_o, is_async=True)
+    pv_hi = warpgroup_mma(w_hi.index(buf).permute((1, 0)), p_smem, o_hi * alpha_o, is_async=True)
+    if has_next:
+        s = _scores_when_widened(full, it + 1, w_lo, w_hi, pe_src, q_lo, q_hi, q_pe, s_zero, STAGES)
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=3, deps=(pv_lo, pv_hi))
+        gl.thread_barrier()  # every multiplier warp's P @ V is done: the buffer is free
+        mbarrier.arrive(empty.index(buf), count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    else:
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(pv_lo, pv_hi))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(buf), count=1)
+    return s, m_i, l_i, o_lo, o_hi
+
+
+@gluon.jit
 def _multiplier(
     QN, QP, desc_c, desc_pe, PT, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
@@ -132,33 +172,17 @@ def _multiplier(
             for j in gl.static_range(STAGES):  # every stage in flight
                 _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + j) % STAGES, PT_row,
                             start + j * BLOCK_N, end, j < nt, PAGE_SIZE, D_HALF)  # fmt: skip
-            mbarrier.wait(full.index(it % 2), (it // 2) & 1)  # the first tile widened
-            s = _scores_t(w_lo.index(it % 2), w_hi.index(it % 2), _rope_buffer(kv_lo, it % STAGES, BLOCK_N, D_PE),
-                          q_lo, q_hi, q_pe, s_zero)  # fmt: skip
+            s = _scores_when_widened(full, it, w_lo, w_hi, kv_lo, q_lo, q_hi, q_pe, s_zero, STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             for i in range(nt):  # s: tile i's scores, done
-                stage = it % STAGES
-                buf = it % 2
                 n0 = start + i * BLOCK_N
                 gl.thread_barrier()  # every multiplier warp is done with this stage: refill it
-                _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, PT_row, n0 + STAGES * BLOCK_N, end,
-                            i + STAGES < nt, PAGE_SIZE, D_HALF)  # fmt: skip
-                alpha_o, m_i, l_i = _softmax_t(s, m_i, l_i, rows_n, end - n0, qk_scale, p_smem)
-                pv_lo = warpgroup_mma(w_lo.index(buf).permute((1, 0)), p_smem, o_lo * alpha_o, is_async=True)
-                pv_hi = warpgroup_mma(w_hi.index(buf).permute((1, 0)), p_smem, o_hi * alpha_o, is_async=True)
-                if i + 1 < nt:  # the next tile's scores queued behind this P @ V (three groups)
-                    nb = (it + 1) % 2
-                    mbarrier.wait(full.index(nb), ((it + 1) // 2) & 1)
-                    s = _scores_t(w_lo.index(nb), w_hi.index(nb), _rope_buffer(kv_lo, (it + 1) % STAGES, BLOCK_N,
-                                  D_PE), q_lo, q_hi, q_pe, s_zero)  # fmt: skip
-                    o_lo, o_hi = warpgroup_mma_wait(num_outstanding=3, deps=(pv_lo, pv_hi))
-                    gl.thread_barrier()  # every multiplier warp's P @ V is done: the buffer is free
-                    mbarrier.arrive(empty.index(buf), count=1)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                else:
-                    o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(pv_lo, pv_hi))
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index(buf), count=1)
+                _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, it % STAGES, PT_row, n0 + STAGES * BLOCK_N,
+                            end, i + STAGES < nt, PAGE_SIZE, D_HALF)  # fmt: skip
+                s, m_i, l_i, o_lo, o_hi = _widened_tile_products(
+                    s, m_i, l_i, o_lo, o_hi, rows_n, end - n0, qk_scale, p_smem, w_lo, w_hi, kv_lo, q_lo, q_hi, q_pe,
+                    s_zero, full, empty, it, i + 1 < nt, STAGES,
+                )  # fmt: skip
                 it += 1
             _finish_t(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot0 + (pid_p - p0), slot_div, h0, PO, PL, OUT,
                       stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,

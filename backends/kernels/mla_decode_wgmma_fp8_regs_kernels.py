@@ -29,13 +29,17 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from backends.kernels.mla_decode_wgmma_fp8_kernels import WIDEN_REGS, WIDEN_WARPS
+from backends.kernels.mla_decode_wgmma_fp8_kernels import (
+    WIDEN_REGS,
+    WIDEN_WARPS,
+    _scores_when_widened,
+    _widened_tile_products,
+)
 from backends.kernels.mla_decode_wgmma_kernels import _load_q_piece, _pdl_enter, _request_span, _work_row
-from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _scores_t, _softmax_t
+from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t
 
 
 @gluon.jit
@@ -145,27 +149,14 @@ def _multiplier(
             o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
             o_hi = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
             nt = gl.cdiv(end - start, BLOCK_N)
-            mbarrier.wait(full.index(it % 2), (it // 2) & 1)  # the first tile widened
-            s = _scores_t(w_lo.index(it % 2), w_hi.index(it % 2), w_pe.index(it % 2), q_lo, q_hi, q_pe, s_zero)
+            s = _scores_when_widened(full, it, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe, s_zero, 2)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             for i in range(nt):  # s: tile i's scores, done
-                buf = it % 2
                 n0 = start + i * BLOCK_N
-                alpha_o, m_i, l_i = _softmax_t(s, m_i, l_i, rows_n, end - n0, qk_scale, p_smem)
-                pv_lo = warpgroup_mma(w_lo.index(buf).permute((1, 0)), p_smem, o_lo * alpha_o, is_async=True)
-                pv_hi = warpgroup_mma(w_hi.index(buf).permute((1, 0)), p_smem, o_hi * alpha_o, is_async=True)
-                if i + 1 < nt:  # the next tile's scores queued behind this P @ V (three groups)
-                    nb = (it + 1) % 2
-                    mbarrier.wait(full.index(nb), ((it + 1) // 2) & 1)
-                    s = _scores_t(w_lo.index(nb), w_hi.index(nb), w_pe.index(nb), q_lo, q_hi, q_pe, s_zero)
-                    o_lo, o_hi = warpgroup_mma_wait(num_outstanding=3, deps=(pv_lo, pv_hi))
-                    gl.thread_barrier()  # every multiplier warp's P @ V is done: the buffer is free
-                    mbarrier.arrive(empty.index(buf), count=1)
-                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-                else:
-                    o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(pv_lo, pv_hi))
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index(buf), count=1)
+                s, m_i, l_i, o_lo, o_hi = _widened_tile_products(
+                    s, m_i, l_i, o_lo, o_hi, rows_n, end - n0, qk_scale, p_smem, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe,
+                    s_zero, full, empty, it, i + 1 < nt, 2,
+                )  # fmt: skip
                 it += 1
             _finish_t(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot0 + (pid_p - p0), slot_div, h0, PO, PL, OUT,
                       stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
