@@ -42,15 +42,22 @@ def _ask(monkeypatch, H, block_h, seesaw, kv_dtype):
 
 
 @pytest.mark.parametrize(
-    "H,block_h,seesaw,kv_dtype,expected",
-    [(64, 64, True, torch.bfloat16, (True, 0)), (64, 16, True, torch.bfloat16, (False, 4)),
-     (128, 64, None, torch.bfloat16, (True, 0)), (64, 64, None, torch.bfloat16, (False, 4)),
-     (128, 64, False, torch.bfloat16, (False, 4)), (128, 64, None, FP8, (False, 4)), (32, 16, None, FP8, (False, 0))],
+    "H,block_h,seesaw,kv_dtype,seesaw_from,expected",
+    [(64, 64, True, torch.bfloat16, None, (True, 0)), (64, 16, True, torch.bfloat16, None, (False, 4)),
+     (128, 64, None, torch.bfloat16, 3, (True, 0)), (128, 64, None, torch.bfloat16, None, (False, 4)),
+     (64, 64, None, torch.bfloat16, 3, (False, 4)), (128, 64, False, torch.bfloat16, 3, (False, 4)),
+     (128, 64, None, FP8, 3, (False, 4)), (32, 16, None, FP8, None, (False, 0))],
 )
-def test_seesaw_is_asked_for_64_head_blocks_with_the_merge_kernel(monkeypatch, H, block_h, seesaw, kv_dtype, expected):
+def test_seesaw_is_asked_for_64_head_blocks_with_the_merge_kernel(monkeypatch, H, block_h, seesaw, kv_dtype,
+                                                                  seesaw_from, expected):
     """The launcher gets ``seesaw`` and a stage-1 merge limit of 0 (the kernel merges nothing) at 64-head blocks,
-    asked for or by default from 128 heads over a 16-bit cache; other blocks keep their kernel and merge limit (4
-    over bf16 and in the lock-step kernel, which is what 64-head blocks over fp8 run; 0 in the 16-head fp8 kernel)."""
+    asked for or by default from 128 heads and ``SEESAW_MIN_BATCH`` requests (``seesaw_from``: that floor for the
+    call's 3 requests; None: the default floor, above 3) over a 16-bit cache; other blocks keep their kernel and
+    merge limit (4 over bf16 and in the lock-step kernel, which is what 64-head blocks over fp8 run; 0 in the 16-head
+    fp8 kernel)."""
+    if seesaw_from is not None:
+        monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "SEESAW_MIN_BATCH",
+                            seesaw_from)
     seen, plan = _ask(monkeypatch, H, block_h, seesaw, kv_dtype)
     assert seen == [expected] and plan.merge_max == expected[1]
 

@@ -20,10 +20,10 @@ from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err, repl
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_merge_rows_kernel, _mla_decode_plan_kernel, plan_ints
 from backends.kernels.mla_decode_wgmma import (
-    FP8_MIN_BATCH,
-    FP8_WIDE_MIN_JOBS,
+    SEESAW_MIN_BATCH,
     TOKENS_MIN_BATCH,
-    WGMMA_MIN_BATCH,
+    WGMMA_MIN_JOBS,
+    seesaw_by_default,
     wgmma_block_h,
     wgmma_by_default,
     wgmma_problems,
@@ -116,17 +116,21 @@ def test_wgmma_heads_per_program():
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     assert [wgmma_block_h(h, bf16) for h in (16, 32, 48, 64, 128, 8, 24)] == [16, 32, 16, 64, 64, 0, 0]
     assert [wgmma_block_h(h, fp8) for h in (16, 32, 48, 64, 128, 8)] == [16, 32, 16, 64, 64, 0]
-    # the default where it runs: measured faster than the Triton stage 1 (not at batch 1; fp8: the 16 / 32-head
-    # kernels up to 32 heads, the 64-head kernel from WGMMA_MIN_BATCH requests)
-    assert wgmma_by_default(128, bf16, WGMMA_MIN_BATCH) and wgmma_by_default(64, torch.float16, WGMMA_MIN_BATCH)
-    assert not wgmma_by_default(128, bf16, 1) and WGMMA_MIN_BATCH > 1 and TOKENS_MIN_BATCH > 1
-    assert wgmma_by_default(16, bf16, TOKENS_MIN_BATCH) and not wgmma_by_default(16, bf16, TOKENS_MIN_BATCH - 1)
-    assert [wgmma_by_default(h, fp8, 256) for h in (16, 32, 48, 64, 128)] == [True, True, False, True, True]
-    assert not wgmma_by_default(16, fp8, FP8_MIN_BATCH - 1) and wgmma_by_default(16, fp8, FP8_MIN_BATCH)
-    # fp8 at 64-head blocks: from FP8_WIDE_MIN_JOBS (request, head block) pairs
-    assert wgmma_by_default(64, fp8, FP8_WIDE_MIN_JOBS) and not wgmma_by_default(64, fp8, FP8_WIDE_MIN_JOBS - 1)
-    half = FP8_WIDE_MIN_JOBS // 2  # 128 heads: two head blocks per request
-    assert wgmma_by_default(128, fp8, half) and not wgmma_by_default(128, fp8, half - 1)
+    # the default where it runs: measured faster than the Triton stage 1. 64-head blocks from WGMMA_MIN_JOBS
+    # (request, head block) pairs, any cache (128 heads: two head blocks per request)
+    for dt in (bf16, torch.float16, fp8):
+        assert wgmma_by_default(64, dt, WGMMA_MIN_JOBS) and not wgmma_by_default(64, dt, WGMMA_MIN_JOBS - 1)
+        half = WGMMA_MIN_JOBS // 2
+        assert wgmma_by_default(128, dt, half) and not wgmma_by_default(128, dt, half - 1)
+    # bf16 / fp16 at 16 / 32-head blocks (the tokens kernel): from TOKENS_MIN_BATCH[block] requests
+    assert wgmma_by_default(16, bf16, 1) and TOKENS_MIN_BATCH[16] == 1
+    assert wgmma_by_default(32, bf16, TOKENS_MIN_BATCH[32]) and not wgmma_by_default(32, bf16, TOKENS_MIN_BATCH[32] - 1)
+    assert wgmma_by_default(48, torch.float16, 1)  # three 16-head blocks
+    # fp8 up to FP8_MAX_HEADS heads (the 16 / 32-head fp8 kernels) at every batch
+    assert [wgmma_by_default(h, fp8, 1) for h in (16, 32, 48)] == [True, True, False]
+    # the seesaw kernel: 128 heads and more from SEESAW_MIN_BATCH requests, bf16 / fp16 only
+    assert seesaw_by_default(128, bf16, SEESAW_MIN_BATCH) and not seesaw_by_default(128, bf16, SEESAW_MIN_BATCH - 1)
+    assert not seesaw_by_default(64, bf16, 256) and not seesaw_by_default(128, fp8, 256)
     assert not wgmma_by_default(24, bf16, 256)
 
 

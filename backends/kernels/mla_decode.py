@@ -266,16 +266,16 @@ def mla_decode(
     use_wgmma : stage 1 as a Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: Hopper, a multiple of 16
         heads, DeepSeek dims, pages of a multiple of 64 tokens, ``work`` given; 64 heads per program for a multiple of
         64 heads (an fp8 cache widened to fp16 in shared memory), else 16 or 32 heads per program with tokens as the
-        matrix rows (over an fp8 cache widened by warps of their own)); None -> where it can run, measured faster (``wgmma_by_default``) and
-        no Triton tiling (block_h, block_n, num_warps, num_stages) was given; True where it cannot run is an error
-        naming why.
+        matrix rows (over an fp8 cache widened by warps of their own)); None -> where it can run, measured faster
+        (``wgmma_by_default``) and no Triton tiling (block_h, block_n, num_warps, num_stages) was given; True where
+        it cannot run is an error naming why.
     plan : the plan an earlier call returned: where it equals this call's (same ``work`` and ``seq_lens`` tensors,
         batch, heads, cache dtype class and chunking), the plan kernel is not launched and ``work``'s rows are read
         as they are. Only for calls between which ``seq_lens``' values did not change (the layers of one step).
     seesaw : 64-head blocks of the wgmma path run the two-warpgroup seesaw kernel
         (:mod:`backends.kernels.mla_decode_seesaw_kernels`; every split request goes to the merge kernel); None ->
-        where it measured faster (``seesaw_by_default``: 128 heads and more, bf16 / fp16 caches), False -> the
-        lock-step kernel (which also reads fp8 caches).
+        where it measured faster (``seesaw_by_default``: 128 heads and more from 64 requests, bf16 / fp16 caches),
+        False -> the lock-step kernel (which also reads fp8 caches).
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
 
     Returns
@@ -383,7 +383,7 @@ def mla_decode(
     if use_wgmma:
         require(not (seesaw and kv_fp8), "seesaw=True needs a bf16 / fp16 cache (the seesaw kernel has no fp8 path); "
                 "leave seesaw=None for fp8 caches (64-head blocks run the lock-step kernel)")
-        seesaw = block_h == WGMMA_BLOCK_H and (seesaw_by_default(H, kv_cache.dtype) if seesaw is None else seesaw)
+        seesaw = block_h == WGMMA_BLOCK_H and (seesaw_by_default(H, kv_cache.dtype, B) if seesaw is None else seesaw)
         merge_max = stage1_merge_max(kv_cache.dtype, seesaw, block_h)
         mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV, kv_fp8)
         merge_programs = mcfg["merge_programs"] if merge_programs is None else merge_programs

@@ -49,15 +49,6 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
     return 16 if heads % 16 == 0 else 0
 
 
-#: Requests from which each kernel is the default (H100, ``bench.mla_decode_grid --graph``, bench/TRITON_NOTES.md).
-#: Below, the plan launch costs more than the faster stage 1 saves: the 64-head kernel was slower than the Triton
-#: stage 1 at batch 1 and 2 with 64 heads (28.2 vs 24.5 us at 1 x 1024, 38.7 vs 36.9 at 2 x 4096) and at 1 x 1024
-#: with 128 heads (35.4 vs 30.8), faster from batch 4 (49.0 vs 52.8 us at 4 x 4096, 64 heads); the tokens kernel
-#: was ~1 us slower at batch 1 (16.8 vs 15.8 us at 1 x 1024, 16 heads) and faster from batch 8 (28.8 vs 31.2 at
-#: 8 x 2048). The fp8 kernels (16-head programs, each tile read once per 16 heads; 32-head ones from the widener's
-#: registers) beat the Triton fp8 stage 1 at 16 and 32 heads (499 vs 887 us at 64 x 32768, 16 heads; 728.6 vs 1180
-#: at 32) and 16-head programs lost at 64 and 128 (1849 vs 1472, 3713 vs 2812): they are the default up to
-#: :data:`FP8_MAX_HEADS` heads, from :data:`FP8_MIN_BATCH` requests.
 #: Over a bf16 / fp16 cache, split requests of at most this many pieces are merged by the stage 1 itself (the program
 #: that finishes the last piece reads the others' partials back from L2; one round trip per piece, so more pieces
 #: are left to the merge kernel, which spreads them over the GPU). H100, bench/TRITON_NOTES.md: 16 heads 64 x 4096
@@ -65,49 +56,59 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
 #: among short ones took 123.6 us against 67.9. The fp8 kernel keeps the merge kernel (6% slower at 64 x 32768
 #: with the merge in it).
 MERGE_MAX_PIECES = 4
-#: Heads from which the 64-head blocks run the seesaw kernel by default (``mla_decode(seesaw=None)``). H100,
-#: ``bench.mla_decode_grid --graph``, plan reused (bench/TRITON_NOTES.md): 128 heads 199.5 -> 171.6 us at 64 x 4096,
-#: 1531.6 -> 1268.3 at 64 x 32768, 771.2 -> 673.8 at 128 x varied 8192, 158.9 -> 159.0 with one 70000-token
-#: request among 63 short ones (with a merge program per job; over the fixed merge grid now behind it 157.4, 1212.8,
-#: 671.6); 64 heads slower everywhere (142.1 -> 213.1, 868.4 -> 932.1, 507.5 -> 550.4): one
-#: head block per tile, so nothing else reads it from L2, and the seesaw's loads, issued only as its boxes free up,
-#: keep fewer bytes in flight than the lock-step kernel's second stage where the bytes are the bound.
+#: The seesaw kernel (two warpgroups, for 64-head blocks over bf16 / fp16) is the default from SEESAW_MIN_HEADS heads
+#: and SEESAW_MIN_BATCH requests. H100, ``bench.mla_decode_grid --graph``, plan reused, us lock-step -> seesaw:
+#: 128 heads 64 x 1024 67.8 -> 63.9, 64 x 4096 199.5 -> 171.6, 64 x 32768 1531.6 -> 1268.3, 128 x varied 8192
+#: 771.2 -> 673.8, but 16 x 2048 56.9 -> 109.3, 16 x 4096 79.2 -> 128.9, 32 x 2048 75.9 -> 145.5 (why: not
+#: measured); 64 heads slower everywhere (142.1 -> 213.1 at 64 x 4096, 868.4 -> 932.1 at 64 x 32768): one head block
+#: per tile, so nothing else reads it from L2, and the seesaw's loads, issued only as its boxes free up, keep fewer
+#: bytes in flight than the lock-step kernel's second stage where the bytes are the bound.
 SEESAW_MIN_HEADS = 128
-WGMMA_MIN_BATCH = 4
-TOKENS_MIN_BATCH = 8
-FP8_MIN_BATCH = 4
+SEESAW_MIN_BATCH = 64
+#: Where each kernel is the default: H100, ``bench.mla_decode_grid --graph --no-fi --variants
+#: triton.pdl,wgmma.pdl.reuse`` (the plan reused, as by a decode step's later layers; bench/TRITON_NOTES.md), us
+#: Triton -> wgmma stage 1:
+#: - 16-head blocks, bf16: faster at every batch measured but one: 1 x 1024 18.6 -> 13.6, 1 x 4096 20.4 -> 17.4,
+#:   2 x 2048 20.7 -> 16.4, 4 x 4096 28.7 -> 24.9, 8 x 2048 30.9 -> 28.9 (slower at 16 x 1024, 31.1 -> 35.9). The
+#:   batch-1 decode step (16 layers of ``h100_triton_tp8``) took 1760.4 -> 1699.6 us of kernels with it.
+#: - 32-head blocks, bf16: faster at 1 x 1024 (21.0 -> 17.0) but slower at 1 x 8192 (25.2 -> 26.9), 2 x 4096, 8 x 2048
+#:   (39.7 -> 42.1) and 16 x 1024 (42.1 -> 60.2); faster at 32 x 4096 and 128 x 1024 in an earlier session, before
+#:   the plan was reused (108.5 -> 95.5, 95.9 -> 82.7): the default from 32 requests.
+#: - fp8 up to 32 heads (16-head programs, each tile read once per 16 heads; 32-head ones from the widener's
+#:   registers): faster at every shape measured, from 1 x 1024 (16 heads 19.7 -> 15.3, 32 heads 22.5 -> 17.1) to
+#:   64 x 32768 (887 -> 499 at 16 heads); 16-head programs lost at 64 and 128 heads (1849 vs 1472, 3713 vs 2812),
+#:   so :data:`FP8_MAX_HEADS`.
+#: - 64-head blocks (bf16 / fp16 and fp8): from :data:`WGMMA_MIN_JOBS` (request, head block) pairs. bf16 64 heads
+#:   4 x 4096 52.2 -> 64.5, 8 x 2048 58.5 -> 62.8, 16 x 2048 73.5 -> 74.4, 16 x 4096 94.4 -> 90.4, 32 x 2048
+#:   108.6 -> 66.9; 128 heads 4 x 4096 67.0 -> 65.1, 8 x 2048 70.3 -> 68.3, 16 x 2048 103.9 -> 56.9. fp8 64 heads
+#:   4 x 2048 45.2 -> 59.9, 8 x 4096 70.1 -> 68.7, 16 x 4096 97.2 -> 84.4 (16 x 1024 60.8 -> 65.3); 128 heads
+#:   4 x 2048 56.3 -> 60.5, 8 x 4096 94.6 -> 83.2, 16 x 1024 84.3 -> 48.4.
+WGMMA_MIN_JOBS = 16
+#: bf16 / fp16 caches: requests from which the tokens kernel runs, by heads per program
+TOKENS_MIN_BATCH = {16: 1, 32: 32}
 FP8_MAX_HEADS = 32
-#: The lock-step kernel over an fp8 cache (each tile widened to fp16 by the same 8 warps, between the loads and the
-#: products) is the default from this many (request, 64-head block) pairs. H100, ``bench.mla_decode_grid --graph
-#: --no-fi --dtypes fp8 --variants triton,wgmma``, us Triton -> lock-step: 64 heads 8 x 2048 58.5 -> 67.0, 16 x 2048
-#: 73.3 -> 78.8, 16 x 4096 97.6 -> 94.1, 32 x 2048 110.1 -> 69.9, 64 x 32768 1444.5 -> 1022.3; 128 heads 8 x 2048
-#: 72.9 -> 77.7, 16 x 2048 108.3 -> 71.6, 64 x 32768 2792.4 -> 2031.0 (measured with 16 widened rows a step; the
-#: final 32 made 64 x 32768 902.4 and 1732.4 us, so the crossing may now lie at fewer pairs: not measured).
-FP8_WIDE_MIN_JOBS = 32
 
 
 def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     """Whether ``mla_decode(use_wgmma=None)`` takes the wgmma stage 1 where it can run: where it measured faster
-    than the Triton stage 1 on an H100: 64-head blocks over a bf16 / fp16 cache from :data:`WGMMA_MIN_BATCH`
-    requests, over an fp8 cache from :data:`FP8_WIDE_MIN_JOBS` (request, head block) pairs; 16 / 32-head blocks over
-    a bf16 / fp16 cache from :data:`TOKENS_MIN_BATCH` requests, over an fp8 cache with at most
-    :data:`FP8_MAX_HEADS` heads from :data:`FP8_MIN_BATCH` requests."""
+    than the Triton stage 1 on an H100 (the measurements above :data:`WGMMA_MIN_JOBS`): 64-head blocks from
+    :data:`WGMMA_MIN_JOBS` (request, head block) pairs; 16 / 32-head blocks over a bf16 / fp16 cache from
+    :data:`TOKENS_MIN_BATCH` requests, over an fp8 cache with at most :data:`FP8_MAX_HEADS` heads at every batch."""
     block_h = wgmma_block_h(heads, kv_dtype)
     if not block_h:
         return False
-    if block_h == WGMMA_BLOCK_H and kv_dtype == torch.float8_e4m3fn:
-        return batch * (heads // WGMMA_BLOCK_H) >= FP8_WIDE_MIN_JOBS
     if block_h == WGMMA_BLOCK_H:
-        return batch >= WGMMA_MIN_BATCH
+        return batch * (heads // WGMMA_BLOCK_H) >= WGMMA_MIN_JOBS
     if kv_dtype == torch.float8_e4m3fn:
-        return heads <= FP8_MAX_HEADS and batch >= FP8_MIN_BATCH
-    return kv_dtype in _HALF and batch >= TOKENS_MIN_BATCH
+        return heads <= FP8_MAX_HEADS
+    return kv_dtype in _HALF and batch >= TOKENS_MIN_BATCH[block_h]
 
 
-def seesaw_by_default(heads: int, kv_dtype: torch.dtype) -> bool:
-    """Whether 64-head blocks run the seesaw kernel when ``mla_decode`` is not told: from
-    :data:`SEESAW_MIN_HEADS` heads over a bf16 / fp16 cache, where it measured faster (it has no fp8 path)."""
-    return heads >= SEESAW_MIN_HEADS and kv_dtype in _HALF
+def seesaw_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
+    """Whether 64-head blocks run the seesaw kernel when ``mla_decode`` is not told: from :data:`SEESAW_MIN_HEADS`
+    heads and :data:`SEESAW_MIN_BATCH` requests over a bf16 / fp16 cache, where it measured faster (it has no fp8
+    path)."""
+    return heads >= SEESAW_MIN_HEADS and batch >= SEESAW_MIN_BATCH and kv_dtype in _HALF
 
 
 def stage1_merge_max(kv_dtype: torch.dtype, seesaw: bool = False, block_h: int = WGMMA_BLOCK_H) -> int:
