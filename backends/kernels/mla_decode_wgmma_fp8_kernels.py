@@ -44,13 +44,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from backends.kernels.mla_decode_wgmma_kernels import (
     _issue_next,
-    _load_q_piece,
     _pdl_enter,
     _request_span,
     _widen,
     _work_row,
 )
-from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _scores_t, _softmax_t
+from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _scores_t, _softmax_t, _start_piece_t
 
 #: Registers per thread of the widener's warps (the multiplier takes the rest of the register file).
 WIDEN_REGS = gl.constexpr(128)
@@ -150,7 +149,6 @@ def _multiplier(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16]
     )
-    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
     rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=acc_layout)
     h0 = gl.program_id(0) * BLOCK_H
@@ -162,12 +160,8 @@ def _multiplier(
         if start < end:
             b64 = (s_b * 0 + b).to(gl.int64)
             PT_row = PT + b64 * stride_pt_b
-            _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe,
-                          BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
-            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=col_l)
-            l_i = gl.zeros([BLOCK_H], gl.float32, layout=col_l)
-            o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
-            o_hi = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+            m_i, l_i, o_lo, o_hi = _start_piece_t(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+                                                  q_lo, q_hi, q_pe, acc_layout, BLOCK_H, D_HALF, D_PE, num_warps)
             nt = gl.cdiv(end - start, BLOCK_N)
             for j in gl.static_range(STAGES):  # every stage in flight
                 _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + j) % STAGES, PT_row,

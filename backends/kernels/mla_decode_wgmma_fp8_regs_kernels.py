@@ -38,8 +38,8 @@ from backends.kernels.mla_decode_wgmma_fp8_kernels import (
     _scores_when_widened,
     _widened_tile_products,
 )
-from backends.kernels.mla_decode_wgmma_kernels import _load_q_piece, _pdl_enter, _request_span, _work_row
-from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t
+from backends.kernels.mla_decode_wgmma_kernels import _pdl_enter, _request_span, _work_row
+from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _start_piece_t
 
 
 @gluon.jit
@@ -131,7 +131,6 @@ def _multiplier(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16]
     )
-    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
     rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
     s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=acc_layout)
     h0 = gl.program_id(0) * BLOCK_H
@@ -142,12 +141,8 @@ def _multiplier(
         e_b, start, end, p0, split, pieces = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
         if start < end:
             b64 = (s_b * 0 + b).to(gl.int64)
-            _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe,
-                          BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
-            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=col_l)
-            l_i = gl.zeros([BLOCK_H], gl.float32, layout=col_l)
-            o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
-            o_hi = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+            m_i, l_i, o_lo, o_hi = _start_piece_t(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+                                                  q_lo, q_hi, q_pe, acc_layout, BLOCK_H, D_HALF, D_PE, num_warps)
             nt = gl.cdiv(end - start, BLOCK_N)
             s = _scores_when_widened(full, it, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe, s_zero, 2)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))

@@ -106,6 +106,24 @@ def _finish_t(
 
 
 @gluon.jit
+def _start_piece_t(
+    QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, acc_layout: gl.constexpr,
+    BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """A piece's start in the tokens-as-rows kernels: request b64's q for heads h0 .. h0 + BLOCK_H into shared
+    memory, and fresh per-head running max and sum and output accumulators O^T [D_HALF, BLOCK_H] in ``acc_layout``
+    (the layout of S^T). Returns (m_i, l_i, o_lo, o_hi)."""
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, BLOCK_H,
+                  D_HALF, D_PE, num_warps)  # fmt: skip
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=col_l)
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=col_l)
+    o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+    o_hi = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+    return m_i, l_i, o_lo, o_hi
+
+
+@gluon.jit
 def _decode_piece_tokens(
     QN, QP, desc_c, desc_pe, PT_row, PO, PL, OUT, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, p_smem, bars, it,
     qk_scale, out_scale, b64, start, end, split, slot, slot_div, h0,
@@ -121,15 +139,8 @@ def _decode_piece_tokens(
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16]
     )
-    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
-
-    _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, BLOCK_H,
-                  D_HALF, D_PE, num_warps)  # fmt: skip
-
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=col_l)
-    l_i = gl.zeros([BLOCK_H], gl.float32, layout=col_l)
-    o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
-    o_hi = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+    m_i, l_i, o_lo, o_hi = _start_piece_t(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo,
+                                          q_hi, q_pe, acc_layout, BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
     s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=acc_layout)
     rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
 
