@@ -266,7 +266,8 @@ def mla_decode(
     use_wgmma : stage 1 as a Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: Hopper, a multiple of 16
         heads, DeepSeek dims, pages of a multiple of 64 tokens, ``work`` given; 64 heads per program for a multiple of
         64 heads (an fp8 cache widened to fp16 in shared memory), else 16 or 32 heads per program with tokens as the
-        matrix rows (over an fp8 cache widened by warps of their own)); None -> where it can run, measured faster
+        matrix rows (over an fp8 cache: fp8 scores and ``P @ V`` over the tile widened by warps of their own at 16
+        heads, both products over the widened tile at 32)); None -> where it can run, measured faster
         (``wgmma_by_default``) and no Triton tiling (block_h, block_n, num_warps, num_stages) was given; True where
         it cannot run is an error naming why.
     plan : the plan an earlier call returned: where it equals this call's (same ``work`` and ``seq_lens`` tensors,

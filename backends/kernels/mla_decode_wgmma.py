@@ -7,10 +7,12 @@
   (:mod:`backends.kernels.mla_decode_seesaw_kernels`): a bf16 / fp16 cache, the default from 128 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
   a bf16 / fp16 cache and fewer heads;
-* 16 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the tokens
-  kernel's products, each tile widened to fp16 in shared memory by warps of its own;
-* 32 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_regs_kernels`): the same,
-  with the fp8 tile loaded into the widener's registers instead of a shared-memory stage (32 heads of q then fit).
+* 16 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the scores as
+  fp8 products of q split into two e4m3 parts, straight from the fp8 tile, and ``P @ V`` in fp16 over the tile
+  widened in shared memory by warps of their own;
+* 32 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_regs_kernels`): the tokens
+  kernel's fp16 products over the whole tile widened, loaded into the widener's registers instead of a
+  shared-memory stage (32 heads of q then fit).
 
 :func:`backends.kernels.mla_decode.mla_decode` picks one for caches it can read (see :func:`wgmma_problems` and
 :func:`wgmma_block_h`); the plan and the merge stay the Triton ones, so the outputs (finished requests, split
@@ -75,9 +77,9 @@ SEESAW_MIN_BATCH = 64
 #:   (39.7 -> 42.1) and 16 x 1024 (42.1 -> 60.2); faster at 32 x 4096 and 128 x 1024 in an earlier session, before
 #:   the plan was reused (108.5 -> 95.5, 95.9 -> 82.7): the default from 32 requests.
 #: - fp8 up to 32 heads (16-head programs, each tile read once per 16 heads; 32-head ones from the widener's
-#:   registers): faster at every shape measured, from 1 x 1024 (16 heads 19.7 -> 15.3, 32 heads 22.5 -> 17.1) to
-#:   64 x 32768 (887 -> 499 at 16 heads); 16-head programs lost at 64 and 128 heads (1849 vs 1472, 3713 vs 2812),
-#:   so :data:`FP8_MAX_HEADS`.
+#:   registers): faster at every shape measured, from 1 x 1024 (16 heads 19.7 -> 15.3, 15.4-16.2 with the fp8
+#:   scores; 32 heads 22.5 -> 17.1) to 64 x 32768 (887 -> 466 at 16 heads); 16-head programs lost at 64 and 128
+#:   heads (1849 vs 1472, 3713 vs 2812, with fp16 scores), so :data:`FP8_MAX_HEADS`.
 #: - 64-head blocks (bf16 / fp16 and fp8): from :data:`WGMMA_MIN_JOBS` (request, head block) pairs. bf16 64 heads
 #:   4 x 4096 52.2 -> 64.5, 8 x 2048 58.5 -> 62.8, 16 x 2048 73.5 -> 74.4, 16 x 4096 94.4 -> 90.4, 32 x 2048
 #:   108.6 -> 66.9; 128 heads 4 x 4096 67.0 -> 65.1, 8 x 2048 70.3 -> 68.3, 16 x 2048 103.9 -> 56.9. fp8 64 heads

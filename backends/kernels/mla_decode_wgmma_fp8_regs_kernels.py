@@ -1,10 +1,12 @@
 """Gluon stage-1 kernel of the absorbed-MLA decode over an fp8 (e4m3) cache, 32 heads per program (Hopper).
 
-The products are the tokens kernel's over fp16 tiles, as in the 16-head fp8 kernel
-(:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`, which says why the tile is widened first), but 32 heads of
-q (36 KiB) do not fit beside that kernel's fp8 TMA stages and two widened tiles. Here the widener warps load the
-fp8 tile from global memory into their registers instead (no fp8 stage in shared memory), so shared memory holds
-q, two widened tiles (2 x 72 KiB, rope part included) and ``P^T``: 184 KiB at 32 heads.
+The products are the tokens kernel's (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`), both in fp16 over
+each tile widened first: a 16-bit q cannot multiply an fp8 tile, and ``P @ V`` reads V along the tokens, which an
+fp8 wgmma does not take. The 16-head fp8 kernel (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`) runs its
+scores as fp8 products of a split q straight from its fp8 TMA stages, but 32 heads of q (36 KiB) do not fit beside
+those stages and two widened tiles. Here the widener warps load the fp8 tile from global memory into their
+registers instead (no fp8 stage in shared memory), so shared memory holds q, two widened tiles (2 x 72 KiB, rope
+part included) and ``P^T``: 184 KiB at 32 heads.
 
 * **the widener** (a worker partition of 8 warps, 128 registers): walks the same plan rows and pieces as the
   multiplier; keeps the next two tiles of a piece in flight in its registers (one row per thread, 16 bytes per 64
@@ -17,9 +19,10 @@ q, two widened tiles (2 x 72 KiB, rope part included) and ``P^T``: 184 KiB at 32
   done and writes the outputs.
 
 Measured on an H100 (CUDA-graph replays, bench/TRITON_NOTES.md), 32 heads, µs: 64 x 32768 730.3 (two 16-head
-programs of the 16-head fp8 kernel: 943.6; that kernel at 32 heads with one fp8 stage: 782.4; one tile ahead in
-registers: 767.2; our bf16 cache 858.2), 128 x varied 8192 393.6. At 16 heads this design lost to the TMA stages
-of the 16-head kernel (631.2 / 597.8 with two / one tiles ahead against 503.0 at 64 x 32768).
+programs of the 16-head fp8 kernel as it was then, with fp16 scores: 943.6; that kernel at 32 heads with one fp8
+stage: 782.4; one tile ahead in registers: 767.2; our bf16 cache 858.2), 128 x varied 8192 393.6. At 16 heads this
+design lost to the TMA stages of the 16-head kernel (631.2 / 597.8 with two / one tiles ahead against 503.0 at
+64 x 32768, before its fp8 scores).
 """
 
 from __future__ import annotations
@@ -29,17 +32,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from backends.kernels.mla_decode_wgmma_fp8_kernels import (
-    WIDEN_REGS,
-    WIDEN_WARPS,
-    _scores_when_widened,
-    _widened_tile_products,
-)
+from backends.kernels.mla_decode_wgmma_fp8_kernels import WIDEN_REGS, WIDEN_WARPS
 from backends.kernels.mla_decode_wgmma_kernels import _pdl_enter, _request_span, _work_row
-from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _start_piece_t
+from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _scores_t, _softmax_t, _start_piece_t
 
 
 @gluon.jit
@@ -119,6 +118,41 @@ def _widener(
 
 
 @gluon.jit
+def _scores_when_widened(full, it, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe, s_zero):
+    """Tile ``it``'s scores over widened buffer ``it % 2`` (latent halves and rope part), issued once the widener
+    has filled it (not waited for)."""
+    buf = it % 2
+    mbarrier.wait(full.index(buf), (it // 2) & 1)
+    return _scores_t(w_lo.index(buf), w_hi.index(buf), w_pe.index(buf), q_lo, q_hi, q_pe, s_zero)
+
+
+@gluon.jit
+def _widened_tile_products(
+    s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_scale, p_smem, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe, s_zero, full, empty,
+    it, has_next,
+):  # fmt: skip
+    """One tile of the multiplier: tile ``it``'s softmax (its scores ``s`` done) and ``P @ V`` over widened buffer
+    ``it % 2``, the next tile's scores queued behind it on the tensor cores when ``has_next`` (three groups), the
+    buffer handed back to the widener once ``P @ V`` is done. Returns the next tile's scores (done), the running max
+    and sum and the output accumulators."""
+    buf = it % 2
+    alpha_o, m_i, l_i = _softmax_t(s, m_i, l_i, rows_n, valid, qk_scale, p_smem)
+    pv_lo = warpgroup_mma(w_lo.index(buf).permute((1, 0)), p_smem, o_lo * alpha_o, is_async=True)
+    pv_hi = warpgroup_mma(w_hi.index(buf).permute((1, 0)), p_smem, o_hi * alpha_o, is_async=True)
+    if has_next:
+        s = _scores_when_widened(full, it + 1, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe, s_zero)
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=3, deps=(pv_lo, pv_hi))
+        gl.thread_barrier()  # every multiplier warp's P @ V is done: the buffer is free
+        mbarrier.arrive(empty.index(buf), count=1)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    else:
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(pv_lo, pv_hi))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(buf), count=1)
+    return s, m_i, l_i, o_lo, o_hi
+
+
+@gluon.jit
 def _multiplier(
     QN, QP, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
@@ -144,13 +178,13 @@ def _multiplier(
             m_i, l_i, o_lo, o_hi = _start_piece_t(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
                                                   q_lo, q_hi, q_pe, acc_layout, BLOCK_H, D_HALF, D_PE, num_warps)
             nt = gl.cdiv(end - start, BLOCK_N)
-            s = _scores_when_widened(full, it, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe, s_zero, 2)
+            s = _scores_when_widened(full, it, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe, s_zero)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             for i in range(nt):  # s: tile i's scores, done
                 n0 = start + i * BLOCK_N
                 s, m_i, l_i, o_lo, o_hi = _widened_tile_products(
                     s, m_i, l_i, o_lo, o_hi, rows_n, end - n0, qk_scale, p_smem, w_lo, w_hi, w_pe, q_lo, q_hi, q_pe,
-                    s_zero, full, empty, it, i + 1 < nt, 2,
+                    s_zero, full, empty, it, i + 1 < nt,
                 )  # fmt: skip
                 it += 1
             _finish_t(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot0 + (pid_p - p0), slot_div, h0, PO, PL, OUT,
