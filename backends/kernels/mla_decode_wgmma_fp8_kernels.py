@@ -47,7 +47,7 @@ from backends.kernels.mla_decode_wgmma_kernels import (
     _widen,
     _work_row,
 )
-from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _softmax_t
+from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _fresh_state_t, _softmax_t
 
 #: Registers per thread of the widener's warps (the multiplier takes the rest of the register file).
 WIDEN_REGS = gl.constexpr(128)
@@ -119,13 +119,13 @@ def _wait_scores(s, n: gl.constexpr):
 
 
 @gluon.jit
-def _combine(s2, inv_s, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
-    """S^T [BLOCK_N, H] = (S_hi + S_lo / 16) / s from S2^T [BLOCK_N, 2H] (columns: H ``hi`` then H ``lo``). Each
-    thread holds column c and c + H of a row, so the split moves no data: its halves are ``acc_layout``."""
+def _combine(s2, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_H: gl.constexpr):
+    """S^T s [BLOCK_N, H] = S_hi + S_lo / 16 from S2^T [BLOCK_N, 2H] (columns: H ``hi`` then H ``lo``; the 1 / s is
+    in the softmax's per-head scale). Each thread holds column c and c + H of a row, so the split moves no data: its
+    halves are ``acc_layout``."""
     parts = gl.permute(gl.reshape(s2, [BLOCK_N, 2, BLOCK_H]), (0, 2, 1))
     s_hi, s_lo = gl.split(parts)
-    s = gl.convert_layout(s_hi, acc_layout) + gl.convert_layout(s_lo, acc_layout) * (1.0 / LO_SCALE)
-    return s * gl.expand_dims(inv_s, 0)
+    return gl.convert_layout(s_hi, acc_layout) + gl.convert_layout(s_lo, acc_layout) * (1.0 / LO_SCALE)
 
 
 @gluon.jit
@@ -159,7 +159,7 @@ def _widener(
 
 @gluon.jit
 def _tile(
-    s, inv_s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_scale, p_smem, w_lo, w_hi, kv_lo, kv_hi, kv_pe, q_lo, q_hi,
+    s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_h, p_smem, w_lo, w_hi, kv_lo, kv_hi, kv_pe, q_lo, q_hi,
     q_pe, s_zero, bars, full, empty, it, refill, has_next, desc_c, desc_pe, PT_row, n_next, end,
     acc_layout: gl.constexpr, PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
@@ -169,8 +169,8 @@ def _tile(
     queued behind it (when ``has_next``), the buffer handed back once ``P @ V`` is done. Returns the next tile's
     scores (done), the running max and sum and the output accumulators."""
     buf = it % 2
-    alpha_o, m_i, l_i = _softmax_t(_combine(s, inv_s, acc_layout, BLOCK_N, BLOCK_H), m_i, l_i, rows_n, valid,
-                                   qk_scale, p_smem)  # fmt: skip
+    alpha_o, m_i, l_i = _softmax_t(_combine(s, acc_layout, BLOCK_N, BLOCK_H), m_i, l_i, rows_n, valid, qk_h,
+                                   p_smem)  # fmt: skip
     mbarrier.wait(full.index(buf), (it // 2) & 1)  # widened: the widener is done with the stage too
     _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, it % STAGES, PT_row, n_next, end, refill, PAGE_SIZE,
                 D_HALF)  # fmt: skip
@@ -222,10 +222,8 @@ def _multiplier(
             PT_row = PT + b64 * stride_pt_b
             inv_s = _load_q_split(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi,
                                   q_pe, col_l, BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
-            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=col_l)
-            l_i = gl.zeros([BLOCK_H], gl.float32, layout=col_l)
-            o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
-            o_hi = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
+            qk_h = gl.expand_dims(inv_s * qk_scale, 0)  # the softmax's scale per head [1, H], 1 / s folded in
+            m_i, l_i, o_lo, o_hi = _fresh_state_t(acc_layout, BLOCK_H, D_HALF)
             nt = gl.cdiv(end - start, BLOCK_N)
             for j in gl.static_range(STAGES):  # every stage in flight
                 _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + j) % STAGES, PT_row,
@@ -236,7 +234,7 @@ def _multiplier(
             for i in range(nt):  # s: tile i's scores, done
                 n0 = start + i * BLOCK_N
                 s, m_i, l_i, o_lo, o_hi = _tile(
-                    s, inv_s, m_i, l_i, o_lo, o_hi, rows_n, end - n0, qk_scale, p_smem, w_lo, w_hi, kv_lo, kv_hi,
+                    s, m_i, l_i, o_lo, o_hi, rows_n, end - n0, qk_h, p_smem, w_lo, w_hi, kv_lo, kv_hi,
                     kv_pe, q_lo, q_hi, q_pe, s_zero, bars, full, empty, it, i + STAGES < nt, i + 1 < nt, desc_c,
                     desc_pe, PT_row, n0 + STAGES * BLOCK_N, end, acc_layout, PAGE_SIZE, D_HALF, BLOCK_N, BLOCK_H,
                     STAGES,

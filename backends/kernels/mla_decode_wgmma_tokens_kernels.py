@@ -73,8 +73,9 @@ def _scores_t(a_lo, a_hi, a_pe, q_lo, q_hi, q_pe, s_zero):
 
 @gluon.jit
 def _softmax_t(s, m_i, l_i, rows_n, valid, qk_scale, p_smem):
-    """Online softmax down the token axis of one tile's S^T (rows >= valid masked): P^T into p_smem (fenced, every
-    warp done), the output rescale factor [1, H] and the new running max and sum."""
+    """Online softmax down the token axis of one tile's S^T (rows >= valid masked; ``qk_scale`` a scalar or [1, H]
+    per head): P^T into p_smem (fenced, every warp done), the output rescale factor [1, H] and the new running max
+    and sum."""
     s = gl.where(gl.expand_dims(rows_n < valid, 1), s * qk_scale, gl.full_like(s, float("-inf")))
     m_new = gl.maximum(m_i, gl.max(s, 0))
     alpha = gl.exp2(m_i - m_new)
@@ -113,9 +114,16 @@ def _start_piece_t(
     """A piece's start in the tokens-as-rows kernels: request b64's q for heads h0 .. h0 + BLOCK_H into shared
     memory, and fresh per-head running max and sum and output accumulators O^T [D_HALF, BLOCK_H] in ``acc_layout``
     (the layout of S^T). Returns (m_i, l_i, o_lo, o_hi)."""
-    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
     _load_q_piece(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, BLOCK_H,
                   D_HALF, D_PE, num_warps)  # fmt: skip
+    return _fresh_state_t(acc_layout, BLOCK_H, D_HALF)
+
+
+@gluon.jit
+def _fresh_state_t(acc_layout: gl.constexpr, BLOCK_H: gl.constexpr, D_HALF: gl.constexpr):
+    """A piece's fresh per-head running max and sum and output accumulators O^T [D_HALF, BLOCK_H] in ``acc_layout``
+    (the layout of S^T): (m_i, l_i, o_lo, o_hi)."""
+    col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=col_l)
     l_i = gl.zeros([BLOCK_H], gl.float32, layout=col_l)
     o_lo = gl.zeros([D_HALF, BLOCK_H], gl.float32, layout=acc_layout)
