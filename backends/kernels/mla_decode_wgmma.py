@@ -7,12 +7,9 @@
   (:mod:`backends.kernels.mla_decode_seesaw_kernels`): a bf16 / fp16 cache, the default from 128 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
   a bf16 / fp16 cache and fewer heads;
-* 16 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the scores as
-  fp8 products of q split into two e4m3 parts, straight from the fp8 tile, and ``P @ V`` in fp16 over the tile
-  widened in shared memory by warps of their own;
-* 32 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_regs_kernels`): the tokens
-  kernel's fp16 products over the whole tile widened, loaded into the widener's registers instead of a
-  shared-memory stage (32 heads of q then fit).
+* 16 or 32 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the scores
+  as fp8 products of q split into two e4m3 parts, straight from the fp8 tile, and ``P @ V`` in fp16 over the tile
+  widened in shared memory by warps of their own (one multiplier warpgroup per 16 heads).
 
 :func:`backends.kernels.mla_decode.mla_decode` picks one for caches it can read (see :func:`wgmma_problems` and
 :func:`wgmma_block_h`); the plan and the merge stay the Triton ones, so the outputs (finished requests, split
@@ -32,18 +29,24 @@ WGMMA_BLOCK_N = 64
 WGMMA_WARPS = 8
 #: The seesaw kernel's warps at launch: warpgroup A (its worker partition, warpgroup B, adds 4 more).
 SEESAW_WARPS = 4
-#: The tokens kernel: one warpgroup, two KV tiles in flight (bf16 / fp16: 2 x 72 KiB; the 16-head fp8 kernel: 2 x 36
-#: KiB plus two 64 KiB widened latent tiles; the 32-head fp8 kernel has no fp8 stage).
+#: The tokens kernel: one warpgroup, two bf16 / fp16 KV tiles (2 x 72 KiB) in flight.
 TOKENS_WARPS = 4
 TOKENS_STAGES = 2
+#: The fp8 kernel by heads per program: fp8 TMA stages (36 KiB each), widened buffers and the parts a tile is widened
+#: in (a buffer holds 64 / parts rows of the fp16 latent: 64 KiB / parts). 32 heads (two multipliers, 36 KiB of
+#: split q) fit two stages and two half-tile buffers (177 KiB). H100, 32 heads, 64 x 32768 (bench/TRITON_NOTES.md):
+#: 621.9 us against 639.2 with one whole-tile buffer, 632.0 with three half-tile buffers, 631.7 with three stages;
+#: 16 heads: 455.4 against 457.1 with four half-tile buffers, 455.5 with three stages and two half-tile buffers.
+FP8_STAGES = {16: 2, 32: 2}
+FP8_WIDENED = {16: 2, 32: 2}
+FP8_PARTS = {16: 1, 32: 2}
 _D_CKV, _D_PE = 512, 64
 _HALF = (torch.bfloat16, torch.float16)
 
 
 def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
     """Heads per program of the wgmma stage 1 for this head count and cache (0: no kernel tiles it): 64 (the 64-head
-    kernels) for a multiple of 64 heads, else 32 or 16 (the tokens kernel, or over an fp8 cache the fp8 kernels:
-    TMA stages at 16 heads, the tile in the widener's registers at 32)."""
+    kernels) for a multiple of 64 heads, else 32 or 16 (the tokens kernel, or over an fp8 cache the fp8 kernel)."""
     if kv_dtype in (*_HALF, torch.float8_e4m3fn) and heads % WGMMA_BLOCK_H == 0:
         return WGMMA_BLOCK_H
     if heads % 32 == 0 and kv_dtype in (*_HALF, torch.float8_e4m3fn):
@@ -76,9 +79,9 @@ SEESAW_MIN_BATCH = 64
 #: - 32-head blocks, bf16: faster at 1 x 1024 (21.0 -> 17.0) but slower at 1 x 8192 (25.2 -> 26.9), 2 x 4096, 8 x 2048
 #:   (39.7 -> 42.1) and 16 x 1024 (42.1 -> 60.2); faster at 32 x 4096 and 128 x 1024 in an earlier session, before
 #:   the plan was reused (108.5 -> 95.5, 95.9 -> 82.7): the default from 32 requests.
-#: - fp8 up to 32 heads (16-head programs, each tile read once per 16 heads; 32-head ones from the widener's
-#:   registers): faster at every shape measured, from 1 x 1024 (16 heads 19.7 -> 15.3, 15.4-16.2 with the fp8
-#:   scores; 32 heads 22.5 -> 17.1) to 64 x 32768 (887 -> 466 at 16 heads); 16-head programs lost at 64 and 128
+#: - fp8 up to 32 heads (one program per 16 or 32 heads, each tile read once per program): faster at every shape
+#:   measured, from 1 x 1024 (16 heads 19.7 -> 15.3, 15.4-16.2 with the fp8 scores; 32 heads 22.5 -> 17.1 with the
+#:   kernel before) to 64 x 32768 (887 -> 455 at 16 heads); 16-head programs lost at 64 and 128
 #:   heads (1849 vs 1472, 3713 vs 2812, with fp16 scores), so :data:`FP8_MAX_HEADS`.
 #: - 64-head blocks (bf16 / fp16 and fp8): from :data:`WGMMA_MIN_JOBS` (request, head block) pairs. bf16 64 heads
 #:   4 x 4096 52.2 -> 64.5, 8 x 2048 58.5 -> 62.8, 16 x 2048 73.5 -> 74.4, 16 x 4096 94.4 -> 90.4, 32 x 2048
@@ -166,7 +169,6 @@ def launch_wgmma_stage1(
 
     from backends.kernels.mla_decode_seesaw_kernels import _mla_decode_seesaw_kernel
     from backends.kernels.mla_decode_wgmma_fp8_kernels import _mla_decode_wgmma_fp8_kernel
-    from backends.kernels.mla_decode_wgmma_fp8_regs_kernels import _mla_decode_wgmma_fp8_regs_kernel
     from backends.kernels.mla_decode_wgmma_kernels import _mla_decode_wgmma_kernel
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
 
@@ -196,13 +198,11 @@ def launch_wgmma_stage1(
         _mla_decode_seesaw_kernel[(H // block_h, programs)](*args, **dims, num_warps=SEESAW_WARPS)
     elif block_h == WGMMA_BLOCK_H:  # without PDL: with it, 128 heads at long contexts measured 1-4% slower (H100)
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
-    elif kv_cache.dtype == torch.float8_e4m3fn and block_h == 32:  # the tile loaded into the widener's registers
-        _mla_decode_wgmma_fp8_regs_kernel[(H // block_h, programs)](
-            *args[:2], kv_cache.view(torch.int32), kv_cache.stride(1) // 4, *args[4:], **dims, STAGES=TOKENS_STAGES,
+    elif kv_cache.dtype == torch.float8_e4m3fn:  # tokens as the matrix rows, widened from TMA stages by own warps
+        _mla_decode_wgmma_fp8_kernel[(H // block_h, programs)](
+            *args, **dims, STAGES=FP8_STAGES[block_h], WIDENED=FP8_WIDENED[block_h], PARTS=FP8_PARTS[block_h],
             PDL=pdl, launch_pdl=pdl, num_warps=TOKENS_WARPS,
         )  # fmt: skip
-    else:  # tokens as the matrix rows; over fp8 (16 heads) widened from TMA stages by warps of their own
-        fp8 = kv_cache.dtype == torch.float8_e4m3fn
-        kernel = _mla_decode_wgmma_fp8_kernel if fp8 else _mla_decode_wgmma_tokens_kernel
-        kernel[(H // block_h, programs)](*args, **dims, STAGES=TOKENS_STAGES, PDL=pdl, launch_pdl=pdl,
-                                         num_warps=TOKENS_WARPS)
+    else:  # tokens as the matrix rows
+        _mla_decode_wgmma_tokens_kernel[(H // block_h, programs)](*args, **dims, STAGES=TOKENS_STAGES, PDL=pdl,
+                                                                  launch_pdl=pdl, num_warps=TOKENS_WARPS)

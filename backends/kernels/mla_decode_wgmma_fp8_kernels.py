@@ -1,5 +1,5 @@
-"""Gluon stage-1 kernel of the absorbed-MLA decode over an fp8 (e4m3) cache, 16 heads per program (Hopper): the
-scores as fp8 products straight from the landed tile, ``P @ V`` over the tile widened to fp16.
+"""Gluon stage-1 kernel of the absorbed-MLA decode over an fp8 (e4m3) cache, 16 or 32 heads per program (Hopper):
+the scores as fp8 products straight from the landed tile, ``P @ V`` over the tile widened to fp16.
 
 The scores ``S^T [64 tokens, H] = K [64, 576] . q^T`` have both operands K-major (the tile's rows, q's rows), the
 one form an fp8 wgmma takes, so they need no widening: q is split into two e4m3 parts per head,
@@ -10,23 +10,26 @@ once, and ``S = (S_hi + S_lo / 16) / s``. Two e4m3 parts hold 8 significant bits
 the scores lose nothing but the fp8 accumulation's precision (see :func:`_wait_scores`). ``P @ V`` reads V along
 the tokens (not K-major) and stays an fp16 product over the tile widened in shared memory:
 
-* **the widener** (a worker partition of 8 warps): waits for a tile to land and for one of two fp16 buffers to be
-  free, widens the latent halves into it (the rope part is only read by the scores) and signals it full;
-* **the multiplier** (the default partition, one warpgroup): issues the TMA loads, the scores of each tile as soon
-  as it lands (not waiting for its widening), the softmax down the tokens, ``O^T += V^T P^T`` over the widened
-  buffer once it is full (then hands it back), and writes the outputs.
+* **the widener** (a worker partition: 8 warps at 16 heads, 4 at 32): issues the TMA loads of the fp8 tiles into
+  ``STAGES`` stages; widens each landed tile's latent halves (the rope part is only read by the scores) in
+  ``PARTS`` row parts, each into the next of ``WIDENED`` fp16 buffers once the multipliers have freed it, and
+  signals it full; refills a stage once every multiplier's scores are done with it;
+* **the multipliers** (one warpgroup per 16 heads: the default partition, and at 32 heads a worker partition as
+  well): the scores of each tile as soon as it lands (not waiting for its widening), the softmax down the tokens,
+  ``O^T += V^T P^T`` over each widened part once it is full (then hand it back), and the outputs.
 
-Both walk the same plan rows and pieces, so they count the same tiles: tile ``it`` lands in stage ``it % 2`` and is
-widened into buffer ``it % 2``; a stage is refilled once its scores are done and its buffer is full (the widener
-has read it). Rows past a request's end are masked out of the scores (never-written pool memory may hold NaN bit
-patterns) and zeroed in the widened buffer. Shared memory: 2 x 36 KiB of fp8 stages + 2 x 64 KiB of widened latent
-+ 18 KiB of split q + 2 KiB of ``P^T``: 220 KiB.
+All walk the same plan rows and pieces, so they count the same tiles: tile ``it`` lands in stage ``it % STAGES``,
+part ``h`` of it is widened into buffer ``(it PARTS + h) % WIDENED``. Rows past a request's end are masked out of
+the scores (never-written pool memory may hold NaN bit patterns) and zeroed in the widened buffer. Shared memory,
+16 heads: 2 x 36 KiB of fp8 stages + 2 x 64 KiB of widened latent + 18 KiB of split q + 2 KiB of ``P^T`` (220 KiB);
+32 heads: 2 x 36 + 2 x 32 (half tiles) + 2 x 18 + 2 x 2 (177 KiB).
 
-Measured on an H100 (CUDA-graph replays, plan reused, bench/TRITON_NOTES.md), 16 heads, us: 64 x 32768 466-467
-(1.76x the bf16 cache's 819.9; the kernel before, which widened the whole tile and ran fp16 scores: 500), 128 x
-varied 8192 260-263 (278), 64 x 4096 95.0 (97.7); error against float32 1.9-2.2e-3 (bf16: 1.7e-3). 32 heads run
-:mod:`backends.kernels.mla_decode_wgmma_fp8_regs_kernels` (32 heads of split q, two fp8 stages and two widened
-tiles do not fit in shared memory).
+Measured on an H100 (CUDA-graph replays, plan reused, bench/TRITON_NOTES.md), us: 16 heads 64 x 32768 455.4 (1.80x
+the bf16 cache's 820.8), 128 x varied 8192 246.2; 32 heads 64 x 32768 621.9 (1.36x the bf16 cache's 847.5; the
+kernel before, the tile loaded into the widener's registers and fp16 scores: 729.4), 128 x varied 8192 342.6
+(396.0), 64 x 4096 128.8 (142.7); error against float32 1.9-2.1e-3 (bf16: 1.7e-3). At 32 heads both multipliers
+read every widened tile from shared memory (N = 16 products, bound by reading their A operand), which is where
+the time over 16 heads goes (bench/TRITON_NOTES.md).
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _fresh_s
 WIDEN_REGS = gl.constexpr(128)
 #: Warps of the widener.
 WIDEN_WARPS = gl.constexpr(8)
+#: Heads of one multiplier warpgroup (32-head programs run two).
+HEADS_PER_MULTIPLIER = gl.constexpr(16)
+#: With two multipliers (12 warps): the widener's warps, registers per thread of the widener's warps and of the second multiplier's (the
+#: lead multiplier, the default partition, takes the rest of the register file).
+WIDEN_WARPS_2 = gl.constexpr(4)
+WIDEN_REGS_2 = gl.constexpr(64)
+MULTIPLIER_REGS_2 = gl.constexpr(216)
 #: The split's scale: ``lo`` holds 16 x the remainder of ``hi`` (e4m3 keeps 3 fraction bits, so the remainder is at
 #: most 1/16 of ``hi``'s magnitude and stays in e4m3's normal range for the values that matter).
 LO_SCALE = gl.constexpr(16.0)
@@ -130,88 +140,123 @@ def _combine(s2, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_H: gl.co
 
 @gluon.jit
 def _widener(
-    SL, WORK, kv_lo, kv_hi, w_lo, w_hi, bars, full, empty,
-    D_CKV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+    desc_c, desc_pe, PT, SL, WORK, stride_pt_b, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, read, full, empty,
+    PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    WIDENED: gl.constexpr, PARTS: gl.constexpr, NW: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
-    """Worker partition: every tile of this program's pieces, as it lands, its latent halves widened into buffer
-    ``it % 2`` once the multiplier has freed it (``empty``), then handed over (``full``)."""
+    """Worker partition (``NW`` warps): issues the TMA loads of this program's pieces; widens every tile, as it
+    lands, into buffer ``it % WIDENED`` once the multipliers have freed it (``empty``) and hands it over (``full``);
+    refills the tile's stage with the tile ``STAGES`` ahead once every multiplier's scores are done with it
+    (``read``)."""
     _pdl_enter(PDL)
-    NW: gl.constexpr = WIDEN_WARPS
     D_HALF: gl.constexpr = D_CKV // 2
+    R: gl.constexpr = BLOCK_N // PARTS
     b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, gl.program_id(1))
     it = 0
     for b in range(b0, b_end):
         e_b, start, end, p0, split, pieces = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
-        for i in range(gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)):
+        PT_row = PT + (s_b * 0 + b).to(gl.int64) * stride_pt_b
+        nt = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        for j in gl.static_range(STAGES):  # every stage in flight (the previous piece's tiles are all read)
+            _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + j) % STAGES, PT_row, start + j * BLOCK_N,
+                        end, j < nt, PAGE_SIZE, D_HALF)  # fmt: skip
+        for i in range(nt):
             stage = it % STAGES
-            buf = it % 2
             mbarrier.wait(bars.index(stage), (it // STAGES) & 1)  # landed
-            mbarrier.wait(empty.index(buf), ((it // 2) & 1) ^ 1)  # the P @ V of tile it - 2 is done
-            valid = end - start - i * BLOCK_N
-            _widen(kv_lo.index(stage), w_lo.index(buf), valid, BLOCK_N, D_HALF, NW)
-            _widen(kv_hi.index(stage), w_hi.index(buf), valid, BLOCK_N, D_HALF, NW)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(full.index(buf), count=1)
+            for h in gl.static_range(PARTS):  # the tile's rows in PARTS parts, each into the next buffer
+                wt = it * PARTS + h
+                buf = wt % WIDENED
+                mbarrier.wait(empty.index(buf), ((wt // WIDENED) & 1) ^ 1)  # the P @ Vs that read it are done
+                valid = end - start - i * BLOCK_N - h * R
+                _widen(kv_lo.index(stage).slice(h * R, R, dim=0), w_lo.index(buf), valid, R, D_HALF, NW)
+                _widen(kv_hi.index(stage).slice(h * R, R, dim=0), w_hi.index(buf), valid, R, D_HALF, NW)
+                fence_async_shared()
+                gl.thread_barrier()
+                mbarrier.arrive(full.index(buf), count=1)
+            mbarrier.wait(read.index(stage), (it // STAGES) & 1)  # every multiplier's scores are done with the stage
+            _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, PT_row, start + (i + STAGES) * BLOCK_N,
+                        end, i + STAGES < nt, PAGE_SIZE, D_HALF)  # fmt: skip
             it += 1
         s_b = e_b
 
 
 @gluon.jit
 def _tile(
-    s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_h, p_smem, w_lo, w_hi, kv_lo, kv_hi, kv_pe, q_lo, q_hi,
-    q_pe, s_zero, bars, full, empty, it, refill, has_next, desc_c, desc_pe, PT_row, n_next, end,
-    acc_layout: gl.constexpr, PAGE_SIZE: gl.constexpr, D_HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
+    s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_h, p_smem, w_lo, w_hi, kv_lo, kv_hi, kv_pe, q_lo, q_hi, q_pe,
+    s_zero, bars, read, full, empty, it, has_next, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+    HB: gl.constexpr, STAGES: gl.constexpr, WIDENED: gl.constexpr, PARTS: gl.constexpr,
 ):  # fmt: skip
-    """One tile of the multiplier (its scores ``s`` done): softmax, its stage refilled with the tile at ``n_next``
-    (when ``refill``) once the widener has read it, ``P @ V`` over widened buffer ``it % 2``, the next tile's scores
-    queued behind it (when ``has_next``), the buffer handed back once ``P @ V`` is done. Returns the next tile's
+    """One tile of a multiplier (its scores ``s`` done): softmax, ``P @ V`` over the tile's ``PARTS`` widened
+    buffers as each is full, the next tile's scores queued behind it (when ``has_next``; the widener is then told
+    they are done with their stage), each buffer handed back once its ``P @ V`` is done. Returns the next tile's
     scores (done), the running max and sum and the output accumulators."""
-    buf = it % 2
-    alpha_o, m_i, l_i = _softmax_t(_combine(s, acc_layout, BLOCK_N, BLOCK_H), m_i, l_i, rows_n, valid, qk_h,
-                                   p_smem)  # fmt: skip
-    mbarrier.wait(full.index(buf), (it // 2) & 1)  # widened: the widener is done with the stage too
-    _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, it % STAGES, PT_row, n_next, end, refill, PAGE_SIZE,
-                D_HALF)  # fmt: skip
-    pv_lo = warpgroup_mma(w_lo.index(buf).permute((1, 0)), p_smem, o_lo * alpha_o, is_async=True)
-    pv_hi = warpgroup_mma(w_hi.index(buf).permute((1, 0)), p_smem, o_hi * alpha_o, is_async=True)
+    R: gl.constexpr = BLOCK_N // PARTS
+    alpha_o, m_i, l_i = _softmax_t(_combine(s, acc_layout, BLOCK_N, HB), m_i, l_i, rows_n, valid, qk_h, p_smem)
+    pv_lo = o_lo * alpha_o
+    pv_hi = o_hi * alpha_o
+    for h in gl.static_range(PARTS):
+        wt = it * PARTS + h
+        buf = wt % WIDENED
+        mbarrier.wait(full.index(buf), (wt // WIDENED) & 1)
+        p_h = p_smem.slice(h * R, R, dim=0)
+        pv_lo = warpgroup_mma(w_lo.index(buf).permute((1, 0)), p_h, pv_lo, is_async=True)
+        pv_hi = warpgroup_mma(w_hi.index(buf).permute((1, 0)), p_h, pv_hi, is_async=True)
     if has_next:
         nxt = (it + 1) % STAGES
         mbarrier.wait(bars.index(nxt), ((it + 1) // STAGES) & 1)
         s = _scores8(kv_lo, kv_hi, kv_pe, nxt, q_lo, q_hi, q_pe, s_zero)
-        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=3, deps=(pv_lo, pv_hi))
-        gl.thread_barrier()  # every multiplier warp's P @ V is done: the buffer is free
-        mbarrier.arrive(empty.index(buf), count=1)
+        o_lo, o_hi = _release_parts(pv_lo, pv_hi, empty, it, 3, WIDENED, PARTS)
         s = _wait_scores(s, 0)
+        _done_with(read, nxt)
     else:
-        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(pv_lo, pv_hi))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(buf), count=1)
+        o_lo, o_hi = _release_parts(pv_lo, pv_hi, empty, it, 0, WIDENED, PARTS)
     return s, m_i, l_i, o_lo, o_hi
 
 
 @gluon.jit
+def _release_parts(o_lo, o_hi, empty, it, after: gl.constexpr, WIDENED: gl.constexpr, PARTS: gl.constexpr):
+    """Each of tile ``it``'s widened buffers handed back as soon as its ``P @ V`` (two wgmma groups, issued in part
+    order, ``after`` more groups behind them) is done. Returns the output accumulators, done."""
+    for h in gl.static_range(PARTS - 1):
+        o_lo, o_hi = warpgroup_mma_wait(num_outstanding=after + 2 * (PARTS - 1 - h), deps=(o_lo, o_hi))
+        _done_with(empty, (it * PARTS + h) % WIDENED)
+    o_lo, o_hi = warpgroup_mma_wait(num_outstanding=after, deps=(o_lo, o_hi))
+    _done_with(empty, (it * PARTS + PARTS - 1) % WIDENED)
+    return o_lo, o_hi
+
+
+@gluon.jit
+def _done_with(bar, i):
+    """Once every warp of the multiplier is past this point, one arrival on ``bar[i]``."""
+    gl.thread_barrier()
+    mbarrier.arrive(bar.index(i), count=1)
+
+
+@gluon.jit
 def _multiplier(
-    QN, QP, desc_c, desc_pe, PT, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
-    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
+    QN, QP, SL, WORK, PO, PL, OUT, qk_scale, out_scale,
+    stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div,
-    q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, w_lo, w_hi, p_smem, bars, full, empty,
-    PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, w_lo, w_hi, p_smem, bars, read, full, empty,
+    D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    WIDENED: gl.constexpr, PARTS: gl.constexpr, M: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """Default partition: the plan walk, TMA issue, the products, the outputs."""
+    """Multiplier ``M`` (one warpgroup): heads ``16 M`` .. ``16 M + 16`` of the program's block, their products over
+    the shared stages and widened buffers, their outputs."""
+    if M > 0:  # a worker partition: starts after the kernel's own wait
+        _pdl_enter(PDL)
+    HB: gl.constexpr = HEADS_PER_MULTIPLIER
     D_HALF: gl.constexpr = D_CKV // 2
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HB, 16]
     )
     s2_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * BLOCK_H, 32]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * HB, 32]
     )
     col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
     rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    s_zero = gl.zeros([BLOCK_N, 2 * BLOCK_H], gl.float32, layout=s2_layout)
-    h0 = gl.program_id(0) * BLOCK_H
+    s_zero = gl.zeros([BLOCK_N, 2 * HB], gl.float32, layout=s2_layout)
+    h0 = gl.program_id(0) * BLOCK_H + M * HB
     pid_p = gl.program_id(1)
     b0, s_b, slot0, b_end, chunk, hi_g, lo_g = _work_row(WORK, pid_p)
     it = 0
@@ -219,30 +264,25 @@ def _multiplier(
         e_b, start, end, p0, split, pieces = _request_span(SL, b, s_b, lo_g, hi_g, chunk, BLOCK_N)
         if start < end:
             b64 = (s_b * 0 + b).to(gl.int64)
-            PT_row = PT + b64 * stride_pt_b
             inv_s = _load_q_split(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi,
-                                  q_pe, col_l, BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
-            qk_h = gl.expand_dims(inv_s * qk_scale, 0)  # the softmax's scale per head [1, H], 1 / s folded in
-            m_i, l_i, o_lo, o_hi = _fresh_state_t(acc_layout, BLOCK_H, D_HALF)
+                                  q_pe, col_l, HB, D_HALF, D_PE, num_warps)  # fmt: skip
+            qk_h = gl.expand_dims(inv_s * qk_scale, 0)  # the softmax's scale per head [1, HB], 1 / s folded in
+            m_i, l_i, o_lo, o_hi = _fresh_state_t(acc_layout, HB, D_HALF)
             nt = gl.cdiv(end - start, BLOCK_N)
-            for j in gl.static_range(STAGES):  # every stage in flight
-                _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, (it + j) % STAGES, PT_row,
-                            start + j * BLOCK_N, end, j < nt, PAGE_SIZE, D_HALF)  # fmt: skip
             mbarrier.wait(bars.index(it % STAGES), (it // STAGES) & 1)
             s = _scores8(kv_lo, kv_hi, kv_pe, it % STAGES, q_lo, q_hi, q_pe, s_zero)
             s = _wait_scores(s, 0)
+            _done_with(read, it % STAGES)
             for i in range(nt):  # s: tile i's scores, done
-                n0 = start + i * BLOCK_N
                 s, m_i, l_i, o_lo, o_hi = _tile(
-                    s, m_i, l_i, o_lo, o_hi, rows_n, end - n0, qk_h, p_smem, w_lo, w_hi, kv_lo, kv_hi,
-                    kv_pe, q_lo, q_hi, q_pe, s_zero, bars, full, empty, it, i + STAGES < nt, i + 1 < nt, desc_c,
-                    desc_pe, PT_row, n0 + STAGES * BLOCK_N, end, acc_layout, PAGE_SIZE, D_HALF, BLOCK_N, BLOCK_H,
-                    STAGES,
+                    s, m_i, l_i, o_lo, o_hi, rows_n, end - start - i * BLOCK_N, qk_h, p_smem, w_lo, w_hi, kv_lo,
+                    kv_hi, kv_pe, q_lo, q_hi, q_pe, s_zero, bars, read, full, empty, it, i + 1 < nt, acc_layout,
+                    BLOCK_N, HB, STAGES, WIDENED, PARTS,
                 )  # fmt: skip
                 it += 1
             _finish_t(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot0 + (pid_p - p0), slot_div, h0, PO, PL, OUT,
                       stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
-                      stride_o_h, D_HALF, BLOCK_H, num_warps)  # fmt: skip
+                      stride_o_h, D_HALF, HB, num_warps)  # fmt: skip
         slot0 += pieces
         s_b = e_b
 
@@ -253,46 +293,83 @@ def _mla_decode_wgmma_fp8_kernel(
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div, num_reqs,
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MERGE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WIDENED: gl.constexpr, PARTS: gl.constexpr, MERGE: gl.constexpr,
+    PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``num_warps`` (4) warps
-    multiply, :data:`WIDEN_WARPS` (8) more widen. Split requests are all merged by the merge kernel (``MERGE`` = 0,
-    ``num_reqs`` unused)."""
+    """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``BLOCK_H`` 16 or 32 heads, one
+    multiplier warpgroup per 16 (the kernel's ``num_warps`` = 4 warps, then the widener's :data:`WIDEN_WARPS` (8;
+    :data:`WIDEN_WARPS_2` = 4 at 32 heads), then at 32 heads the second multiplier's 4), ``STAGES`` fp8 stages,
+    ``WIDENED`` widened buffers of ``BLOCK_N / PARTS`` rows. Split requests are all merged by
+    the merge kernel (``MERGE`` = 0, ``num_reqs`` unused)."""
     gl.static_assert(MERGE == 0, "the fp8 kernel leaves every split request to the merge kernel")
-    _pdl_enter(PDL)  # the widener warps start at the partition below, after this wait (and wait again themselves)
+    gl.static_assert(BLOCK_H % HEADS_PER_MULTIPLIER == 0, "16 or 32 heads per program")
+    _pdl_enter(PDL)  # the worker warps start at the partition below, after this wait (and wait again themselves)
+    HB: gl.constexpr = HEADS_PER_MULTIPLIER
+    MULT: gl.constexpr = BLOCK_H // HB
     D_HALF: gl.constexpr = D_CKV // 2
     F8: gl.constexpr = gl.float8e4nv
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_HALF], F8)
-    q_lo = gl.allocate_shared_memory(F8, [2 * BLOCK_H, D_HALF], q_layout)
-    q_hi = gl.allocate_shared_memory(F8, [2 * BLOCK_H, D_HALF], q_layout)
-    q_pe = gl.allocate_shared_memory(F8, [2 * BLOCK_H, D_PE], gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_PE], F8))
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HB, D_HALF], F8)
+    qpe_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * HB, D_PE], F8)
+    q_lo = gl.allocate_shared_memory(F8, [MULT, 2 * HB, D_HALF], q_layout)
+    q_hi = gl.allocate_shared_memory(F8, [MULT, 2 * HB, D_HALF], q_layout)
+    q_pe = gl.allocate_shared_memory(F8, [MULT, 2 * HB, D_PE], qpe_layout)
     kv_lo = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
     kv_hi = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
     kv_pe = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
     CDT: gl.constexpr = gl.float16
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], CDT)
-    w_lo = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], w_layout)
-    w_hi = gl.allocate_shared_memory(CDT, [2, BLOCK_N, D_HALF], w_layout)
-    p_smem = gl.allocate_shared_memory(CDT, [BLOCK_N, BLOCK_H], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_H], CDT))
+    R: gl.constexpr = BLOCK_N // PARTS
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D_HALF], CDT)
+    w_lo = gl.allocate_shared_memory(CDT, [WIDENED, R, D_HALF], w_layout)
+    w_hi = gl.allocate_shared_memory(CDT, [WIDENED, R, D_HALF], w_layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], CDT)
+    p_smem = gl.allocate_shared_memory(CDT, [MULT, BLOCK_N, HB], p_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    read = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
-    for s in gl.static_range(2):
+        mbarrier.init(read.index(s), count=MULT)  # every multiplier's scores
+    for s in gl.static_range(WIDENED):
         mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=MULT)  # every multiplier's P @ V
 
-    gl.warp_specialize(
-        [
-            (_multiplier, (
-                QN, QP, desc_c, desc_pe, PT, SL, WORK, PO, PL, OUT, qk_scale, out_scale, stride_qn_b, stride_qn_h,
-                stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s, stride_pl_b,
-                stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div, q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe,
-                w_lo, w_hi, p_smem, bars, full, empty, PAGE_SIZE, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES, num_warps,
-            )),
-            (_widener, (SL, WORK, kv_lo, kv_hi, w_lo, w_hi, bars, full, empty, D_CKV, BLOCK_N, STAGES, PDL)),
-        ],
-        [WIDEN_WARPS],
-        [WIDEN_REGS],
-    )  # fmt: skip
+    if MULT == 1:
+        gl.warp_specialize(
+            [
+                (_multiplier, (
+                    QN, QP, SL, WORK, PO, PL, OUT, qk_scale, out_scale, stride_qn_b, stride_qn_h, stride_qp_b,
+                    stride_qp_h, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+                    stride_o_b, stride_o_h, slot_div, q_lo.index(0), q_hi.index(0), q_pe.index(0), kv_lo, kv_hi, kv_pe,
+                    w_lo, w_hi, p_smem.index(0), bars, read, full, empty, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES,
+                    WIDENED, PARTS, 0, PDL, num_warps,
+                )),
+                (_widener, (desc_c, desc_pe, PT, SL, WORK, stride_pt_b, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, read,
+                            full, empty, PAGE_SIZE, D_CKV, BLOCK_N, STAGES, WIDENED, PARTS, WIDEN_WARPS, PDL)),
+            ],
+            [WIDEN_WARPS],
+            [WIDEN_REGS],
+        )
+    else:  # the second multiplier's warps after the widener's, so that they make a whole warpgroup
+        gl.warp_specialize(
+            [
+                (_multiplier, (
+                    QN, QP, SL, WORK, PO, PL, OUT, qk_scale, out_scale, stride_qn_b, stride_qn_h, stride_qp_b,
+                    stride_qp_h, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+                    stride_o_b, stride_o_h, slot_div, q_lo.index(0), q_hi.index(0), q_pe.index(0), kv_lo, kv_hi, kv_pe,
+                    w_lo, w_hi, p_smem.index(0), bars, read, full, empty, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES,
+                    WIDENED, PARTS, 0, PDL, num_warps,
+                )),
+                (_widener, (desc_c, desc_pe, PT, SL, WORK, stride_pt_b, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, read,
+                            full, empty, PAGE_SIZE, D_CKV, BLOCK_N, STAGES, WIDENED, PARTS, WIDEN_WARPS_2, PDL)),
+                (_multiplier, (
+                    QN, QP, SL, WORK, PO, PL, OUT, qk_scale, out_scale, stride_qn_b, stride_qn_h, stride_qp_b,
+                    stride_qp_h, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
+                    stride_o_b, stride_o_h, slot_div, q_lo.index(1), q_hi.index(1), q_pe.index(1), kv_lo, kv_hi, kv_pe,
+                    w_lo, w_hi, p_smem.index(1), bars, read, full, empty, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES,
+                    WIDENED, PARTS, 1, PDL, num_warps,
+                )),
+            ],
+            [WIDEN_WARPS_2, num_warps],
+            [WIDEN_REGS_2, MULTIPLIER_REGS_2],
+        )  # fmt: skip

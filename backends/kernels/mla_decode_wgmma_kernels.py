@@ -101,6 +101,11 @@ WIDEN_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [16, 0]], lane_bases=[[0, 16], [0, 32], [5, 0], [2, 0], [4, 0]],
     warp_bases=[[0, 64], [0, 128], [8, 0]], block_bases=[], shape=[32, 256],
 ))  # fmt: skip
+#: The same for 4 warps: the rows the second half of 8 warps took are a register base instead.
+WIDEN_LAYOUT_4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [16, 0], [8, 0]], lane_bases=[[0, 16], [0, 32], [5, 0], [2, 0], [4, 0]],
+    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256],
+))  # fmt: skip
 
 
 @gluon.jit
@@ -117,10 +122,12 @@ def _widen_rows(src, dst, valid, layout: gl.constexpr, ROWS: gl.constexpr, CHUNK
 @gluon.jit
 def _widen(src, dst, valid, ROWS: gl.constexpr, COLS: gl.constexpr, num_warps: gl.constexpr):
     """An fp8 [ROWS, COLS] shared tile -> dst (fp16), CHUNK rows at a time (each thread: 16 consecutive bytes per
-    row, no warp repeats another's rows); rows >= valid set to 0. The latent halves ([64, 256], 8 warps) go through
-    :data:`WIDEN_LAYOUT`, without bank conflicts."""
+    row, no warp repeats another's rows); rows >= valid set to 0. The latent halves ([32 or 64, 256], 8 or 4 warps)
+    go through :data:`WIDEN_LAYOUT` / :data:`WIDEN_LAYOUT_4`, without bank conflicts."""
     if COLS == 256 and num_warps == 8:
         _widen_rows(src, dst, valid, WIDEN_LAYOUT, ROWS, 32)
+    elif COLS == 256 and num_warps == 4:
+        _widen_rows(src, dst, valid, WIDEN_LAYOUT_4, ROWS, 32)
     else:
         WC: gl.constexpr = num_warps if COLS // 64 >= num_warps else COLS // 64  # warps side by side along a row
         CHUNK: gl.constexpr = 32 if 8 * (num_warps // WC) <= 32 else 8 * (num_warps // WC)
