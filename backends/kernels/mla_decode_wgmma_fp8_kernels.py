@@ -27,9 +27,9 @@ the scores (never-written pool memory may hold NaN bit patterns) and zeroed in t
 Measured on an H100 (CUDA-graph replays, plan reused, bench/TRITON_NOTES.md), us: 16 heads 64 x 32768 455.4 (1.80x
 the bf16 cache's 820.8), 128 x varied 8192 246.2; 32 heads 64 x 32768 621.9 (1.36x the bf16 cache's 847.5; the
 kernel before, the tile loaded into the widener's registers and fp16 scores: 729.4), 128 x varied 8192 342.6
-(396.0), 64 x 4096 128.8 (142.7); error against float32 1.9-2.1e-3 (bf16: 1.7e-3). At 32 heads both multipliers
-read every widened tile from shared memory (N = 16 products, bound by reading their A operand), which is where
-the time over 16 heads goes (bench/TRITON_NOTES.md).
+(396.0), 64 x 4096 128.8 (142.7); error against float32 1.9-2.1e-3 (bf16: 1.7e-3). At 32 heads a tile takes
+about 4400 cycles per SM against 3200: the two multipliers' own work per tile (more widener warps did not help;
+splitting the latent columns instead of the heads between them was slower, bench/TRITON_NOTES.md).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ WIDEN_REGS = gl.constexpr(128)
 WIDEN_WARPS = gl.constexpr(8)
 #: Heads of one multiplier warpgroup (32-head programs run two).
 HEADS_PER_MULTIPLIER = gl.constexpr(16)
-#: With two multipliers (12 warps): the widener's warps, registers per thread of the widener's warps and of the second multiplier's (the
-#: lead multiplier, the default partition, takes the rest of the register file).
+#: With two multipliers (12 warps): the widener's warps, and the registers per thread of the widener's warps and of
+#: the second multiplier's (the lead multiplier, the default partition, takes the rest of the register file).
 WIDEN_WARPS_2 = gl.constexpr(4)
 WIDEN_REGS_2 = gl.constexpr(64)
 MULTIPLIER_REGS_2 = gl.constexpr(216)
@@ -299,8 +299,8 @@ def _mla_decode_wgmma_fp8_kernel(
     """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``BLOCK_H`` 16 or 32 heads, one
     multiplier warpgroup per 16 (the kernel's ``num_warps`` = 4 warps, then the widener's :data:`WIDEN_WARPS` (8;
     :data:`WIDEN_WARPS_2` = 4 at 32 heads), then at 32 heads the second multiplier's 4), ``STAGES`` fp8 stages,
-    ``WIDENED`` widened buffers of ``BLOCK_N / PARTS`` rows. Split requests are all merged by
-    the merge kernel (``MERGE`` = 0, ``num_reqs`` unused)."""
+    ``WIDENED`` widened buffers of ``BLOCK_N / PARTS`` rows. Split requests are all merged by the merge kernel
+    (``MERGE`` = 0, ``num_reqs`` unused)."""
     gl.static_assert(MERGE == 0, "the fp8 kernel leaves every split request to the merge kernel")
     gl.static_assert(BLOCK_H % HEADS_PER_MULTIPLIER == 0, "16 or 32 heads per program")
     _pdl_enter(PDL)  # the worker warps start at the partition below, after this wait (and wait again themselves)
