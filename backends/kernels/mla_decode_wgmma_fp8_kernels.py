@@ -27,9 +27,10 @@ the scores (never-written pool memory may hold NaN bit patterns) and zeroed in t
 Measured on an H100 (CUDA-graph replays, plan reused, bench/TRITON_NOTES.md), us: 16 heads 64 x 32768 455.4 (1.80x
 the bf16 cache's 820.8), 128 x varied 8192 246.2; 32 heads 64 x 32768 621.9 (1.36x the bf16 cache's 847.5; the
 kernel before, the tile loaded into the widener's registers and fp16 scores: 729.4), 128 x varied 8192 342.6
-(396.0), 64 x 4096 128.8 (142.7); error against float32 1.9-2.1e-3 (bf16: 1.7e-3). At 32 heads a tile takes
-about 4400 cycles per SM against 3200: the two multipliers' own work per tile (more widener warps did not help;
-splitting the latent columns instead of the heads between them was slower, bench/TRITON_NOTES.md).
+(396.0), 64 x 4096 128.8 (142.7); error against float32 1.7-1.8e-3 at 16 heads (five score chains), 1.9-2.1e-3 at
+32 heads (three; bf16: 1.7e-3). At 32 heads a tile takes about 4400 cycles per SM against 3200: the two
+multipliers' own work per tile (more widener warps did not help; splitting the latent columns instead of the heads
+between them was slower, bench/TRITON_NOTES.md).
 """
 
 from __future__ import annotations
@@ -109,23 +110,45 @@ def _load_q_split(
 
 
 @gluon.jit
-def _scores8(kv_lo, kv_hi, kv_pe, stage, q_lo, q_hi, q_pe, s_zero):
-    """S2^T [BLOCK_N, 2H] = K . [hi | lo]^T over the fp8 stage's latent halves and rope part: three fp8 wgmma
-    groups, issued (not waited for), each into an accumulator of its own (see :func:`_wait_scores`)."""
-    a = warpgroup_mma(kv_lo.index(stage), q_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    b = warpgroup_mma(kv_hi.index(stage), q_hi.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    c = warpgroup_mma(kv_pe.index(stage), q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return a, b, c
+def _scores8(kv_lo, kv_hi, kv_pe, stage, q_lo, q_hi, q_pe, s_zero, CHAIN: gl.constexpr):
+    """S2^T [BLOCK_N, 2H] = K . [hi | lo]^T over the fp8 stage's latent halves and rope part: fp8 wgmma groups of
+    ``CHAIN`` (256 or 128) columns each (the rope part: one of 64), issued (not waited for), each into an
+    accumulator of its own (see :func:`_wait_scores`)."""
+    if CHAIN == 256:
+        a = warpgroup_mma(kv_lo.index(stage), q_lo.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        b = warpgroup_mma(kv_hi.index(stage), q_hi.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        c = warpgroup_mma(kv_pe.index(stage), q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        r = (a, b, c)
+    else:
+        a0 = _chain(kv_lo.index(stage), q_lo, 0, s_zero, CHAIN)
+        a1 = _chain(kv_lo.index(stage), q_lo, 1, s_zero, CHAIN)
+        b0 = _chain(kv_hi.index(stage), q_hi, 0, s_zero, CHAIN)
+        b1 = _chain(kv_hi.index(stage), q_hi, 1, s_zero, CHAIN)
+        c = warpgroup_mma(kv_pe.index(stage), q_pe.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        r = (a0, a1, b0, b1, c)
+    return r
+
+
+@gluon.jit
+def _chain(kv, q, j: gl.constexpr, s_zero, CHAIN: gl.constexpr):
+    """One accumulator chain of the scores: columns ``j CHAIN`` .. ``(j + 1) CHAIN`` of a latent half."""
+    k = kv.slice(j * CHAIN, CHAIN, dim=1)
+    return warpgroup_mma(k, q.slice(j * CHAIN, CHAIN, dim=1).permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def _wait_scores(s, n: gl.constexpr):
-    """The three parts of :func:`_scores8` once at most ``n`` wgmma groups are in flight, added in fp32. An fp8
-    wgmma accumulates in less than fp32 precision on Hopper; one chain over the 576 columns doubled the decode's
-    error (3.4-3.6e-3 against 1.7e-3, H100), three chains of 256 / 256 / 64 columns keep it at 1.9-2.2e-3 for 1%
-    of the time (promoting after every instruction, ``max_num_imprecise_acc=32``, gave 1.7e-3 at 1.6x the time)."""
-    a, b, c = warpgroup_mma_wait(num_outstanding=n, deps=s)
-    return a + b + c
+    """The parts of :func:`_scores8` once at most ``n`` wgmma groups are in flight, added in fp32. An fp8 wgmma
+    accumulates in less than fp32 precision on Hopper (H100, error of the decode against float32): one chain over
+    the 576 columns 3.4-3.6e-3, three chains of 256 / 256 / 64 columns 1.9-2.2e-3, five of 128 x 4 / 64 1.7e-3 (the
+    fp16 products' error; promoting after every instruction, ``max_num_imprecise_acc=32``, gave 1.7e-3 at 1.6x the
+    time). Five cost nothing at 16 heads (64 x 32768 457.0 against 457.8 us) but 5.6% at 32 heads, where the two
+    more accumulators spill (667.7 against 632.4 us), so 32 heads keep three."""
+    parts = warpgroup_mma_wait(num_outstanding=n, deps=s)
+    acc = parts[0]
+    for i in gl.static_range(1, len(parts)):
+        acc = acc + parts[i]
+    return acc
 
 
 @gluon.jit
@@ -184,7 +207,7 @@ def _widener(
 def _tile(
     s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_h, p_smem, w_lo, w_hi, kv_lo, kv_hi, kv_pe, q_lo, q_hi, q_pe,
     s_zero, bars, read, full, empty, it, has_next, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-    HB: gl.constexpr, STAGES: gl.constexpr, WIDENED: gl.constexpr, PARTS: gl.constexpr,
+    HB: gl.constexpr, STAGES: gl.constexpr, WIDENED: gl.constexpr, PARTS: gl.constexpr, CHAIN: gl.constexpr,
 ):  # fmt: skip
     """One tile of a multiplier (its scores ``s`` done): softmax, ``P @ V`` over the tile's ``PARTS`` widened
     buffers as each is full, the next tile's scores queued behind it (when ``has_next``; the widener is then told
@@ -204,8 +227,8 @@ def _tile(
     if has_next:
         nxt = (it + 1) % STAGES
         mbarrier.wait(bars.index(nxt), ((it + 1) // STAGES) & 1)
-        s = _scores8(kv_lo, kv_hi, kv_pe, nxt, q_lo, q_hi, q_pe, s_zero)
-        o_lo, o_hi = _release_parts(pv_lo, pv_hi, empty, it, 3, WIDENED, PARTS)
+        s = _scores8(kv_lo, kv_hi, kv_pe, nxt, q_lo, q_hi, q_pe, s_zero, CHAIN)
+        o_lo, o_hi = _release_parts(pv_lo, pv_hi, empty, it, 2 * (256 // CHAIN) + 1, WIDENED, PARTS)
         s = _wait_scores(s, 0)
         _done_with(read, nxt)
     else:
@@ -239,7 +262,8 @@ def _multiplier(
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div,
     q_lo, q_hi, q_pe, kv_lo, kv_hi, kv_pe, w_lo, w_hi, p_smem, bars, read, full, empty,
     D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    WIDENED: gl.constexpr, PARTS: gl.constexpr, M: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    WIDENED: gl.constexpr, PARTS: gl.constexpr, CHAIN: gl.constexpr, M: gl.constexpr, PDL: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """Multiplier ``M`` (one warpgroup): heads ``16 M`` .. ``16 M + 16`` of the program's block, their products over
     the shared stages and widened buffers, their outputs."""
@@ -270,14 +294,14 @@ def _multiplier(
             m_i, l_i, o_lo, o_hi = _fresh_state_t(acc_layout, HB, D_HALF)
             nt = gl.cdiv(end - start, BLOCK_N)
             mbarrier.wait(bars.index(it % STAGES), (it // STAGES) & 1)
-            s = _scores8(kv_lo, kv_hi, kv_pe, it % STAGES, q_lo, q_hi, q_pe, s_zero)
+            s = _scores8(kv_lo, kv_hi, kv_pe, it % STAGES, q_lo, q_hi, q_pe, s_zero, CHAIN)
             s = _wait_scores(s, 0)
             _done_with(read, it % STAGES)
             for i in range(nt):  # s: tile i's scores, done
                 s, m_i, l_i, o_lo, o_hi = _tile(
                     s, m_i, l_i, o_lo, o_hi, rows_n, end - start - i * BLOCK_N, qk_h, p_smem, w_lo, w_hi, kv_lo,
                     kv_hi, kv_pe, q_lo, q_hi, q_pe, s_zero, bars, read, full, empty, it, i + 1 < nt, acc_layout,
-                    BLOCK_N, HB, STAGES, WIDENED, PARTS,
+                    BLOCK_N, HB, STAGES, WIDENED, PARTS, CHAIN,
                 )  # fmt: skip
                 it += 1
             _finish_t(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot0 + (pid_p - p0), slot_div, h0, PO, PL, OUT,
@@ -293,13 +317,13 @@ def _mla_decode_wgmma_fp8_kernel(
     stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, stride_pt_b, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, slot_div, num_reqs,
     PAGE_SIZE: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr, BLOCK_H: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WIDENED: gl.constexpr, PARTS: gl.constexpr, MERGE: gl.constexpr,
-    PDL: gl.constexpr, num_warps: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WIDENED: gl.constexpr, PARTS: gl.constexpr, CHAIN: gl.constexpr,
+    MERGE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``BLOCK_H`` 16 or 32 heads, one
     multiplier warpgroup per 16 (the kernel's ``num_warps`` = 4 warps, then the widener's :data:`WIDEN_WARPS` (8;
     :data:`WIDEN_WARPS_2` = 4 at 32 heads), then at 32 heads the second multiplier's 4), ``STAGES`` fp8 stages,
-    ``WIDENED`` widened buffers of ``BLOCK_N / PARTS`` rows. Split requests are all merged by the merge kernel
+    ``WIDENED`` widened buffers of ``BLOCK_N / PARTS`` rows, score chains of ``CHAIN`` columns. Split requests are all merged by the merge kernel
     (``MERGE`` = 0, ``num_reqs`` unused)."""
     gl.static_assert(MERGE == 0, "the fp8 kernel leaves every split request to the merge kernel")
     gl.static_assert(BLOCK_H % HEADS_PER_MULTIPLIER == 0, "16 or 32 heads per program")
@@ -342,7 +366,7 @@ def _mla_decode_wgmma_fp8_kernel(
                     stride_qp_h, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
                     stride_o_b, stride_o_h, slot_div, q_lo.index(0), q_hi.index(0), q_pe.index(0), kv_lo, kv_hi, kv_pe,
                     w_lo, w_hi, p_smem.index(0), bars, read, full, empty, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES,
-                    WIDENED, PARTS, 0, PDL, num_warps,
+                    WIDENED, PARTS, CHAIN, 0, PDL, num_warps,
                 )),
                 (_widener, (desc_c, desc_pe, PT, SL, WORK, stride_pt_b, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, read,
                             full, empty, PAGE_SIZE, D_CKV, BLOCK_N, STAGES, WIDENED, PARTS, WIDEN_WARPS, PDL)),
@@ -358,7 +382,7 @@ def _mla_decode_wgmma_fp8_kernel(
                     stride_qp_h, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
                     stride_o_b, stride_o_h, slot_div, q_lo.index(0), q_hi.index(0), q_pe.index(0), kv_lo, kv_hi, kv_pe,
                     w_lo, w_hi, p_smem.index(0), bars, read, full, empty, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES,
-                    WIDENED, PARTS, 0, PDL, num_warps,
+                    WIDENED, PARTS, CHAIN, 0, PDL, num_warps,
                 )),
                 (_widener, (desc_c, desc_pe, PT, SL, WORK, stride_pt_b, kv_lo, kv_hi, kv_pe, w_lo, w_hi, bars, read,
                             full, empty, PAGE_SIZE, D_CKV, BLOCK_N, STAGES, WIDENED, PARTS, WIDEN_WARPS_2, PDL)),
@@ -367,7 +391,7 @@ def _mla_decode_wgmma_fp8_kernel(
                     stride_qp_h, stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s,
                     stride_o_b, stride_o_h, slot_div, q_lo.index(1), q_hi.index(1), q_pe.index(1), kv_lo, kv_hi, kv_pe,
                     w_lo, w_hi, p_smem.index(1), bars, read, full, empty, D_CKV, D_PE, BLOCK_H, BLOCK_N, STAGES,
-                    WIDENED, PARTS, 1, PDL, num_warps,
+                    WIDENED, PARTS, CHAIN, 1, PDL, num_warps,
                 )),
             ],
             [WIDEN_WARPS_2, num_warps],
