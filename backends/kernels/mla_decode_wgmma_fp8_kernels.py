@@ -323,9 +323,10 @@ def _mla_decode_wgmma_fp8_kernel(
     """grid (H // BLOCK_H, programs), the tokens kernel's arguments over an fp8 cache: ``BLOCK_H`` 16 or 32 heads, one
     multiplier warpgroup per 16 (the kernel's ``num_warps`` = 4 warps, then the widener's :data:`WIDEN_WARPS` (8;
     :data:`WIDEN_WARPS_2` = 4 at 32 heads), then at 32 heads the second multiplier's 4), ``STAGES`` fp8 stages,
-    ``WIDENED`` widened buffers of ``BLOCK_N / PARTS`` rows, score chains of ``CHAIN`` columns. Split requests are all merged by the merge kernel
-    (``MERGE`` = 0, ``num_reqs`` unused)."""
+    ``WIDENED`` widened buffers of ``BLOCK_N / PARTS`` rows, score chains of ``CHAIN`` columns. Split requests are
+    all merged by the merge kernel (``MERGE`` = 0, ``num_reqs`` unused)."""
     gl.static_assert(MERGE == 0, "the fp8 kernel leaves every split request to the merge kernel")
+    gl.static_assert((CHAIN == 256) | (CHAIN == 128), "score chains of 256 or 128 columns of a latent half")
     gl.static_assert(BLOCK_H % HEADS_PER_MULTIPLIER == 0, "16 or 32 heads per program")
     _pdl_enter(PDL)  # the worker warps start at the partition below, after this wait (and wait again themselves)
     HB: gl.constexpr = HEADS_PER_MULTIPLIER
