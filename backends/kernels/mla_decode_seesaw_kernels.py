@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from backends.kernels.mla_decode_wgmma_kernels import (
+    _hand_over,
     _load_q,
     _opaque_zero,
     _request_span,
@@ -110,14 +111,6 @@ def _zero_past(buf, valid, BLOCK_N: gl.constexpr, D_HALF: gl.constexpr, num_warp
         _zero_rows_past(buf, valid, BLOCK_N, D_HALF, num_warps)
         fence_async_shared()
         gl.thread_barrier()
-
-
-@gluon.jit
-def _hand_over(bars, slot):
-    """Every warp's shared-memory writes (P, row max, row sum) made visible, then the other warpgroup signalled."""
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(bars.index(slot), count=1)
 
 
 @gluon.jit

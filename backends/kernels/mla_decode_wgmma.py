@@ -32,13 +32,13 @@ SEESAW_WARPS = 4
 #: The tokens kernel: one warpgroup, two bf16 / fp16 KV tiles (2 x 72 KiB) in flight.
 TOKENS_WARPS = 4
 TOKENS_STAGES = 2
-#: The fp8 kernel by heads per program: fp8 TMA stages (36 KiB each), widened buffers and the parts a tile is widened
-#: in (a buffer holds 64 / parts rows of the fp16 latent: 64 KiB / parts). 32 heads (two multipliers, 36 KiB of
+#: The fp8 kernel: fp8 TMA stages (36 KiB each), widened buffers and, by heads per program, the parts a tile is
+#: widened in (a buffer holds 64 / parts rows of the fp16 latent: 64 KiB / parts). 32 heads (two multipliers, 36 KiB of
 #: split q) fit two stages and two half-tile buffers (177 KiB). H100, 32 heads, 64 x 32768 (bench/TRITON_NOTES.md):
 #: 621.9 us against 639.2 with one whole-tile buffer, 632.0 with three half-tile buffers, 631.7 with three stages;
 #: 16 heads: 455.4 against 457.1 with four half-tile buffers, 455.5 with three stages and two half-tile buffers.
-FP8_STAGES = {16: 2, 32: 2}
-FP8_WIDENED = {16: 2, 32: 2}
+FP8_STAGES = 2
+FP8_WIDENED = 2
 FP8_PARTS = {16: 1, 32: 2}
 #: Columns per accumulator chain of the fp8 kernel's scores (see ``_wait_scores``): 128 is as precise as fp16
 #: products and free at 16 heads; at 32 heads it spills (5.6% slower), so 256.
@@ -203,7 +203,7 @@ def launch_wgmma_stage1(
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
     elif kv_cache.dtype == torch.float8_e4m3fn:  # tokens as the matrix rows, widened from TMA stages by own warps
         _mla_decode_wgmma_fp8_kernel[(H // block_h, programs)](
-            *args, **dims, STAGES=FP8_STAGES[block_h], WIDENED=FP8_WIDENED[block_h], PARTS=FP8_PARTS[block_h],
+            *args, **dims, STAGES=FP8_STAGES, WIDENED=FP8_WIDENED, PARTS=FP8_PARTS[block_h],
             CHAIN=FP8_CHAIN[block_h], PDL=pdl, launch_pdl=pdl, num_warps=TOKENS_WARPS,
         )  # fmt: skip
     else:  # tokens as the matrix rows

@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from backends.kernels.mla_decode_wgmma_kernels import (
+    _hand_over,
     _issue_next,
     _pdl_enter,
     _request_span,
@@ -193,9 +194,7 @@ def _widener(
                 valid = end - start - i * BLOCK_N - h * R
                 _widen(kv_lo.index(stage).slice(h * R, R, dim=0), w_lo.index(buf), valid, R, D_HALF, NW)
                 _widen(kv_hi.index(stage).slice(h * R, R, dim=0), w_hi.index(buf), valid, R, D_HALF, NW)
-                fence_async_shared()
-                gl.thread_barrier()
-                mbarrier.arrive(full.index(buf), count=1)
+                _hand_over(full, buf)
             mbarrier.wait(read.index(stage), (it // STAGES) & 1)  # every multiplier's scores are done with the stage
             _issue_next(desc_c, desc_pe, kv_lo, kv_hi, kv_pe, bars, stage, PT_row, start + (i + STAGES) * BLOCK_N,
                         end, i + STAGES < nt, PAGE_SIZE, D_HALF)  # fmt: skip
@@ -359,6 +358,8 @@ def _mla_decode_wgmma_fp8_kernel(
         mbarrier.init(full.index(s), count=1)
         mbarrier.init(empty.index(s), count=MULT)  # every multiplier's P @ V
 
+    # the partitions' argument tuples are written out in full: tuples of constexprs built and joined in the kernel
+    # body lose their constexpr-ness (triton 3.6)
     if MULT == 1:
         gl.warp_specialize(
             [

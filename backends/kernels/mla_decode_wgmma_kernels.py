@@ -91,21 +91,33 @@ def _zero_rows_past(buf, valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr, num_w
             part.store(gl.where(gl.expand_dims(rows < valid, 1), x, gl.zeros_like(x)))
 
 
-#: _widen's layout for a [32, 256] chunk of an fp8 tile over 8 warps: each thread 16 consecutive bytes of a row
-#: (registers), 4 lanes along 64 bytes and the lanes' rows {0, 5, 2, 7, 4, 1, 6, 3} (a linear layout: lane bit 2
-#: steps 5 rows, not 1), 4 warps along the row and 2 down. Each 8 lanes of a 128-bit access (one wavefront) then
-#: touch every bank once: they hold rows r and r ^ 5 of the 128-byte swizzle (16-byte chunk c of row r sits at
-#: c ^ (r % 8)), so the fp8 loads read chunks {0..3} ^ r and {0..3} ^ r ^ 5 (with rows r and r + 1, as in a blocked
-#: layout, two lanes shared each bank) and the fp16 stores (two chunks per thread) {0, 2, 4, 6} ^ r and ^ r ^ 5.
-WIDEN_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [16, 0]], lane_bases=[[0, 16], [0, 32], [5, 0], [2, 0], [4, 0]],
-    warp_bases=[[0, 64], [0, 128], [8, 0]], block_bases=[], shape=[32, 256],
-))  # fmt: skip
-#: The same for 4 warps: the rows the second half of 8 warps took are a register base instead.
-WIDEN_LAYOUT_4 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [16, 0], [8, 0]], lane_bases=[[0, 16], [0, 32], [5, 0], [2, 0], [4, 0]],
-    warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[32, 256],
-))  # fmt: skip
+def _widen_layout(warps: int) -> gl.constexpr:
+    """_widen's layout for a [32, 256] chunk of an fp8 tile over 8 or 4 warps: each thread 16 consecutive bytes of
+    a row (registers), 4 lanes along 64 bytes and the lanes' rows {0, 5, 2, 7, 4, 1, 6, 3} (a linear layout: lane
+    bit 2 steps 5 rows, not 1), 4 warps along the row, and rows 8 .. 15 of each 16 taken by 2 warps down (8 warps) or
+    by each thread's registers (4 warps). Each 8 lanes of a 128-bit access (one wavefront) then touch every bank once:
+    they hold rows r and r ^ 5 of the 128-byte swizzle (16-byte chunk c of row r sits at c ^ (r % 8)), so the fp8
+    loads read chunks {0..3} ^ r and {0..3} ^ r ^ 5 (with rows r and r + 1, as in a blocked layout, two lanes shared
+    each bank) and the fp16 stores (two chunks per thread) {0, 2, 4, 6} ^ r and ^ r ^ 5."""
+    down = [[8, 0]]
+    return gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [16, 0]] + (down if warps == 4 else []),
+        lane_bases=[[0, 16], [0, 32], [5, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 64], [0, 128]] + (down if warps == 8 else []), block_bases=[], shape=[32, 256],
+    ))  # fmt: skip
+
+
+WIDEN_LAYOUT = _widen_layout(8)
+WIDEN_LAYOUT_4 = _widen_layout(4)
+
+
+@gluon.jit
+def _hand_over(bars, slot):
+    """Every warp's shared-memory writes made visible to the async proxy (wgmma, TMA), then one arrival on
+    ``bars[slot]``: a buffer handed to another partition."""
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(bars.index(slot), count=1)
 
 
 @gluon.jit
