@@ -1,6 +1,6 @@
 """The Gluon (wgmma) stage 1 of the MLA decode (Hopper): 64 heads per program (an fp8 cache widened to fp16 in
-shared memory), and 16 / 32 heads per program with tokens as the matrix rows (fewer heads; fp8 caches widened by
-warps of their own).
+shared memory, or, opted in, fp8 scores and the tiles widened by warps of their own), and 16 / 32 heads per program
+with tokens as the matrix rows (fewer heads; fp8 caches widened by warps of their own).
 
 CPU: the plan kernel it reads (interpreted) against a Python mirror of the plan, and the refusals with their
 reasons. GPU (``gpu``-marked): 16, 32, 64 and 128 heads, bf16, fp16 and fp8 caches, odd lengths (1, 7, 63, 64,
@@ -303,7 +303,7 @@ def test_gpu_wgmma_decode_matches_reference_and_triton(H, dtype, lens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("H", [16, 32])
+@pytest.mark.parametrize("H", [16, 32, 64])
 def test_gpu_fp8_kernel_pages_of_128(H):
     """The fp8 kernel's loads find a tile's rows through the page table (two tiles per page of 128 tokens, the
     second at an offset of 64): odd lengths against the reference, NaN past each request's end."""
@@ -316,19 +316,35 @@ def test_gpu_fp8_kernel_pages_of_128(H):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_scores_keep_bf16_level_error():
-    """The 16-head fp8 kernel's scores are fp8 products of q split into two e4m3 parts per head (a per-head power-of-two
-    scale): heads of very different ranges (a zero row, rows times 1e3 and 1e-3, a peaked softmax) each stay within
-    bf16-level error of the float32 reference over the same fp8 cache."""
+@pytest.mark.parametrize("H", [16, 32, 64])
+def test_gpu_fp8_scores_keep_bf16_level_error(H):
+    """The 16 / 32-head fp8 kernels' scores are fp8 products of q split into two e4m3 parts per head (a per-head
+    power-of-two scale), the 64-head blocks' default (the lock-step kernel) fp16 products: heads of very different
+    ranges (a zero row, rows times 1e3 and 1e-3, a peaked softmax) each stay within bf16-level error of the float32
+    reference over the same fp8 cache."""
     needs_gpu()
     lens = [4097, 1, 700, 64]
-    kv, pt, q_nope, q_pe = _problem(lens, 16, FP8, seed=5)
-    gain = torch.tensor([0.0, 1e3, 1e-3, 4.0] + [1.0] * 12, device="cuda").view(1, 16, 1)
+    kv, pt, q_nope, q_pe = _problem(lens, H, FP8, seed=5)
+    gain = torch.tensor([0.0, 1e3, 1e-3, 4.0] + [1.0] * (H - 4), device="cuda").view(1, H, 1)
     q_nope, q_pe = (q_nope.float() * gain).to(torch.bfloat16), (q_pe.float() * gain).to(torch.bfloat16)
     ref = _reference(q_nope, q_pe, kv, pt, lens, 1.0 / math.sqrt(192), 0.75)
     out = _decode(q_nope, q_pe, kv, pt, lens, 1.0 / math.sqrt(192), use_wgmma=True, kv_scale=0.75)
-    per_head = [rel_err(out[:, h], ref[:, h]) for h in range(16)]
+    per_head = [rel_err(out[:, h], ref[:, h]) for h in range(H)]
     assert max(per_head) < 5e-3, per_head
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 128])
+def test_gpu_fp8_heads_kernel_opted_in_matches_reference(H, monkeypatch):
+    """The 64-head fp8 kernel with fp8 scores (not the default: ``FP8_HEADS_KERNEL``) over odd lengths with NaN past
+    every request's end, pages of 64 and 128, against the float32 reference over the same fp8 cache."""
+    needs_gpu()
+    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "FP8_HEADS_KERNEL", True)
+    for page in (64, 128):
+        kv, pt, q_nope, q_pe = _problem(ODD, H, FP8, seed=H + page, page=page)
+        ref = _reference(q_nope, q_pe, kv, pt, ODD, 0.1, 0.75)
+        out = _decode(q_nope, q_pe, kv, pt, ODD, 0.1, use_wgmma=True, kv_scale=0.75)
+        assert rel_err(out, ref) < 5e-3 and (out[5] == 0).all()
 
 
 @pytest.mark.gpu

@@ -1,8 +1,11 @@
-"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in five kernels:
+"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in six kernels:
 
 * 64 heads per program, heads as the matrix rows, both warpgroups on every tile
   (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache (the default at 64 heads) or an fp8 one
   (each tile widened to fp16 in shared memory first; the default for fp8 at 64 and 128 heads);
+* the same layout over an fp8 cache with the scores as fp8 products of q split into two e4m3 parts and the tiles
+  widened by warps of their own (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`; 17-20% faster at long
+  contexts, not the default: :data:`FP8_HEADS_KERNEL`);
 * 64 heads per program in a seesaw, each warpgroup on its own tile of a pair
   (:mod:`backends.kernels.mla_decode_seesaw_kernels`): a bf16 / fp16 cache, the default from 128 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
@@ -43,6 +46,16 @@ FP8_PARTS = {16: 1, 32: 2}
 #: Columns per accumulator chain of the fp8 kernel's scores (see ``_wait_scores``): 128 is as precise as fp16
 #: products and free at 16 heads; at 32 heads it spills (5.6% slower), so 256.
 FP8_CHAIN = {16: 128, 32: 256}
+#: 64-head blocks over an fp8 cache: the warp-specialized kernel with fp8 score products
+#: (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`) when True, else the lock-step kernel widening each tile
+#: itself (fp16 products). False: the fp8 products' scores lose too much for heads whose scores reach the thousands
+#: (16% error on a head with q 1000x larger, where the lock-step kernel and the 16 / 32-head fp8 kernels stay under
+#: 5e-3: tests/test_mla_decode_wgmma.py), although the kernel is 17-20% faster at long contexts (H100, 64 heads
+#: 64 x 32768 872.2 -> 722.5 us, 128 heads 1712.0 -> 1364.1; bench/TRITON_NOTES.md). Its fp8 stages and widened
+#: tiles (one: two do not fit beside two stages).
+FP8_HEADS_KERNEL = False
+FP8_HEADS_STAGES = 2
+FP8_HEADS_WIDENED = 1
 _D_CKV, _D_PE = 512, 64
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -121,7 +134,7 @@ def seesaw_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
 
 def stage1_merge_max(kv_dtype: torch.dtype, seesaw: bool = False, block_h: int = WGMMA_BLOCK_H) -> int:
     """Split requests of at most this many pieces the wgmma stage 1 merges itself (0: the merge kernel does them
-    all): :data:`MERGE_MAX_PIECES` in the lock-step kernel (64-head blocks, any cache) and the tokens kernel (16 / 32
+    all): :data:`MERGE_MAX_PIECES` in the 64-head lock-step and fp8 kernels (any cache) and the tokens kernel (16 / 32
     heads, bf16 / fp16), 0 in the 16 / 32-head fp8 kernels and the seesaw kernel."""
     if seesaw:
         return 0
@@ -171,6 +184,7 @@ def launch_wgmma_stage1(
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from backends.kernels.mla_decode_seesaw_kernels import _mla_decode_seesaw_kernel
+    from backends.kernels.mla_decode_wgmma_fp8_heads_kernels import _mla_decode_wgmma_fp8_heads_kernel
     from backends.kernels.mla_decode_wgmma_fp8_kernels import _mla_decode_wgmma_fp8_kernel
     from backends.kernels.mla_decode_wgmma_kernels import _mla_decode_wgmma_kernel
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
@@ -199,6 +213,10 @@ def launch_wgmma_stage1(
                 MERGE=merge_max)
     if block_h == WGMMA_BLOCK_H and seesaw:  # one warpgroup per tile of a pair (its own launch: 4 + 4 warps)
         _mla_decode_seesaw_kernel[(H // block_h, programs)](*args, **dims, num_warps=SEESAW_WARPS)
+    elif block_h == WGMMA_BLOCK_H and kv_cache.dtype == torch.float8_e4m3fn and FP8_HEADS_KERNEL:
+        _mla_decode_wgmma_fp8_heads_kernel[(H // block_h, programs)](
+            *args, **dims, STAGES=FP8_HEADS_STAGES, WIDENED=FP8_HEADS_WIDENED, num_warps=WGMMA_WARPS
+        )
     elif block_h == WGMMA_BLOCK_H:  # without PDL: with it, 128 heads at long contexts measured 1-4% slower (H100)
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
     elif kv_cache.dtype == torch.float8_e4m3fn:  # tokens as the matrix rows, widened from TMA stages by own warps
