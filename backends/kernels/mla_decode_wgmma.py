@@ -4,8 +4,8 @@
   (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache (the default at 64 heads) or an fp8 one
   (each tile widened to fp16 in shared memory first; the default for fp8 at 64 and 128 heads);
 * the same layout over an fp8 cache with the scores as fp8 products of q split into two e4m3 parts and the tiles
-  widened by warps of their own (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`; 17-20% faster at long
-  contexts, not the default: :data:`FP8_HEADS_KERNEL`);
+  widened by warps of their own (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`; 17-20% faster at
+  64 x 32768, not the default: :data:`FP8_HEADS_KERNEL`);
 * 64 heads per program in a seesaw, each warpgroup on its own tile of a pair
   (:mod:`backends.kernels.mla_decode_seesaw_kernels`): a bf16 / fp16 cache, the default from 128 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
@@ -50,7 +50,7 @@ FP8_CHAIN = {16: 128, 32: 256}
 #: (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`) when True, else the lock-step kernel widening each tile
 #: itself (fp16 products). False: the fp8 products' scores lose too much for heads whose scores reach the thousands
 #: (16% error on a head with q 1000x larger, where the lock-step kernel and the 16 / 32-head fp8 kernels stay under
-#: 5e-3: tests/test_mla_decode_wgmma.py), although the kernel is 17-20% faster at long contexts (H100, 64 heads
+#: 5e-3: tests/test_mla_decode_wgmma.py), although the kernel is 17-20% faster at 64 x 32768 (H100, 64 heads
 #: 64 x 32768 872.2 -> 722.5 us, 128 heads 1712.0 -> 1364.1; bench/TRITON_NOTES.md). Its fp8 stages and widened
 #: tiles (one: two do not fit beside two stages).
 FP8_HEADS_KERNEL = False
