@@ -265,9 +265,8 @@ def mla_decode(
         runs.
     use_wgmma : stage 1 as a Gluon wgmma kernel (:mod:`backends.kernels.mla_decode_wgmma`: Hopper, a multiple of 16
         heads, DeepSeek dims, pages of a multiple of 64 tokens, ``work`` given; 64 heads per program for a multiple of
-        64 heads (an fp8 cache widened to fp16 in shared memory), else 16 or 32 heads per program with tokens as the
-        matrix rows (over an fp8 cache: fp8 scores and ``P @ V`` over the tile widened by warps of their own at 16
-        heads, both products over the widened tile at 32)); None -> where it can run, measured faster
+        64 heads, else 16 or 32 heads per program with tokens as the matrix rows; over an fp8 cache fp8 scores and
+        ``P @ V`` over the tile widened by warps of their own); None -> where it can run, measured faster
         (``wgmma_by_default``) and no Triton tiling (block_h, block_n, num_warps, num_stages) was given; True where
         it cannot run is an error naming why.
     plan : the plan an earlier call returned: where it equals this call's (same ``work`` and ``seq_lens`` tensors,
@@ -276,7 +275,9 @@ def mla_decode(
     seesaw : 64-head blocks of the wgmma path run the two-warpgroup seesaw kernel
         (:mod:`backends.kernels.mla_decode_seesaw_kernels`; every split request goes to the merge kernel); None ->
         where it measured faster (``seesaw_by_default``: 128 heads and more from 64 requests, bf16 / fp16 caches),
-        False -> the lock-step kernel (which also reads fp8 caches).
+        False -> the lock-step kernel. Over an fp8 cache 64-head blocks run the fp8-scores kernel
+        (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`; the lock-step kernel with
+        ``mla_decode_wgmma.FP8_HEADS_KERNEL`` False).
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
 
     Returns
@@ -383,7 +384,7 @@ def mla_decode(
 
     if use_wgmma:
         require(not (seesaw and kv_fp8), "seesaw=True needs a bf16 / fp16 cache (the seesaw kernel has no fp8 path); "
-                "leave seesaw=None for fp8 caches (64-head blocks run the lock-step kernel)")
+                "leave seesaw=None for fp8 caches (64-head blocks run the 64-head fp8 kernel)")
         seesaw = block_h == WGMMA_BLOCK_H and (seesaw_by_default(H, kv_cache.dtype, B) if seesaw is None else seesaw)
         merge_max = stage1_merge_max(kv_cache.dtype, seesaw, block_h)
         mcfg = rows_merge_config(B, H, programs, sms, merge_max, D_CKV, kv_fp8)

@@ -1,11 +1,11 @@
 """Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in six kernels:
 
 * 64 heads per program, heads as the matrix rows, both warpgroups on every tile
-  (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache (the default at 64 heads) or an fp8 one
-  (each tile widened to fp16 in shared memory first; the default for fp8 at 64 and 128 heads);
+  (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache (the default at 64 heads) or, with
+  :data:`FP8_HEADS_KERNEL` False, an fp8 one (each tile widened to fp16 in shared memory first: fp16 products);
 * the same layout over an fp8 cache with the scores as fp8 products of q split into two e4m3 parts and the tiles
-  widened by warps of their own (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`; 17-20% faster at
-  64 x 32768, not the default: :data:`FP8_HEADS_KERNEL`);
+  widened by warps of their own (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`; the default for fp8 at
+  64 and 128 heads, 17-20% faster than the lock-step kernel at 64 x 32768);
 * 64 heads per program in a seesaw, each warpgroup on its own tile of a pair
   (:mod:`backends.kernels.mla_decode_seesaw_kernels`): a bf16 / fp16 cache, the default from 128 heads;
 * 16 or 32 heads per program, tokens as the matrix rows (:mod:`backends.kernels.mla_decode_wgmma_tokens_kernels`):
@@ -48,12 +48,13 @@ FP8_PARTS = {16: 1, 32: 2}
 FP8_CHAIN = {16: 128, 32: 256}
 #: 64-head blocks over an fp8 cache: the warp-specialized kernel with fp8 score products
 #: (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`) when True, else the lock-step kernel widening each tile
-#: itself (fp16 products). False: the fp8 products' scores lose too much for heads whose scores reach the thousands
-#: (16% error on a head with q 1000x larger, where the lock-step kernel and the 16 / 32-head fp8 kernels stay under
-#: 5e-3: tests/test_mla_decode_wgmma.py), although the kernel is 17-20% faster at 64 x 32768 (H100, 64 heads
-#: 64 x 32768 872.2 -> 722.5 us, 128 heads 1712.0 -> 1364.1; bench/TRITON_NOTES.md). Its fp8 stages and widened
-#: tiles (one: two do not fit beside two stages).
-FP8_HEADS_KERNEL = False
+#: itself (fp16 products). H100, 64 heads 64 x 32768 872.2 -> 722.5 us, 128 heads 1712.0 -> 1364.1
+#: (bench/TRITON_NOTES.md). Like the 16 / 32-head fp8 kernel, its scores carry the fp8 accumulation's error, up to
+#: 6e-4 of the largest score: for heads whose scores reach the thousands with near-tied maxima the output can be off
+#: by percents (16% on one such problem of 64 heads; 8 random problems: at most 4.5e-3 here, 1.6e-2 for the 16-head
+#: kernel), where fp16 products stay under 1e-3; False keeps those. Its fp8 stages and widened tiles (one: two do not
+#: fit beside two stages).
+FP8_HEADS_KERNEL = True
 FP8_HEADS_STAGES = 2
 FP8_HEADS_WIDENED = 1
 _D_CKV, _D_PE = 512, 64

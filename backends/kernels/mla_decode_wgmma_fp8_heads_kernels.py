@@ -30,15 +30,15 @@ beside two stages; half tiles, one each, measured 2-5% slower (an H200). What bo
 score products read all of q from shared memory for 32 tokens (the lock-step kernel's docstring), 55-63% of the
 matmul peak at 128 heads where the bf16 seesaw kernel reaches 80%.
 
-**Not the default** (``FP8_HEADS_KERNEL`` in :mod:`backends.kernels.mla_decode_wgmma`): a head whose q is 1000x the
-others' (scores in the thousands, where an error relative to the scores is a large absolute one in the softmax's
-exponent) came out with 16% error (the bf16-level test of tests/test_mla_decode_wgmma.py at 64 heads), where the
-lock-step kernel and the 16 / 32-head fp8 kernels stay under 5e-3. ``hi`` in five chains of 128 columns instead of
-three gave 11% (and 818 us), and ``lo`` in three chains changed nothing; promoting ``hi``'s accumulation to fp32
-every 32 or 64 products (``max_num_imprecise_acc``) brings that head to 1.9-2.2e-3, but the kernel then takes
-855-876 us at 64 heads 64 x 32768 and 1635-1674 at 128 (H100), the lock-step kernel's time; every 128 products
-left 11%. The 16 / 32-head fp8 kernels (tokens as the rows, chains of 128 / 256 columns) pass the same test without
-promotion: why the heads-as-rows products accumulate worse was not found.
+The default for fp8 at 64 / 128 heads (``FP8_HEADS_KERNEL`` in :mod:`backends.kernels.mla_decode_wgmma`; False
+runs the lock-step kernel). What fp8 scores cost: an fp8 wgmma accumulates in less than fp32 precision, about 6e-4
+of the largest product sum over 256 columns whichever operand q is (H100, either orientation), so a head whose
+scores reach the thousands (q 1000x the others') with near-tied maxima can come out percents off: 16% on one
+problem of 64 heads (the q x1000 head of the test's seed 5), while 8 other random problems gave at most 4.5e-3
+here and 1.6e-2 with the 16-head fp8 kernel (fp16 products: under 1e-3). ``hi`` in five chains of 128 columns gave
+11% on that problem (818 us), ``lo`` in three chains changed nothing; promoting ``hi``'s accumulation to fp32 every
+32 or 64 products (``max_num_imprecise_acc``) gives 1.9-2.2e-3 but takes 855-876 us at 64 heads 64 x 32768 and
+1635-1674 at 128, the lock-step kernel's time; every 128 products left 11%.
 """
 
 from __future__ import annotations
