@@ -153,9 +153,11 @@ def variant_kwargs(name: str, sms: int) -> dict:
     ``tma`` / ``ptr`` (alone: the named variants), ``pdl`` (programmatic dependent launch between the plan, stage 1
     and merge kernels, as the engine launches them on sm_90+ with ``model.pdl``), ``reuse`` (the wgmma plan written
     by the first call and reused by the timed ones, as by a step's later layers), ``seesaw`` / ``lockstep`` (64-head
-    blocks in the two-warpgroup seesaw kernel or in the lock-step one; by default the seesaw from 128 heads), ``h16``
-    (block_h), ``n128`` (block_n), ``w4`` (warps), ``s3`` (stages), ``r128`` (register cap), ``p2`` (stage-1 programs
-    per SM), ``g4`` (the wgmma path's merge programs per SM). E.g. ``tma.s3.n128``, ``wgmma.pdl.reuse``."""
+    blocks in the two-warpgroup seesaw kernel or in the lock-step one; by default the seesaw from 128 heads),
+    ``fp8scores`` / ``fp16prod`` (64-head blocks over an fp8 cache: fp8 score products, the default, or the lock-step
+    kernel's fp16 products), ``h16`` (block_h), ``n128`` (block_n), ``w4`` (warps), ``s3`` (stages), ``r128``
+    (register cap), ``p2`` (stage-1 programs per SM), ``g4`` (the wgmma path's merge programs per SM). E.g.
+    ``tma.s3.n128``, ``wgmma.pdl.reuse``, ``wgmma.pdl.reuse.fp16prod``."""
     if name in VARIANTS:
         return dict(VARIANTS[name])
     kw: dict = {}
@@ -170,6 +172,8 @@ def variant_kwargs(name: str, sms: int) -> dict:
             kw["reuse_plan"] = True
         elif tok in ("seesaw", "lockstep"):
             kw["seesaw"] = tok == "seesaw"
+        elif tok in ("fp8scores", "fp16prod"):
+            kw["fp8_scores"] = tok == "fp8scores"
         elif tok[:1] == "p" and tok[1:].isdigit():
             kw["target_programs"] = int(tok[1:]) * sms
         elif tok[:1] == "g" and tok[1:].isdigit():
@@ -178,8 +182,8 @@ def variant_kwargs(name: str, sms: int) -> dict:
             kw[_KNOBS[tok[:1]]] = int(tok[1:])
         else:
             raise SystemExit(f"unknown variant '{name}' (knob '{tok}'): expected one of {sorted(VARIANTS)} or "
-                             f"dot-separated knobs: a variant name, pdl, reuse, seesaw|lockstep, tma|ptr, h<N>, n<N>, "
-                             f"w<N>, s<N>, r<N>, p<N>, g<N> (e.g. tma.s3.n128, wgmma.pdl.reuse)")
+                             f"dot-separated knobs: a variant name, pdl, reuse, seesaw|lockstep, fp8scores|fp16prod, "
+                             f"tma|ptr, h<N>, n<N>, w<N>, s<N>, r<N>, p<N>, g<N> (e.g. tma.s3.n128, wgmma.pdl.reuse)")
     return kw
 
 

@@ -219,6 +219,8 @@ def test_mla_decode_grid_variant_knobs_and_a_bad_one():
                                                               merge_programs=528)
     assert variant_kwargs("wgmma.seesaw", 132) == dict(use_wgmma=True, seesaw=True)
     assert variant_kwargs("wgmma.lockstep", 132) == dict(use_wgmma=True, seesaw=False)
+    assert variant_kwargs("wgmma.fp16prod", 132) == dict(use_wgmma=True, fp8_scores=False)
+    assert variant_kwargs("wgmma.reuse.fp8scores", 132) == dict(use_wgmma=True, reuse_plan=True, fp8_scores=True)
     with pytest.raises(SystemExit, match="knob 'x3'"):
         variant_kwargs("tma.x3", 132)
 

@@ -316,15 +316,15 @@ def test_gpu_fp8_kernel_pages_of_128(H):
     assert rel_err(out, ref) < 1e-2 and (out[8] == 0).all()
 
 
-def _ranged_heads(H, gains, seed=5):
+def _ranged_heads(H, gains, seed=5, **kw):
     """The per-head error of the wgmma stage 1 over an fp8 cache against the float32 reference when the first heads'
-    q are scaled by ``gains`` (a zero row, tiny and large ranges, a peaked softmax)."""
+    q are scaled by ``gains`` (a zero row, tiny and large ranges, a peaked softmax); ``kw`` to ``mla_decode``."""
     lens = [4097, 1, 700, 64]
     kv, pt, q_nope, q_pe = _problem(lens, H, FP8, seed=seed)
     gain = torch.tensor(gains + [1.0] * (H - len(gains)), device="cuda").view(1, H, 1)
     q_nope, q_pe = (q_nope.float() * gain).to(torch.bfloat16), (q_pe.float() * gain).to(torch.bfloat16)
     ref = _reference(q_nope, q_pe, kv, pt, lens, 1.0 / math.sqrt(192), 0.75)
-    out = _decode(q_nope, q_pe, kv, pt, lens, 1.0 / math.sqrt(192), use_wgmma=True, kv_scale=0.75)
+    out = _decode(q_nope, q_pe, kv, pt, lens, 1.0 / math.sqrt(192), use_wgmma=True, kv_scale=0.75, **kw)
     return [rel_err(out[:, h], ref[:, h]) for h in range(H)]
 
 
@@ -342,28 +342,26 @@ def test_gpu_fp8_scores_keep_bf16_level_error(H):
 
 
 @pytest.mark.gpu
-def test_gpu_fp16_products_keep_heads_of_extreme_range(monkeypatch):
-    """With ``FP8_HEADS_KERNEL`` off, 64-head blocks over an fp8 cache multiply in fp16 (the lock-step kernel, each
-    tile widened first): a head with q x1000 (scores in the thousands, near-tied maxima) stays at bf16-level error
-    too."""
+def test_gpu_fp16_products_keep_heads_of_extreme_range():
+    """With ``fp8_scores=False`` 64-head blocks over an fp8 cache multiply in fp16 (the lock-step kernel, each tile
+    widened first): a head with q x1000 (scores in the thousands, near-tied maxima) stays at bf16-level error too."""
     needs_gpu()
-    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "FP8_HEADS_KERNEL", False)
-    per_head = _ranged_heads(64, [0.0, 1e3, 1e-3, 4.0])
+    per_head = _ranged_heads(64, [0.0, 1e3, 1e-3, 4.0], fp8_scores=False)
     assert max(per_head) < 5e-3, per_head
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [64, 128])
 def test_gpu_fp8_lockstep_kernel_matches_reference(H, monkeypatch):
-    """The lock-step kernel over an fp8 cache (``FP8_HEADS_KERNEL`` off; the default runs the fp8-scores kernel) over
-    odd lengths with NaN past every request's end, pages of 64 and 128, against the float32 reference over the same
-    fp8 cache."""
+    """The lock-step kernel over an fp8 cache (``fp8_scores=False``, or ``FP8_HEADS_KERNEL`` off; the default runs the
+    fp8-scores kernel) over odd lengths with NaN past every request's end, pages of 64 and 128, against the float32
+    reference over the same fp8 cache."""
     needs_gpu()
     monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "FP8_HEADS_KERNEL", False)
-    for page in (64, 128):
+    for page, kw in ((64, {}), (128, dict(fp8_scores=False))):
         kv, pt, q_nope, q_pe = _problem(ODD, H, FP8, seed=H + page, page=page)
         ref = _reference(q_nope, q_pe, kv, pt, ODD, 0.1, 0.75)
-        out = _decode(q_nope, q_pe, kv, pt, ODD, 0.1, use_wgmma=True, kv_scale=0.75)
+        out = _decode(q_nope, q_pe, kv, pt, ODD, 0.1, use_wgmma=True, kv_scale=0.75, **kw)
         assert rel_err(out, ref) < 5e-3 and (out[5] == 0).all()
 
 

@@ -224,6 +224,7 @@ def mla_decode(
     use_wgmma: bool | None = None,
     plan: DecodePlan | None = None,
     seesaw: bool | None = None,
+    fp8_scores: bool | None = None,
     _skip_merge: bool = False,
 ) -> DecodePlan | None:
     """Absorbed-MLA decode: ``out[b, h] = softmax_l((q_nope.ckv_l + q_pe.kpe_l) * sm_scale) @ ckv``.
@@ -275,9 +276,11 @@ def mla_decode(
     seesaw : 64-head blocks of the wgmma path run the two-warpgroup seesaw kernel
         (:mod:`backends.kernels.mla_decode_seesaw_kernels`; every split request goes to the merge kernel); None ->
         where it measured faster (``seesaw_by_default``: 128 heads and more from 64 requests, bf16 / fp16 caches),
-        False -> the lock-step kernel. Over an fp8 cache 64-head blocks run the fp8-scores kernel
-        (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`; the lock-step kernel with
-        ``mla_decode_wgmma.FP8_HEADS_KERNEL`` False).
+        False -> the lock-step kernel (over an fp8 cache: see ``fp8_scores``).
+    fp8_scores : 64-head blocks of the wgmma path over an fp8 cache: True -> the scores as fp8 products
+        (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`, faster), False -> fp16 products (the lock-step
+        kernel, each tile widened first: for scores in the thousands, see ``mla_decode_wgmma.FP8_HEADS_KERNEL``),
+        None -> ``FP8_HEADS_KERNEL``. Ignored for other caches and head blocks.
     _skip_merge : benchmarking only: launch stage 1 alone (split requests get no output).
 
     Returns
@@ -424,7 +427,7 @@ def mla_decode(
             q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, qk_scale=qk_scale,
             out_scale=out_scale, block_h=block_h, programs=programs, min_chunk=min_chunk, snap=snap,
             max_splits=max_splits, block_b=_BLOCK_B, pdl=pdl, merge_max=merge_max, run_plan=plan != written,
-            seesaw=seesaw,
+            seesaw=seesaw, fp8_scores=fp8_scores,
         )  # fmt: skip
     else:
         _mla_decode_stage1_kernel[(head_blocks, programs)](

@@ -168,7 +168,7 @@ def wgmma_problems(q_nope: torch.Tensor, kv_cache: torch.Tensor, capability: int
 def launch_wgmma_stage1(
     q_nope, q_pe, kv_cache, page_table, seq_lens, work, partial_out, partial_lse, out, *, qk_scale: float,
     out_scale: float, block_h: int, programs: int, min_chunk: int, snap: bool, max_splits: int, block_b: int,
-    pdl: bool, merge_max: int, run_plan: bool = True, seesaw: bool = False,
+    pdl: bool, merge_max: int, run_plan: bool = True, seesaw: bool = False, fp8_scores: bool | None = None,
 ) -> None:  # fmt: skip
     """The plan kernel (writes ``work``, :mod:`backends.kernels.mla_decode_plan_kernels`) then the wgmma stage 1
     over ``(H // block_h, programs)`` (``block_h``: :func:`wgmma_block_h`'s choice), which merges split requests of at
@@ -180,7 +180,8 @@ def launch_wgmma_stage1(
     launch below). ``run_plan`` False: ``work`` already holds this plan (an earlier call of the same step wrote it;
     the stage 1 re-arms the piece counters it uses), so the plan kernel is not launched. ``seesaw``: 64-head blocks
     run the two-warpgroup seesaw kernel (:mod:`backends.kernels.mla_decode_seesaw_kernels`; ``merge_max`` must be
-    0)."""
+    0). ``fp8_scores``: 64-head blocks over an fp8 cache run the fp8-scores kernel (True) or the lock-step one
+    (False); None: :data:`FP8_HEADS_KERNEL`."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -214,7 +215,9 @@ def launch_wgmma_stage1(
                 MERGE=merge_max)
     if block_h == WGMMA_BLOCK_H and seesaw:  # one warpgroup per tile of a pair (its own launch: 4 + 4 warps)
         _mla_decode_seesaw_kernel[(H // block_h, programs)](*args, **dims, num_warps=SEESAW_WARPS)
-    elif block_h == WGMMA_BLOCK_H and kv_cache.dtype == torch.float8_e4m3fn and FP8_HEADS_KERNEL:
+    elif block_h == WGMMA_BLOCK_H and kv_cache.dtype == torch.float8_e4m3fn and (
+        FP8_HEADS_KERNEL if fp8_scores is None else fp8_scores
+    ):
         _mla_decode_wgmma_fp8_heads_kernel[(H // block_h, programs)](
             *args, **dims, STAGES=FP8_HEADS_STAGES, WIDENED=FP8_HEADS_WIDENED, num_warps=WGMMA_WARPS
         )
