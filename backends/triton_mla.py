@@ -55,7 +55,9 @@ class TritonMLABackend:
     split_kv_workspace : torch.Tensor
         uint8 [nbytes] from the ledger (see :func:`split_kv_workspace_spec`).
     config : dict
-        The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h.
+        The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h, fp8_scores (64-head
+        blocks over an fp8 cache on Hopper: fp8 or fp16 score products, see
+        :func:`backends.kernels.mla_decode.mla_decode`).
     pdl : bool
         Launch both decode stages with programmatic dependent launch where the GPU has it (``model.pdl``, the same
         switch as the fused decoder kernels': a graphed step is one chain of PDL kernels).
@@ -119,6 +121,7 @@ class TritonMLABackend:
         self.split_slots = int(config["split_slots"])
         self.min_tokens_per_split = int(config["min_tokens_per_split"])
         self.block_n, self.block_h = config["block_n"], config["block_h"]
+        self.fp8_scores = config.get("fp8_scores")
         self.pdl = bool(pdl)
         self.page_size = kv_pool.page_size
         self.page_table = torch.empty(0, 0, dtype=torch.int32)
@@ -182,7 +185,7 @@ class TritonMLABackend:
             q_nope, q_pe, self.kv_pool.buffer(layer_id), self.page_table, batch.seq_lens, self.model.sm_scale,
             out, partial_out, partial_lse, max_splits=splits, min_tokens_per_split=self.min_tokens_per_split,
             block_n=self.block_n, block_h=self.block_h, kv_scale=self.kv_pool.scale, pdl=self.pdl, work=self._work,
-            plan=reuse,
+            plan=reuse, fp8_scores=self.fp8_scores,
         )
         self._last_layer = layer_id
         return out

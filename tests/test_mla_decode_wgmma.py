@@ -232,6 +232,28 @@ def test_triton_backend_plans_once_per_forward_pass():
     assert given == first_pass + second_pass + [None]
 
 
+@pytest.mark.parametrize("value", [None, False, True])
+def test_triton_backend_passes_fp8_scores_to_the_decode(value):
+    """``backend.fp8_scores`` (64-head blocks over an fp8 cache: fp8 or fp16 score products) reaches every decode
+    call; null leaves the kernels' default."""
+    from types import SimpleNamespace
+
+    from conftest import compose_config
+
+    import containers
+
+    overrides = ["device=cpu", "backend=triton_mla"] + ([] if value is None else [f"backend.fp8_scores={value}"])
+    backend = containers.build(compose_config(*overrides)).container.backend()
+    seen = []
+    backend._decode_kernel = lambda *a, fp8_scores, **k: seen.append(fp8_scores)
+    batch = SimpleNamespace(req_pool_indices=torch.zeros(1, dtype=torch.int64), max_seq_len=3, batch_size=1,
+                            seq_lens=torch.tensor([3], dtype=torch.int32))
+    backend.init_forward_metadata(batch)
+    h = backend.model.num_heads
+    backend.forward_decode(torch.zeros(1, h, D_CKV), torch.zeros(1, h, D_PE), backend.model.kv_cache_layers[0], batch)
+    assert seen == [value]
+
+
 # ------------------------------------------------------------------------------------------------- GPU
 def _problem(lens, H, dtype, seed, page=64):
     """A shuffled paged cache whose rows past each request's end are NaN (never-written pool memory), q (bf16 over

@@ -128,6 +128,9 @@ class TritonMLAConfig(BackendConfig):
     min_tokens_per_split: int = 64  # stage-1 chunk floor (tokens): small batches spread over more programs
     block_n: int | None = None  # KV tokens per tile (null: the kernel's default for the head count)
     block_h: int | None = None  # heads per program, each KV tile read once per head block (null: default)
+    # 64-head blocks over an fp8 cache on Hopper: fp8 score products (faster) or fp16 ones (for scores in the
+    # thousands); null: the kernels' default (fp8)
+    fp8_scores: bool | None = None
 
 
 @dataclass
