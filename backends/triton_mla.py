@@ -121,7 +121,7 @@ class TritonMLABackend:
         self.split_slots = int(config["split_slots"])
         self.min_tokens_per_split = int(config["min_tokens_per_split"])
         self.block_n, self.block_h = config["block_n"], config["block_h"]
-        self.fp8_scores = config.get("fp8_scores")
+        self.fp8_scores = config["fp8_scores"]
         self.pdl = bool(pdl)
         self.page_size = kv_pool.page_size
         self.page_table = torch.empty(0, 0, dtype=torch.int32)

@@ -55,11 +55,13 @@ from backends.kernels.mla_decode_wgmma_fp8_kernels import (
     _widener,
 )
 from backends.kernels.mla_decode_wgmma_kernels import (
+    _column_split_layout,
+    _finish_piece,
     _merge_chunk_ends,
     _opaque_zero,
     _request_span,
     _softmax,
-    _store_half,
+    _token_split_layout,
     _work_row,
 )
 
@@ -123,12 +125,8 @@ def _multiplier_heads(
     back), the widened tile handed back once its product is done; the outputs; at the end the split requests of at
     most ``MERGE`` pieces this program finished last."""
     D_HALF: gl.constexpr = D_CKV // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 32]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_HALF // 2, 16]
-    )
+    s_layout: gl.constexpr = _token_split_layout(BLOCK_N, 32)
+    o_layout: gl.constexpr = _column_split_layout(D_HALF)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -182,15 +180,9 @@ def _multiplier_heads(
                     o_lo, o_hi, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(pv_lo, pv_hi, p_op))
                     _done_with(empty, buf)
                 it += 1
-            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-            inv = gl.expand_dims(gl.convert_layout(out_scale / l_i, row_o), 1)
-            slot = slot0 + (pid_p - p0)
-            _store_half(o_lo * inv, lse, 0, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h,
-                        stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, True, BLOCK_H,
-                        D_HALF, o_layout, s_layout)  # fmt: skip
-            _store_half(o_hi * inv, lse, D_HALF, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b,
-                        stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
-                        False, BLOCK_H, D_HALF, o_layout, s_layout)  # fmt: skip
+            _finish_piece(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot0 + (pid_p - p0), slot_div, h0, PO, PL, OUT,
+                          stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b,
+                          stride_o_h, BLOCK_H, D_HALF, o_layout, s_layout)  # fmt: skip
         slot0 += pieces
         s_b = e_b
     if MERGE > 0:  # the last program to finish a split request's pieces merges them

@@ -28,9 +28,9 @@ transposed, which wgmma allows for 16-bit types only. Each landed tile is widene
 by the same 8 warps into one fp16 tile in shared memory (rows past the request's end zeroed there), and its stage
 then takes the tile two ahead at once: 72 KiB of fp16 q + 2 x 36 KiB of fp8 stages + 72 KiB widened, the bf16
 kernel's shared memory. H100: 64 heads 64 x 32768 902.4 us against the Triton fp8 stage 1's 1444.5 (the bf16
-cache here: 861.8); 128 heads 1732.4 against 2792.4 (16 rows widened a step instead of 32: 1021.2 and 2038.8). Widening tile i + 1's low latent half and rope part while
-``P @ V_hi`` of tile i ran on the tensor cores measured the same (1060.6 against 1059.9 us), so the loop keeps the
-simple order.
+cache here: 861.8); 128 heads 1732.4 against 2792.4 (16 rows widened a step instead of 32: 1021.2 and 2038.8).
+Widening tile i + 1's low latent half and rope part while ``P @ V_hi`` of tile i ran on the tensor cores measured
+the same (1060.6 against 1059.9 us), so the loop keeps the simple order.
 
 The score products read q (and, over fp8, the widened tile) at an index the compiler cannot fold
 (:func:`_opaque_zero`): with fixed indices their wgmma descriptors were hoisted out of the tile loop and kept live
@@ -227,6 +227,39 @@ def _store_half(
 
 
 @gluon.jit
+def _finish_piece(
+    o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot, slot_div, h0, PO, PL, OUT,
+    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h,
+    BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, o_layout: gl.constexpr, s_layout: gl.constexpr,
+):  # fmt: skip
+    """A piece's end in the 64-head kernels whose warpgroups split the tile's tokens for the scores and the output
+    columns for ``P @ V``: both latent halves normalized and written (with the log-sum-exp), see
+    :func:`_store_half`."""
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    inv = gl.expand_dims(gl.convert_layout(out_scale / l_i, gl.SliceLayout(1, o_layout)), 1)
+    _store_half(o_lo * inv, lse, 0, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h,
+                stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, True, BLOCK_H, D_HALF,
+                o_layout, s_layout)  # fmt: skip
+    _store_half(o_hi * inv, lse, D_HALF, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h,
+                stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, False, BLOCK_H, D_HALF,
+                o_layout, s_layout)  # fmt: skip
+
+
+@gluon.constexpr_function
+def _token_split_layout(BLOCK_N, K):
+    """The 64-head kernels' scores [64 heads, BLOCK_N]: each of the two warpgroups the scores of its half of the
+    tile's tokens (``K``: the instruction's depth, 16 for 16-bit operands, 32 for fp8)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, K])
+
+
+@gluon.constexpr_function
+def _column_split_layout(D_HALF):
+    """The 64-head kernels' output [64 heads, D_HALF] of a latent half: each warpgroup half its columns, from the
+    whole probability tile."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_HALF // 2, 16])
+
+
+@gluon.jit
 def _merge_chunk_ends(
     WORK, SL, PO, PL, OUT, s_end, slot_end, h0, slot_div, num_reqs, stride_po_b, stride_po_h, stride_po_s,
     stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -359,14 +392,8 @@ def _decode_piece_wgmma(
     q_lo, q_hi, q_pe = q_lo3.index(0), q_hi3.index(0), q_pe3.index(0)
     CDT: gl.constexpr = q_lo.dtype
     FP8: gl.constexpr = kv_lo.dtype == gl.float8e4nv
-    # scores: each warpgroup the [BLOCK_H, BLOCK_N / 2] scores of its half of the tile's tokens
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
-    )
-    # output: each warpgroup half the columns of each latent half, from the whole probability tile
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_HALF // 2, 16]
-    )
+    s_layout: gl.constexpr = _token_split_layout(BLOCK_N, 16)
+    o_layout: gl.constexpr = _column_split_layout(D_HALF)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -415,17 +442,9 @@ def _decode_piece_wgmma(
         o_lo, o_hi = warpgroup_mma_wait(num_outstanding=0, deps=(o_lo, o_hi))
         it += 1
 
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    inv = gl.expand_dims(gl.convert_layout(out_scale / l_i, row_o), 1)
-    _store_half(
-        o_lo * inv, lse, 0, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h, stride_po_s,
-        stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, True, BLOCK_H, D_HALF, o_layout, s_layout,
-    )  # fmt: skip
-    _store_half(
-        o_hi * inv, lse, D_HALF, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b, stride_po_h,
-        stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, False, BLOCK_H, D_HALF,
-        o_layout, s_layout,
-    )  # fmt: skip
+    _finish_piece(o_lo, o_hi, m_i, l_i, out_scale, b64, split, slot, slot_div, h0, PO, PL, OUT, stride_po_b,
+                  stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_pl_s, stride_o_b, stride_o_h, BLOCK_H,
+                  D_HALF, o_layout, s_layout)  # fmt: skip
     return it
 
 
