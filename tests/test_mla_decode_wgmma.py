@@ -1,7 +1,7 @@
 """The Gluon (wgmma) stage 1 of the MLA decode (Hopper): 64 heads per program, and 16 / 32 heads per program with
 tokens as the matrix rows (fewer heads); over fp8 caches the scores are fp8 products of a split q and the tiles are
 widened for ``P @ V`` by warps of their own (64 heads: or, with ``FP8_HEADS_KERNEL`` off, widened first and
-multiplied in fp16).
+multiplied in fp16; 32 heads from ``FP8_ROLES_MIN_BATCH`` requests: a scorer and an accumulator warpgroup).
 
 CPU: the plan kernel it reads (interpreted) against a Python mirror of the plan, and the refusals with their
 reasons. GPU (``gpu``-marked): 16, 32, 64 and 128 heads, bf16, fp16 and fp8 caches, odd lengths (1, 7, 63, 64,
@@ -21,9 +21,11 @@ from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err, repl
 from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
 from backends.kernels.mla_decode_plan_kernels import _mla_decode_merge_rows_kernel, _mla_decode_plan_kernel, plan_ints
 from backends.kernels.mla_decode_wgmma import (
+    FP8_ROLES_MIN_BATCH,
     SEESAW_MIN_BATCH,
     TOKENS_MIN_BATCH,
     WGMMA_MIN_JOBS,
+    fp8_roles,
     seesaw_by_default,
     wgmma_block_h,
     wgmma_by_default,
@@ -127,8 +129,11 @@ def test_wgmma_heads_per_program():
     assert wgmma_by_default(16, bf16, 1) and TOKENS_MIN_BATCH[16] == 1
     assert wgmma_by_default(32, bf16, TOKENS_MIN_BATCH[32]) and not wgmma_by_default(32, bf16, TOKENS_MIN_BATCH[32] - 1)
     assert wgmma_by_default(48, torch.float16, 1)  # three 16-head blocks
-    # fp8 up to FP8_MAX_HEADS heads (the 16 / 32-head fp8 kernels) at every batch
+    # fp8 up to FP8_MAX_HEADS heads (the 16 / 32-head fp8 kernels) at every batch; 32-head blocks from
+    # FP8_ROLES_MIN_BATCH requests in the roles kernel
     assert [wgmma_by_default(h, fp8, 1) for h in (16, 32, 48)] == [True, True, False]
+    assert fp8_roles(32, FP8_ROLES_MIN_BATCH) and not fp8_roles(32, FP8_ROLES_MIN_BATCH - 1)
+    assert not fp8_roles(16, 4 * FP8_ROLES_MIN_BATCH)
     # the seesaw kernel: 128 heads and more from SEESAW_MIN_BATCH requests, bf16 / fp16 only
     assert seesaw_by_default(128, bf16, SEESAW_MIN_BATCH) and not seesaw_by_default(128, bf16, SEESAW_MIN_BATCH - 1)
     assert not seesaw_by_default(64, bf16, 256) and not seesaw_by_default(128, fp8, 256)
@@ -385,6 +390,34 @@ def test_gpu_fp8_lockstep_kernel_matches_reference(H, monkeypatch):
         ref = _reference(q_nope, q_pe, kv, pt, ODD, 0.1, 0.75)
         out = _decode(q_nope, q_pe, kv, pt, ODD, 0.1, use_wgmma=True, kv_scale=0.75, **kw)
         assert rel_err(out, ref) < 5e-3 and (out[5] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [64, 128])
+def test_gpu_fp8_roles_kernel_matches_reference(page, monkeypatch):
+    """The 32-head roles kernel over an fp8 cache (a scorer and an accumulator warpgroup; the default from
+    ``FP8_ROLES_MIN_BATCH`` requests, here from one): odd lengths with NaN past every request's end, one token, one
+    long request, two short ones, pages of 64 and 128, each twice (its rings and barriers carry over between pieces
+    and calls), against the float32 reference over the same fp8 cache; heads of very different ranges at bf16-level
+    error; a batch of ``FP8_ROLES_MIN_BATCH`` or more takes it by default."""
+    needs_gpu()
+    wg = importlib.import_module("backends.kernels.mla_decode_wgmma")
+    monkeypatch.setattr(wg, "FP8_ROLES_MIN_BATCH", 1)
+    for lens in (ODD, [1], [32768], [5, 3]):
+        kv, pt, q_nope, q_pe = _problem(lens, 32, FP8, seed=len(lens) + page, page=page)
+        ref = _reference(q_nope, q_pe, kv, pt, lens, 0.1, 0.75)
+        for _ in range(2):
+            out = _decode(q_nope, q_pe, kv, pt, lens, 0.1, use_wgmma=True, kv_scale=0.75)
+            assert rel_err(out, ref) < 5e-3
+            assert all((out[b] == 0).all() for b, L in enumerate(lens) if L == 0)
+    if page == 64:
+        per_head = _ranged_heads(32, [0.0, 1e-3, 4.0])
+        assert max(per_head) < 5e-3, per_head
+    monkeypatch.setattr(wg, "FP8_ROLES_MIN_BATCH", FP8_ROLES_MIN_BATCH)
+    lens = ODD * (FP8_ROLES_MIN_BATCH // len(ODD) + 1)
+    kv, pt, q_nope, q_pe = _problem(lens, 32, FP8, seed=3, page=page)
+    out = _decode(q_nope, q_pe, kv, pt, lens, 0.1, use_wgmma=True, kv_scale=0.75)
+    assert rel_err(out, _reference(q_nope, q_pe, kv, pt, lens, 0.1, 0.75)) < 5e-3
 
 
 @pytest.mark.gpu

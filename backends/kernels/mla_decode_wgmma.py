@@ -1,4 +1,4 @@
-"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in six kernels:
+"""Launch of the Gluon (wgmma) stage 1 of the absorbed-MLA decode on Hopper, in seven kernels:
 
 * 64 heads per program, heads as the matrix rows, both warpgroups on every tile
   (:mod:`backends.kernels.mla_decode_wgmma_kernels`): a bf16 / fp16 cache (the default at 64 heads) or, with
@@ -12,7 +12,11 @@
   a bf16 / fp16 cache and fewer heads;
 * 16 or 32 heads per program over an fp8 cache (:mod:`backends.kernels.mla_decode_wgmma_fp8_kernels`): the scores
   as fp8 products of q split into two e4m3 parts, straight from the fp8 tile, and ``P @ V`` in fp16 over the tile
-  widened in shared memory by warps of their own (one multiplier warpgroup per 16 heads).
+  widened in shared memory by warps of their own (one multiplier warpgroup per 16 heads);
+* 32 heads per program over an fp8 cache from :data:`FP8_ROLES_MIN_BATCH` requests
+  (:mod:`backends.kernels.mla_decode_wgmma_fp8_roles_kernels`): the same products split by role, a scorer
+  warpgroup (the heads as the rows of the fp8 scores, the softmax along them) and an accumulator warpgroup
+  (``P @ V``), 20% faster than two multipliers at 64 x 32768.
 
 :func:`backends.kernels.mla_decode.mla_decode` picks one for caches it can read (see :func:`wgmma_problems` and
 :func:`wgmma_block_h`); the plan and the merge stay the Triton ones, so the outputs (finished requests, split
@@ -46,6 +50,18 @@ FP8_PARTS = {16: 1, 32: 2}
 #: Columns per accumulator chain of the fp8 kernel's scores (see ``_wait_scores``): 128 is as precise as fp16
 #: products and free at 16 heads; at 32 heads it spills (5.6% slower), so 256.
 FP8_CHAIN = {16: 128, 32: 256}
+#: 32 heads per program over an fp8 cache from this many requests: the roles kernel
+#: (:mod:`backends.kernels.mla_decode_wgmma_fp8_roles_kernels`: a scorer and an accumulator warpgroup share each
+#: tile's work by role, the heads as the scores' rows) instead of the fp8 kernel's two multipliers (one per 16 heads).
+#: H100, graph replays, us two multipliers -> roles: 64 x 32768 630.5 -> 497-512, 128 x varied 8192 345.4 -> 280-287,
+#: 64 x 4096 126.5 -> 118-119, 32 x 2048 62.8 -> 62.9, 32 x 4096 80.3 -> 80.4; below 32 requests 1-1.5 us slower
+#: where a program has few tiles (8 x 2048 30.3 -> 31.7, 16 x 4096 48.2 -> 49.4) though faster at long contexts
+#: (8 x 32768 101.1 -> 92.3), which the launcher cannot see (bench/TRITON_NOTES.md). Its fp8 stages, widened buffers
+#: (of 64 / FP8_PARTS[32] rows) and ``P^T`` slots: 217 KiB.
+FP8_ROLES_MIN_BATCH = 32
+FP8_ROLES_STAGES = 3
+FP8_ROLES_WIDENED = 2
+FP8_ROLES_PB = 2
 #: 64-head blocks over an fp8 cache: the warp-specialized kernel with fp8 score products
 #: (:mod:`backends.kernels.mla_decode_wgmma_fp8_heads_kernels`) when True, else the lock-step kernel widening each tile
 #: itself (fp16 products). H100, 64 heads 64 x 32768 872.2 -> 722.5 us, 128 heads 1712.0 -> 1364.1
@@ -126,6 +142,12 @@ def wgmma_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     return kv_dtype in _HALF and batch >= TOKENS_MIN_BATCH[block_h]
 
 
+def fp8_roles(block_h: int, batch: int) -> bool:
+    """Whether a 16 / 32-head block over an fp8 cache runs the roles kernel (32 heads from
+    :data:`FP8_ROLES_MIN_BATCH` requests) rather than the fp8 kernel."""
+    return block_h == 32 and batch >= FP8_ROLES_MIN_BATCH
+
+
 def seesaw_by_default(heads: int, kv_dtype: torch.dtype, batch: int) -> bool:
     """Whether 64-head blocks run the seesaw kernel when ``mla_decode`` is not told: from :data:`SEESAW_MIN_HEADS`
     heads and :data:`SEESAW_MIN_BATCH` requests over a bf16 / fp16 cache, where it measured faster (it has no fp8
@@ -181,13 +203,15 @@ def launch_wgmma_stage1(
     the stage 1 re-arms the piece counters it uses), so the plan kernel is not launched. ``seesaw``: 64-head blocks
     run the two-warpgroup seesaw kernel (:mod:`backends.kernels.mla_decode_seesaw_kernels`; ``merge_max`` must be
     0). ``fp8_scores``: 64-head blocks over an fp8 cache run the fp8-scores kernel (True) or the lock-step one
-    (False); None: :data:`FP8_HEADS_KERNEL`."""
+    (False); None: :data:`FP8_HEADS_KERNEL`. 32-head blocks over an fp8 cache run the roles kernel from
+    :data:`FP8_ROLES_MIN_BATCH` requests (:func:`fp8_roles`)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from backends.kernels.mla_decode_seesaw_kernels import _mla_decode_seesaw_kernel
     from backends.kernels.mla_decode_wgmma_fp8_heads_kernels import _mla_decode_wgmma_fp8_heads_kernel
     from backends.kernels.mla_decode_wgmma_fp8_kernels import _mla_decode_wgmma_fp8_kernel
+    from backends.kernels.mla_decode_wgmma_fp8_roles_kernels import _mla_decode_wgmma_fp8_roles_kernel
     from backends.kernels.mla_decode_wgmma_kernels import _mla_decode_wgmma_kernel
     from backends.kernels.mla_decode_wgmma_tokens_kernels import _mla_decode_wgmma_tokens_kernel
 
@@ -223,6 +247,11 @@ def launch_wgmma_stage1(
         )
     elif block_h == WGMMA_BLOCK_H:  # without PDL: with it, 128 heads at long contexts measured 1-4% slower (H100)
         _mla_decode_wgmma_kernel[(H // block_h, programs)](*args, **dims, num_warps=WGMMA_WARPS)
+    elif kv_cache.dtype == torch.float8_e4m3fn and fp8_roles(block_h, B):  # a scorer and an accumulator warpgroup
+        _mla_decode_wgmma_fp8_roles_kernel[(H // block_h, programs)](
+            *args, **dims, STAGES=FP8_ROLES_STAGES, WIDENED=FP8_ROLES_WIDENED, PARTS=FP8_PARTS[block_h],
+            PB=FP8_ROLES_PB, PDL=pdl, launch_pdl=pdl, num_warps=TOKENS_WARPS,
+        )  # fmt: skip
     elif kv_cache.dtype == torch.float8_e4m3fn:  # tokens as the matrix rows, widened from TMA stages by own warps
         _mla_decode_wgmma_fp8_kernel[(H // block_h, programs)](
             *args, **dims, STAGES=FP8_STAGES, WIDENED=FP8_WIDENED, PARTS=FP8_PARTS[block_h],

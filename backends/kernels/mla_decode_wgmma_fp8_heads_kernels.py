@@ -53,6 +53,8 @@ from backends.kernels.mla_decode_wgmma_fp8_kernels import (
     _done_with,
     _load_q_split,
     _widener,
+    _widener_barriers,
+    _widener_rings,
 )
 from backends.kernels.mla_decode_wgmma_kernels import (
     _column_split_layout,
@@ -211,22 +213,8 @@ def _mla_decode_wgmma_fp8_heads_kernel(
                                      gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_HALF], F8))  # fmt: skip
     q_pe = gl.allocate_shared_memory(F8, [1, 2 * BLOCK_H, D_PE],
                                      gl.NVMMASharedLayout.get_default_for([2 * BLOCK_H, D_PE], F8))  # fmt: skip
-    kv_lo = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
-    kv_hi = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
-    kv_pe = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_HALF], gl.float16)
-    w_lo = gl.allocate_shared_memory(gl.float16, [WIDENED, BLOCK_N, D_HALF], w_layout)
-    w_hi = gl.allocate_shared_memory(gl.float16, [WIDENED, BLOCK_N, D_HALF], w_layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    read = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-        mbarrier.init(read.index(s), count=1)
-    for s in gl.static_range(WIDENED):
-        mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+    kv_lo, kv_hi, kv_pe, w_lo, w_hi = _widener_rings(desc_c, desc_pe, BLOCK_N, STAGES, WIDENED, BLOCK_N, D_CKV, D_PE)
+    bars, read, full, empty = _widener_barriers(STAGES, WIDENED, 1)  # one partition multiplies
     gl.warp_specialize(
         [
             (_multiplier_heads, (

@@ -30,7 +30,9 @@ kernel before, the tile loaded into the widener's registers and fp16 scores: 729
 (396.0), 64 x 4096 128.8 (142.7); error against float32 1.7-1.8e-3 at 16 heads (five score chains), 1.9-2.1e-3 at
 32 heads (three; bf16: 1.7e-3). At 32 heads a tile takes about 4400 cycles per SM against 3200: the two
 multipliers' own work per tile (more widener warps did not help; splitting the latent columns instead of the heads
-between them was slower, bench/TRITON_NOTES.md).
+between them was slower, bench/TRITON_NOTES.md). From ``FP8_ROLES_MIN_BATCH`` requests 32 heads run the roles
+kernel instead (:mod:`backends.kernels.mla_decode_wgmma_fp8_roles_kernels`: 502 us at 64 x 32768), which shares
+this kernel's widener.
 """
 
 from __future__ import annotations
@@ -203,6 +205,39 @@ def _widener(
 
 
 @gluon.jit
+def _widener_rings(desc_c, desc_pe, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WIDENED: gl.constexpr,
+                   R: gl.constexpr, D_CKV: gl.constexpr, D_PE: gl.constexpr):  # fmt: skip
+    """The shared memory :func:`_widener` fills: ``STAGES`` fp8 TMA stages (latent halves and rope part) and
+    ``WIDENED`` fp16 buffers of ``R`` rows of each latent half. Returns (kv_lo, kv_hi, kv_pe, w_lo, w_hi)."""
+    D_HALF: gl.constexpr = D_CKV // 2
+    kv_lo = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
+    kv_hi = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
+    kv_pe = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
+    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D_HALF], gl.float16)
+    w_lo = gl.allocate_shared_memory(gl.float16, [WIDENED, R, D_HALF], w_layout)
+    w_hi = gl.allocate_shared_memory(gl.float16, [WIDENED, R, D_HALF], w_layout)
+    return kv_lo, kv_hi, kv_pe, w_lo, w_hi
+
+
+@gluon.jit
+def _widener_barriers(STAGES: gl.constexpr, WIDENED: gl.constexpr, READERS: gl.constexpr):
+    """The barriers of :func:`_widener`'s rings, initialized: a stage landed (``bars``, the TMA's bytes) and read
+    by the scores of ``READERS`` warpgroups (``read``); a widened buffer full (``full``) and emptied by the ``P @ V``
+    of ``READERS`` warpgroups (``empty``). Returns (bars, read, full, empty)."""
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    read = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+        mbarrier.init(read.index(s), count=READERS)
+    for s in gl.static_range(WIDENED):
+        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(empty.index(s), count=READERS)
+    return bars, read, full, empty
+
+
+@gluon.jit
 def _tile(
     s, m_i, l_i, o_lo, o_hi, rows_n, valid, qk_h, p_smem, w_lo, w_hi, kv_lo, kv_hi, kv_pe, q_lo, q_hi, q_pe,
     s_zero, bars, read, full, empty, it, has_next, acc_layout: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -337,26 +372,11 @@ def _mla_decode_wgmma_fp8_kernel(
     q_lo = gl.allocate_shared_memory(F8, [MULT, 2 * HB, D_HALF], q_layout)
     q_hi = gl.allocate_shared_memory(F8, [MULT, 2 * HB, D_HALF], q_layout)
     q_pe = gl.allocate_shared_memory(F8, [MULT, 2 * HB, D_PE], qpe_layout)
-    kv_lo = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
-    kv_hi = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_HALF], desc_c.layout)
-    kv_pe = gl.allocate_shared_memory(desc_c.dtype, [STAGES, BLOCK_N, D_PE], desc_pe.layout)
-    CDT: gl.constexpr = gl.float16
-    R: gl.constexpr = BLOCK_N // PARTS
-    w_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, D_HALF], CDT)
-    w_lo = gl.allocate_shared_memory(CDT, [WIDENED, R, D_HALF], w_layout)
-    w_hi = gl.allocate_shared_memory(CDT, [WIDENED, R, D_HALF], w_layout)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], CDT)
-    p_smem = gl.allocate_shared_memory(CDT, [MULT, BLOCK_N, HB], p_layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    read = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    full = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [WIDENED, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-        mbarrier.init(read.index(s), count=MULT)  # every multiplier's scores
-    for s in gl.static_range(WIDENED):
-        mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=MULT)  # every multiplier's P @ V
+    kv_lo, kv_hi, kv_pe, w_lo, w_hi = _widener_rings(desc_c, desc_pe, BLOCK_N, STAGES, WIDENED, BLOCK_N // PARTS,
+                                                     D_CKV, D_PE)  # fmt: skip
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HB], gl.float16)
+    p_smem = gl.allocate_shared_memory(gl.float16, [MULT, BLOCK_N, HB], p_layout)
+    bars, read, full, empty = _widener_barriers(STAGES, WIDENED, MULT)  # every multiplier reads each stage and buffer
 
     # the partitions' argument tuples are written out in full: tuples of constexprs built and joined in the kernel
     # body lose their constexpr-ness (triton 3.6)
