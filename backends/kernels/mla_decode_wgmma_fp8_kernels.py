@@ -54,7 +54,12 @@ from backends.kernels.mla_decode_wgmma_kernels import (
     _widen,
     _work_row,
 )
-from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _fresh_state_t, _softmax_t
+from backends.kernels.mla_decode_wgmma_tokens_kernels import (
+    _finish_t,
+    _fresh_state_t,
+    _softmax_t,
+    _tokens_acc_layout,
+)
 
 #: Registers per thread of the widener's warps (the multiplier takes the rest of the register file).
 WIDEN_REGS = gl.constexpr(128)
@@ -83,13 +88,13 @@ def _split_rows(x, s, hi_smem, lo_smem):
 
 
 @gluon.jit
-def _load_q_split(
-    QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, col_l: gl.constexpr,
-    BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr,
+def _load_q_scaled(
+    QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, BLOCK_H: gl.constexpr,
+    D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """A piece's q (heads h0 .. h0 + BLOCK_H) split into two e4m3 parts per head: rows [0, BLOCK_H) of q_lo / q_hi /
-    q_pe (the latent halves and the rope part) take ``hi``, rows [BLOCK_H, 2 BLOCK_H) take ``lo``. Returns 1 / s per
-    head ([BLOCK_H] fp32 in ``col_l``)."""
+    """A piece's q (heads h0 .. h0 + BLOCK_H) in fp32: the latent halves and the rope part ([BLOCK_H, C] each), and
+    per head the power of two ``s`` = 2^floor(log2(448 / max |q|)) that puts its largest value in (224, 448] (exact,
+    so q s is exact in fp32; a zero or non-finite row keeps s = 1). Returns (x_lo, x_hi, x_pe, s)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     rows = gl.expand_dims(gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout)), 1)
     c_half = gl.expand_dims(gl.arange(0, D_HALF, layout=gl.SliceLayout(0, layout)), 0)
@@ -99,9 +104,21 @@ def _load_q_split(
     x_hi = gl.load(qn + D_HALF + c_half).to(gl.float32)
     x_pe = gl.load(QP + b64 * stride_qp_b + (h0 + rows) * stride_qp_h + c_pe).to(gl.float32)
     amax = gl.maximum(gl.maximum(gl.max(gl.abs(x_lo), 1), gl.max(gl.abs(x_hi), 1)), gl.max(gl.abs(x_pe), 1))
-    # s = 2^floor(log2(448 / amax)): exact, so x s is exact in fp32 (a zero or non-finite row keeps s = 1)
     e = gl.floor(gl.log2(448.0 / amax))
     s = gl.where((amax > 0) & (e == e) & (gl.abs(e) < 126), gl.exp2(e), gl.full_like(amax, 1.0))
+    return x_lo, x_hi, x_pe, s
+
+
+@gluon.jit
+def _load_q_split(
+    QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo, q_hi, q_pe, col_l: gl.constexpr,
+    BLOCK_H: gl.constexpr, D_HALF: gl.constexpr, D_PE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """A piece's q (heads h0 .. h0 + BLOCK_H) split into two e4m3 parts per head (:func:`_load_q_scaled`'s scale):
+    rows [0, BLOCK_H) of q_lo / q_hi / q_pe (the latent halves and the rope part) take ``hi``, rows [BLOCK_H,
+    2 BLOCK_H) take ``lo``. Returns 1 / s per head ([BLOCK_H] fp32 in ``col_l``)."""
+    x_lo, x_hi, x_pe, s = _load_q_scaled(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+                                         BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
     s2 = gl.expand_dims(s, 1)
     gl.thread_barrier()  # the previous piece's scores have read q
     _split_rows(x_lo, s2, q_lo.slice(0, BLOCK_H, dim=0), q_lo.slice(BLOCK_H, BLOCK_H, dim=0))
@@ -305,9 +322,7 @@ def _multiplier(
         _pdl_enter(PDL)
     HB: gl.constexpr = HEADS_PER_MULTIPLIER
     D_HALF: gl.constexpr = D_CKV // 2
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HB, 16]
-    )
+    acc_layout: gl.constexpr = _tokens_acc_layout(HB, num_warps)
     s2_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 2 * HB, 32]
     )

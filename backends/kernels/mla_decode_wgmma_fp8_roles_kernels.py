@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from backends.kernels.mla_decode_wgmma_fp8_kernels import (
     LO_SCALE,
     _done_with,
+    _load_q_scaled,
     _release_parts,
     _wait_scores,
     _widener,
@@ -49,19 +50,13 @@ from backends.kernels.mla_decode_wgmma_fp8_kernels import (
     _widener_rings,
 )
 from backends.kernels.mla_decode_wgmma_kernels import _hand_over, _pdl_enter, _request_span, _work_row
-from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t
+from backends.kernels.mla_decode_wgmma_tokens_kernels import _finish_t, _tokens_acc_layout
 
 #: Warps of the widener and registers per thread of the widener's and the accumulator's warps (the scorer, the
 #: default partition, takes the rest of the register file).
 WIDEN_WARPS = gl.constexpr(4)
 WIDEN_REGS = gl.constexpr(56)
 ACC_REGS = gl.constexpr(232)
-
-
-@gluon.constexpr_function
-def _acc_layout(heads, num_warps):
-    """The accumulator's layout of O^T [256, H] (per-head vectors: its dim-0 slice)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, heads, 16])
 
 
 @gluon.constexpr_function
@@ -87,18 +82,8 @@ def _load_q_rows(
     ``_load_q_split``), written as the 2H rows of the scores' A operand: row 16 w + 8 p + i holds part p (0: hi, 1:
     lo) of head 8 w + i, so that one thread of the wgmma accumulator holds both parts of a head (its rows r and
     r + 8). Returns each row's weight in ``row_l``: 1 / s for ``hi``, 1 / (16 s) for ``lo``."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    heads = gl.expand_dims(h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout)), 1)
-    c_half = gl.expand_dims(gl.arange(0, D_HALF, layout=gl.SliceLayout(0, layout)), 0)
-    c_pe = gl.expand_dims(gl.arange(0, D_PE, layout=gl.SliceLayout(0, layout)), 0)
-    qn = QN + b64 * stride_qn_b + heads * stride_qn_h
-    qp = QP + b64 * stride_qp_b + heads * stride_qp_h + c_pe
-    x_lo = gl.load(qn + c_half).to(gl.float32)
-    x_hi = gl.load(qn + D_HALF + c_half).to(gl.float32)
-    x_pe = gl.load(qp).to(gl.float32)
-    amax = gl.maximum(gl.maximum(gl.max(gl.abs(x_lo), 1), gl.max(gl.abs(x_hi), 1)), gl.max(gl.abs(x_pe), 1))
-    e = gl.floor(gl.log2(448.0 / amax))  # as _load_q_split: s = 2^e puts the head's largest value in (224, 448]
-    s = gl.where((amax > 0) & (e == e) & (gl.abs(e) < 126), gl.exp2(e), gl.full_like(amax, 1.0))
+    x_lo, x_hi, x_pe, s = _load_q_scaled(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h,
+                                         BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
     s2 = gl.expand_dims(s, 1)
     gl.thread_barrier()  # the previous piece's scores have read q
     _store_parts(x_lo, s2, q_lo, BLOCK_H, D_HALF)
@@ -220,7 +205,7 @@ def _accumulator(
     _pdl_enter(PDL)
     D_HALF: gl.constexpr = D_CKV // 2
     R: gl.constexpr = BLOCK_N // PARTS
-    acc_layout: gl.constexpr = _acc_layout(BLOCK_H, num_warps)
+    acc_layout: gl.constexpr = _tokens_acc_layout(BLOCK_H, num_warps)
     col_l: gl.constexpr = gl.SliceLayout(0, acc_layout)
     h0 = gl.program_id(0) * BLOCK_H
     pid_p = gl.program_id(1)

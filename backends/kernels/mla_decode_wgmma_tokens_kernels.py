@@ -43,6 +43,13 @@ from backends.kernels.mla_decode_wgmma_kernels import (
 )
 
 
+@gluon.constexpr_function
+def _tokens_acc_layout(heads, num_warps):
+    """The tokens-as-rows kernels' accumulator layout, one for S^T [64 tokens, H] and O^T [256, H]: per-head vectors
+    (its dim-0 slice) need no conversion between them."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, heads, 16])
+
+
 @gluon.jit
 def _store_t(
     o, cols0, b64, split, slot, slot_div, h0, PO, OUT, stride_po_b, stride_po_h, stride_po_s, stride_o_b,
@@ -143,10 +150,7 @@ def _decode_piece_tokens(
     """Tokens [start, end) of request b64 for heads h0 .. h0 + BLOCK_H. ``it`` counts the tiles this program has
     consumed so far (tile k of the piece lives in stage (it0 + k) % STAGES); returns the updated count."""
     D_HALF: gl.constexpr = D_CKV // 2
-    # one layout for S^T [BLOCK_N, BLOCK_H] and O^T [D_HALF, BLOCK_H]: per-head vectors need no conversion
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_H, 16]
-    )
+    acc_layout: gl.constexpr = _tokens_acc_layout(BLOCK_H, num_warps)
     m_i, l_i, o_lo, o_hi = _start_piece_t(QN, QP, b64, h0, stride_qn_b, stride_qn_h, stride_qp_b, stride_qp_h, q_lo,
                                           q_hi, q_pe, acc_layout, BLOCK_H, D_HALF, D_PE, num_warps)  # fmt: skip
     s_zero = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, layout=acc_layout)
