@@ -4,6 +4,7 @@
 #   scripts/device_tests.sh engine    # engine end-to-end tests (every preset, graphs, speculative), HF parity
 #   scripts/device_tests.sh serving   # sparse (DSA), Blackwell, DeepSeek-V4 and overlap-scheduler serving tests
 # Writes the full log (one line per test) to $OUT/pytest-<part>.log when $OUT is set, and prints the summary last.
+# PYTHON: the interpreter that runs pytest (default python3 from PATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: scripts/device_tests.sh kernels|engine|serving}
@@ -16,4 +17,4 @@ case "$part" in
 esac
 log=${OUT:-/tmp}/pytest-$part.log
 echo "files: $files"
-python3 -m pytest -v -m gpu -p no:cacheprovider $files 2>&1 | tee "$log" | tail -40
+"${PYTHON:-python3}" -m pytest -v -m gpu -p no:cacheprovider $files 2>&1 | tee "$log" | tail -40

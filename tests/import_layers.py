@@ -53,14 +53,15 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def import_edges(root: Path) -> dict[str, set[str]]:
+def import_edges(root: Path, type_checking: bool = False) -> dict[str, set[str]]:
     """Module -> the project modules it imports (each ``from a import b`` counts as ``a``, and as ``a.b`` when
-    that is a module)."""
+    that is a module). ``type_checking``: also the imports under ``if TYPE_CHECKING:`` (an annotation that names
+    a module is still a dependency on it, and two modules that name each other still form a circle)."""
     mods = project_modules(root)
     edges: dict[str, set[str]] = defaultdict(set)
     for mod, path in mods.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        skip = _type_checking_nodes(tree)
+        skip = set() if type_checking else _type_checking_nodes(tree)
         is_pkg = path.name == "__init__.py"
         for node in ast.walk(tree):
             if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):

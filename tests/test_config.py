@@ -77,3 +77,55 @@ def test_typo_in_a_key_fails_at_compose():
 def test_backend_specific_key_on_another_backend_fails():
     with pytest.raises((ConfigCompositionException, ConfigKeyError)):
         compose_config("backend=torch_mla", "backend.max_splits=4")
+
+
+# ------------------------------------------------------------------ switches (on / off / auto) take true / false
+@pytest.mark.parametrize("override,key,name", [
+    ("engine.overlap=true", "engine.overlap", "on"),
+    ("engine.overlap=false", "engine.overlap", "off"),
+    ("engine.overlap=True", "engine.overlap", "on"),
+    ("engine.overlap=on", "engine.overlap", "on"),
+    ("engine.overlap=off", "engine.overlap", "off"),
+    ("engine.overlap=auto", "engine.overlap", "auto"),
+    ("model.fused=false", "model.fused", "off"),
+    ("model.fused=true", "model.fused", "on"),
+    ("model.fused=auto", "model.fused", "auto"),
+    ("check=false", "check", "off"),
+    ("check=unquantized", "check", "unquantized"),
+])
+def test_a_switch_takes_true_and_false(override, key, name):
+    cfg = compose_config(override)
+    assert OmegaConf.select(cfg, key).name == name
+    plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True, enum_to_str=True)
+    group, _, field = key.rpartition(".")
+    assert (plain[group] if group else plain)[field] == name
+
+
+@pytest.mark.parametrize("override,valid", [
+    ("engine.overlap=maybe", "[auto, on, off]"),
+    ("engine.overlap=1", "[auto, on, off]"),
+    ("model.fused=yes", "[auto, on, off]"),
+    ("check=true", "[off, reference, unquantized]"),  # check has no 'on'
+])
+def test_a_bad_switch_value_fails_at_compose_with_the_valid_list(override, valid):
+    with pytest.raises((ConfigCompositionException, ValidationError)) as e:
+        compose_config(override)
+    text = f"{e.value} {e.value.__cause__}"
+    assert valid in text and override.split("=")[0].rpartition(".")[2] in text, text
+
+
+def test_switches_in_yaml_read_booleans(tmp_path):
+    """YAML (1.1, as OmegaConf reads it) turns a bare on / off / true / false into a boolean: each still composes."""
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "switches.yaml").write_text(
+        "# @package _global_\nengine:\n  overlap: off\nmodel:\n  fused: true\ncheck: false\n")
+    cfg = compose_config(f"hydra.searchpath=[file://{tmp_path}]", "+extra=switches")
+    assert (cfg.engine.overlap.name, cfg.model.fused.name, cfg.check.name) == ("off", "on", "off")
+
+
+def test_a_switch_given_true_reaches_the_container():
+    import containers
+
+    rt = containers.build(compose_config("device=cpu", "check=false", "engine.overlap=true", "model.fused=false"))
+    assert rt.config["engine"]["overlap"] == "on" and rt.engine.overlap is True
+    assert rt.config["model"]["fused"] == "off" and rt.config["check"] == "off"

@@ -22,6 +22,12 @@ def test_project_has_no_import_circle():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
+def test_project_has_no_import_circle_through_type_checking_imports():
+    """An import under ``if TYPE_CHECKING:`` does not run, but the two modules still depend on each other."""
+    cycle = find_cycle(import_edges(ROOT, type_checking=True))
+    assert cycle is None, "import circle (counting TYPE_CHECKING imports): " + " -> ".join(cycle)
+
+
 def test_no_source_file_over_600_lines():
     long = [f"{p.relative_to(ROOT)}: {n} lines"
             for p in sorted(ROOT.glob("**/*.py")) if ".venv" not in p.parts and not p.parts[len(ROOT.parts)].startswith(".")
@@ -65,6 +71,16 @@ def test_checker_ignores_type_checking_imports(tmp_path):
         "backends/base.py": "y = 1\n",
     })
     assert layer_violations(import_edges(root)) == []
+
+
+def test_checker_reports_a_circle_closed_by_a_type_checking_import(tmp_path):
+    root = _tree(tmp_path, {
+        "runtime/model/a.py": "from runtime.model.b import x\n",
+        "runtime/model/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from runtime.model.a import y\n",
+    })
+    assert find_cycle(import_edges(root)) is None
+    cycle = find_cycle(import_edges(root, type_checking=True))
+    assert cycle is not None and {"runtime.model.a", "runtime.model.b"} <= set(cycle)
 
 
 @pytest.mark.parametrize("module,layer", [("runtime.core.batch", "runtime.core"), ("runtime.__main__", "runtime"),

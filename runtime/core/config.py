@@ -15,6 +15,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from runtime.core.switch import Switch
+
 MiB = 1 << 20
 
 
@@ -53,12 +55,22 @@ class TopkMethod(str, enum.Enum):
     noaux_tc = "noaux_tc"  # V3: top-k within the topk_group groups of highest top-2 sum (bias-corrected scores)
 
 
-class FusedMode(str, enum.Enum):
-    """Which decoder-layer ops a model runs (:mod:`runtime.model.deepseek.ops`)."""
+class FusedMode(Switch):
+    """Which decoder-layer ops a model runs (:mod:`runtime.model.deepseek.ops`); true / false: on / off."""
 
     auto = "auto"  # the fused Triton kernels where the device supports them (FusedOps.capabilities), else torch
     on = "on"  # the fused kernels; a device without support is refused at validation
     off = "off"  # the unfused torch ops (the reference path; the CPU always takes it under auto)
+
+
+class WeightFormat(str, enum.Enum):
+    """``model.weights``: how the linear layers' weights are held and computed (:mod:`runtime.model.quantized`)."""
+
+    auto = "auto"  # a checkpoint: as stored; a preset: bf16
+    stored = "stored"  # a checkpoint's fp8 matrices kept as fp8 with their block scales, computed as shipped
+    dequantize = "dequantize"  # a checkpoint's fp8 matrices expanded to model.dtype at load (the reference)
+    bf16 = "bf16"  # a preset's random weights in model.dtype (bf16 on the GPU presets)
+    fp8 = "fp8"  # a preset's random weights in block-fp8 as the V3 release stores them
 
 
 class RopeType(str, enum.Enum):
@@ -77,7 +89,7 @@ class LinearImpl(str, enum.Enum):
     fla = "fla"  # fla-core Triton kernels (chunk_simple_gla / fused_recurrent_simple_gla), CUDA only
 
 
-class CheckMode(str, enum.Enum):
+class CheckMode(Switch):  # false: off
     off = "off"
     reference = "reference"  # the float32 torch reference, reading the same (possibly fp8) KV cache
     unquantized = "unquantized"  # also the same run with kv.dtype=auto: what the fp8 cache costs
@@ -93,7 +105,7 @@ class WorkloadKind(str, enum.Enum):
     prompts = "prompts"  # one request per line of the JSON-lines file `workload.path`
 
 
-class OverlapMode(str, enum.Enum):
+class OverlapMode(Switch):  # true / false: on / off
     auto = "auto"  # on for CUDA, off on the CPU
     on = "on"  # plan and launch step N+1 before step N's results are read back (one step ahead)
     off = "off"  # read every step's results back before scheduling the next (the host waits for the GPU)
@@ -306,6 +318,9 @@ class ModelConfig:
     tie_word_embeddings: bool | None = None
     eos_token_id: list[int] | None = None
     weight_seed: int = 1234
+    # stored (a checkpoint's fp8 kept as fp8) | dequantize (expanded at load) | bf16 / fp8 (a preset's random
+    # weights); auto: stored for a checkpoint, bf16 for a preset
+    weights: WeightFormat = WeightFormat.auto
     v4: DSV4ModelConfig | None = None  # DeepSeek-V4 (model_type deepseek_v4): its own attention, mHC and MoE
     fused: FusedMode = FusedMode.auto  # decoder ops: fused Triton kernels (auto: where the device supports them)
     # with fused ops: products of at most this many rows (decode at small batch) take the few-row Triton kernels

@@ -38,7 +38,6 @@ from runtime.model.dump import AttentionDumper
 
 if TYPE_CHECKING:
     from backends.multi_step_draft import MultiStepDraftBackend
-    from runtime.engine.speculative import DraftSteps
     from runtime.model.mla_model import MLAModel
 
 # name -> (forward mode of its batches, graph level every backend in use must reach)
@@ -277,10 +276,13 @@ def plain_mode_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None,
 
 
 def speculative_mode_graphs(decisions: dict, model: MLAModel, target_hooks: GraphHooks, draft_model: MLAModel,
-                            draft_attention: MultiStepDraftBackend, draft_steps: DraftSteps, num_steps: int,
+                            draft_attention: MultiStepDraftBackend,
+                            draft_steps: Callable[[torch.Tensor, ForwardBatch], torch.Tensor], num_steps: int,
                             padding_row: int, device, copies: int, stats) -> list[ModeGraphs]:
     """With speculation: the draft's decode steps, the target's verify and the draft's extend, each graphed as
-    its decision says (``num_steps + 1`` tokens per request in verify and extend)."""
+    its decision says (``num_steps + 1`` tokens per request in verify and extend). ``draft_steps``: the draft
+    decode steps of a round as one callable, ``(ids [B] int64, batch) -> tokens [B, num_steps] int64`` (the
+    speculative driver's ``DraftSteps``; the runner graphs it like any forward, whatever it is)."""
     t = num_steps + 1
     return [
         ModeGraphs(decisions["draft_decode"], ForwardMode.DECODE, draft_steps, draft_attention, 1, 1, padding_row,
