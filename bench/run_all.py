@@ -40,6 +40,8 @@ BENCHES: dict[str, list[str]] = {
     "decode_roofline": ["--quick", "--overlap", "off", "on"],
     "dsv4_decode_bench": ["--quick"],
     "tp_decode": ["--quick"],  # tp=1 here; tensor parallelism needs torchrun (scripts/tp_device.sh)
+    "fp8_gemm_bench": ["--quick"],  # block-fp8 linear layers (model.weights=stored / fp8)
+    "fp8_moe_bench": ["--quick"],  # block-fp8 experts
 }
 
 

@@ -1,0 +1,266 @@
+"""Block-fp8 linear layers (backends/kernels/fp8_gemm.py): the few-row W8A16 kernel, the W8A16 and W8A8 tiled GEMMs
+and the activation quantizer.
+
+CPU: Triton's interpreter at small odd sizes in float16 (its ``tl.dot`` is wrong for bfloat16, see test_gemv.py; its
+fp8 x fp8 ``tl.dot`` is exact, so the W8A8 GEMM runs here too). Every case against float64: x times the dequantized
+weight. Measured relative errors (random normal x, weights ~N(0, 1/K) quantized per 128 x 128 block):
+W8A16 ~2e-4 in fp16 (the output's rounding), ~2e-3 in bf16; W8A8 0.025-0.027, all of it the activations' e4m3
+rounding (against x's own fp8 values the GEMM is at the output's rounding). ``gpu`` tests: bf16 at one TP8 rank of
+DeepSeek-V3, every path, and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_env import DEV, capture_graph, needs_gpu, rel_err
+
+from backends.kernels import fp8_gemm
+from backends.kernels.skinny import TileConfig
+from runtime.model.quantized import dequantize_fp8, quantize_fp8
+
+TOL_W8A16 = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TOL_W8A8 = 3.5e-2  # measured 0.025-0.027 (activation rounding to e4m3)
+#: one TP8 rank of DeepSeek-V3 (hidden 7168): (name, N, K)
+TP8_SHAPES = [("qkv_a", 2112, 7168), ("q_b", 3072, 1536), ("o_proj", 7168, 2048), ("gate_up", 4608, 7168),
+              ("down", 7168, 2304), ("shared_gate_up", 512, 7168), ("shared_down", 7168, 256)]
+
+
+def make_weight(n, kd, block=(128, 128), dev=DEV):
+    """Random fp8 weight [N, K], its float32 block scales, and the float64 dequantized weight."""
+    w, s = quantize_fp8(torch.randn(n, kd, device=dev) / kd**0.5, block)
+    return w, s, dequantize_fp8(w, s, torch.float64, block=block)
+
+
+def strided_x(m, kd, dtype, dev=DEV):
+    """[M, K] as a view with row stride K + 24 (as a slice of a fused projection's output)."""
+    return torch.randn(m, kd + 24, dtype=dtype, device=dev)[:, :kd]
+
+
+def torch_quantize_act(x, group):
+    """float32 reference of quantize_act: per row and ``group`` inputs, s = max(amax / 448, 1e-12)."""
+    m, kd = x.shape
+    g = F.pad(x.float(), (0, -kd % group)).view(m, -1, group)
+    s = (g.abs().amax(-1) / 448.0).clamp_min(1e-12)
+    q = (g / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, -1)[:, :kd]
+    return q, s
+
+
+# ---------------------------------------------------------------------------------------- CPU (interpreter)
+SHAPES = [(200, 320, (128, 128)), (256, 256, (128, 128)), (100, 200, (32, 64)), (70, 48, (50, 16))]
+
+
+@pytest.mark.parametrize("n,kd,block", SHAPES)
+@pytest.mark.parametrize("path", ["few", "w8a16"])
+def test_w8a16_matches_float64(n, kd, block, path):
+    torch.manual_seed(n + kd)
+    w, s, wd = make_weight(n, kd, block)
+    for m in ([1, 3, 16] if path == "few" else [1, 17, 129]):
+        x = strided_x(m, kd, torch.float16)
+        y = fp8_gemm.fp8_linear(x, w, s, block, path=path)
+        assert y.dtype == torch.float16 and y.shape == (m, n)
+        assert rel_err(y, x.double() @ wd.T) <= TOL_W8A16[torch.float16], (m, path)
+
+
+@pytest.mark.parametrize("n,kd,block", [s for s in SHAPES if s[2][1] >= 32])
+def test_w8a8_matches_float64_and_quantized_x(n, kd, block):
+    torch.manual_seed(3 * n + kd)
+    w, s, wd = make_weight(n, kd, block)
+    for m in (1, 17, 129):
+        x = strided_x(m, kd, torch.float16)
+        y = fp8_gemm.fp8_linear(x, w, s, block, path="w8a8" if m <= 16 else None)
+        assert y.dtype == torch.float16 and y.shape == (m, n)
+        err = rel_err(y, x.double() @ wd.T)
+        assert 5e-3 < err <= TOL_W8A8, err  # the activations' rounding is there, and no more
+        q, qs = fp8_gemm.quantize_act(x, block[1])
+        xq = q.double() * qs.double().repeat_interleave(block[1], 1)[:, :kd]
+        assert rel_err(y, xq @ wd.T) <= TOL_W8A16[torch.float16]
+
+
+def test_default_path_by_rows():
+    torch.manual_seed(1)
+    w, s, wd = make_weight(64, 128)
+    x = torch.randn(17, 128, dtype=torch.float16, device=DEV)
+    assert fp8_gemm.choose_path(16, 128, DEV) == "few" and fp8_gemm.choose_path(17, 128, DEV) == "w8a8"
+    assert fp8_gemm.choose_path(17, 16, DEV) == "w8a16"  # fp8 steps are 32 deep
+    assert torch.equal(fp8_gemm.fp8_linear(x[:16], w, s), fp8_gemm.fp8_linear(x[:16], w, s, path="few"))
+    assert torch.equal(fp8_gemm.fp8_linear(x, w, s), fp8_gemm.fp8_linear(x, w, s, path="w8a8"))
+
+
+def test_few_rows_are_independent_of_m():
+    """Each row's bits whatever the row count (a CUDA graph padded to 16 rows gives the eager run's bits)."""
+    torch.manual_seed(2)
+    w, s, _ = make_weight(200, 320)
+    x = strided_x(16, 320, torch.float16)
+    for cfg in (None, TileConfig(16, 64), TileConfig(32, 256)):
+        full = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg)
+        for m in (1, 3, 7, 15):
+            assert torch.equal(fp8_gemm.fp8_linear(x[:m], w, s, config=cfg), full[:m]), (cfg, m)
+
+
+def test_tile_configs_agree():
+    """Sub-tiles narrower / wider than the scale block, other GEMM tiles: all within the fp16 bound."""
+    torch.manual_seed(4)
+    w, s, wd = make_weight(130, 300)
+    x = torch.randn(5, 300, dtype=torch.float16, device=DEV)
+    ref = x.double() @ wd.T
+    for cfg in (TileConfig(16, 16), TileConfig(16, 512), TileConfig(64, 128, 4, 2)):
+        assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg), ref) <= 2e-3
+    for cfg in (fp8_gemm.GemmConfig(16, 32, 32), fp8_gemm.GemmConfig(32, 64, 128, 2)):
+        assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="w8a16", config=cfg), ref) <= 2e-3
+        assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=cfg), ref) <= TOL_W8A8
+
+
+def test_quantize_act_gives_torch_bits():
+    torch.manual_seed(5)
+    x = strided_x(37, 300, torch.float16) * 3
+    x[0, :128] = 0  # an all-zero group: scale 1e-12, values 0
+    x[1, 5] = 30000.0  # one large value: the rest of its group near zero
+    x[2, :] = torch.linspace(-126.6, 127.7, 300, dtype=torch.float16)  # carries into the next binade
+    q, s = fp8_gemm.quantize_act(x, 128)
+    qr, sr = torch_quantize_act(x, 128)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (37, 3) and torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    q32, s32 = fp8_gemm.quantize_act(x.float().contiguous(), 32)
+    qr32, sr32 = torch_quantize_act(x, 32)
+    assert torch.equal(s32, sr32) and torch.equal(q32.view(torch.uint8), qr32.view(torch.uint8))
+
+
+def test_empty_inputs():
+    w, s, _ = make_weight(8, 32)
+    assert fp8_gemm.fp8_linear(torch.empty(0, 32, dtype=torch.float16), w, s).shape == (0, 8)
+    w0 = torch.empty(0, 32, dtype=torch.float8_e4m3fn)
+    assert fp8_gemm.fp8_linear(torch.ones(2, 32, dtype=torch.float16), w0, torch.empty(0, 1)).shape == (2, 0)
+
+
+def test_refuses_what_it_cannot_take():
+    w, s, _ = make_weight(40, 64)
+    x = torch.randn(3, 64, dtype=torch.float16)
+    cases = [
+        ((x.float(), w, s), {}, "bf16 or fp16"),
+        ((x, w.to(torch.float16), s), {}, "float8_e4m3fn"),
+        ((x, w, s.to(torch.bfloat16)), {}, r"scale \[ceil"),
+        ((x, w, torch.ones(2, 1)), {}, r"got \(2, 1\)"),
+        ((x[:, :48], w, s), {}, r"K=48"),
+        ((x.t().contiguous().t(), w, s), {}, "contiguous last dim"),
+        ((x, w, s), {"block": (128, 48)}, "power of two >= 16"),
+        ((x, w, s), {"block": 128}, r"block = \(bn, bk\)"),
+        ((x, w, s), {"path": "fp8"}, "path one of"),
+        ((torch.randn(17, 64, dtype=torch.float16), w, s), {"path": "few"}, "M <= 16"),
+        ((x, w, s), {"config": fp8_gemm.GemmConfig(16, 16, 32), "path": "few"}, "TileConfig"),
+        ((x, w, s), {"config": TileConfig(16, 32), "path": "w8a8"}, "GemmConfig"),
+        ((x, w, s), {"config": fp8_gemm.GemmConfig(16, 16, 16), "path": "w8a8"}, "block_k a power of two >= 32"),
+    ]
+    for args, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fp8_gemm.fp8_linear(*args, **kw)
+    w16, s16, _ = make_weight(40, 64, (128, 16))
+    with pytest.raises(ValueError, match="bk >= 32 for path='w8a8'"):
+        fp8_gemm.fp8_linear(x, w16, s16, (128, 16), path="w8a8")
+    with pytest.raises(ValueError, match="group a power of two"):
+        fp8_gemm.quantize_act(x, 100)
+    with pytest.raises(ValueError, match="bf16 / fp16 / float32"):
+        fp8_gemm.quantize_act(x.double(), 128)
+
+
+def test_configs_by_rule():
+    cpu = torch.device("cpu")  # counted as an H100's 132 SMs
+    assert fp8_gemm.few_config(2112, 7168, cpu) == TileConfig(16, 512, 4, 4)
+    assert fp8_gemm.few_config(7168, 2048, cpu) == TileConfig(32, 256, 4, 4)
+    assert fp8_gemm.few_config(40000, 100, cpu) == TileConfig(64, 128, 4, 4)
+    assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 4)
+    assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 4)
+    assert fp8_gemm.gemm_config(20, 512, 7168, 128, False, cpu) == fp8_gemm.GemmConfig(32, 64, 64, 8, 4, 4)
+
+
+def test_bench_arguments_and_shapes():
+    from bench import fp8_gemm_bench as b
+
+    args = b.parse_args(["--m", "1,16,4096", "--shapes", "qkv_a,down"])
+    assert args.m == [1, 16, 4096] and [s[0] for s in b.selected_shapes(args)] == ["qkv_a", "down"]
+    assert b.SHAPES == TP8_SHAPES and b.parse_args([]).m == [1, 2, 4, 8, 16, 32, 64, 4096]
+    with pytest.raises(SystemExit):
+        b.parse_args(["--shapes", "nope"])
+
+
+# ---------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,kd", TP8_SHAPES)
+def test_tp8_shapes_bf16_gpu(name, n, kd):
+    needs_gpu()
+    torch.manual_seed(n + kd)
+    w, s, wd = make_weight(n, kd, dev="cuda")
+    for m in (1, 4, 16, 64, 1024):
+        x = strided_x(m, kd, torch.bfloat16, "cuda")
+        ref = x.double() @ wd.T
+        paths = ["few", "w8a16", "w8a8"] if m <= 16 else ["w8a16", "w8a8"]
+        for path in paths:
+            y = fp8_gemm.fp8_linear(x, w, s, path=path)
+            assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+            tol = TOL_W8A8 if path == "w8a8" else TOL_W8A16[torch.bfloat16]
+            assert rel_err(y, ref) <= tol, (name, m, path, rel_err(y, ref))
+        if m == 16:  # our few-row kernel: a row's bits whatever the rows
+            full = fp8_gemm.fp8_linear(x, w, s, path="few")
+            for r in (1, 3, 8):
+                assert torch.equal(fp8_gemm.fp8_linear(x[:r], w, s, path="few"), full[:r]), (name, r)
+
+
+@pytest.mark.gpu
+def test_quantize_act_gpu_gives_torch_bits():
+    needs_gpu()
+    torch.manual_seed(6)
+    x = strided_x(300, 7168, torch.bfloat16, "cuda") * 5
+    q, s = fp8_gemm.quantize_act(x, 128)
+    qr, sr = torch_quantize_act(x, 128)
+    # torch on CUDA divides by the scalar 448 as a product with its reciprocal: the scales may differ by an ulp
+    assert torch.allclose(s, sr, rtol=2.4e-7, atol=0)
+    g = F.pad(x.float(), (0, -x.shape[1] % 128)).view(x.shape[0], -1, 128)
+    qs = (g / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(x.shape[0], -1)[:, : x.shape[1]]
+    assert torch.equal(q.view(torch.uint8), qs.view(torch.uint8))  # the quotient by the kernel's own scales
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 64])
+def test_cuda_graph_replay_gpu(m):
+    """Captured with PDL (Hopper), replayed: the eager run's bits."""
+    needs_gpu()
+    torch.manual_seed(m)
+    w, s, _ = make_weight(2112, 7168, dev="cuda")
+    x = torch.randn(m, 7168, dtype=torch.bfloat16, device="cuda")
+    out = {}
+
+    def step():
+        out["y"] = fp8_gemm.fp8_linear(x, w, s, pdl=True)
+
+    eager = fp8_gemm.fp8_linear(x, w, s, pdl=True)
+    graph = capture_graph(step)
+    x.copy_(torch.randn_like(x))
+    eager = fp8_gemm.fp8_linear(x, w, s, pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out["y"], eager)
+
+
+def test_library_path_is_refused_where_it_cannot_run():
+    w, s, _ = make_weight(256, 256, dev=DEV)
+    x = strided_x(3, 256, torch.float16, DEV)
+    with pytest.raises(ValueError, match="path='flashinfer'"):
+        fp8_gemm.fp8_linear(x, w, s, path="flashinfer")  # fp16 activations (and no SM90 GPU here)
+    assert fp8_gemm.choose_path(3, 128, DEV, torch.float16) == "few"
+
+
+@pytest.mark.gpu
+def test_library_path_gpu():
+    """FlashInfer's SM90 block-scale GEMM, the default where it serves: W8A8-level error at decode and prefill
+    rows, odd N / M included."""
+    needs_gpu()
+    if not fp8_gemm._library_serves(torch.bfloat16, (128, 128), "cuda"):
+        pytest.skip("FlashInfer's fp8_blockscale_gemm_sm90 does not serve this GPU")
+    torch.manual_seed(3)
+    w, s, wd = make_weight(2112, 7168, dev="cuda")
+    for m in (1, 3, 16, 17, 129):
+        x = strided_x(m, 7168, torch.bfloat16, "cuda")
+        assert fp8_gemm.choose_path(m, 128, "cuda", torch.bfloat16) == ("few" if m <= 16 else "flashinfer")
+        y = fp8_gemm.fp8_linear(x, w, s, path="flashinfer")
+        assert rel_err(y, x.double() @ wd.double().T) <= TOL_W8A8, m
