@@ -44,6 +44,7 @@ from backends.trtllm_mla import TrtllmMLABackend
 from backends.trtllm_mla import load_kernel as load_trtllm_kernel
 from runtime.app.parallel_checks import parallel_problems, rank_view
 from runtime.app.validation import validate
+from runtime.app.weights_checks import weights_problems
 from runtime.core.device import DeviceInfo, probe_device
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.dsv4_slots import DSV4TokenSlots
@@ -553,11 +554,12 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
     if not problems:  # a model config that resolved: everything else, and the checkpoint's headers
         problems = validate(rank_view(plain), BACKENDS, info, linear_backend=LinearAttentionBackend)
         problems += parallel_problems(plain, launch, info)
+        problems += weights_problems(plain, info)  # the full model's view: tensor-parallel cuts of fp8 blocks
         if not problems and plain["model"]["path"]:
             spec = ModelSpec.from_config(plain["model"])
             problems = (scan_dsv4_checkpoint(dsv4_config(plain["model"]), spec.path,
                                              StoredFormat.of(plain["model"]))[-1] if spec.is_dsv4
-                        else scan_checkpoint(spec)[2])
+                        else scan_checkpoint(spec, Sharding(0, plain["parallel"]["tp"], plain["parallel"]["moe"]))[2])
     if problems:
         raise ConfigError(problems)
     container.config.from_dict(plain)

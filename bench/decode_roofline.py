@@ -27,6 +27,8 @@ together under CUDA-graph replay):
   one run);
 * ``--gemv-rows 16 0``: ``model.gemv_rows`` values to measure (the few-row Triton products and cuBLAS / the
   grouped expert GEMM in one run);
+* ``--weights bf16 fp8``: ``model.weights`` values to measure (the preset's weights in bf16, or block-fp8 as the
+  V3 release stores them; bytes/step counts the fp8 values and their scales as stored);
 * ``--pdl on off``: ``model.pdl`` values to measure (programmatic dependent launch of the fused kernels and of
   triton_mla's decode kernels);
 * ``--kernels``: a per-kernel breakdown of the decode window (from the same profile's trace: kernel name,
@@ -57,6 +59,7 @@ from bench.engine_config import compose_config, decode_periods_us, preset_overri
 from bench.harness import Table, measure_ceilings, report  # noqa: E402
 from containers import build  # noqa: E402
 from runtime.model.deepseek.weights import AttentionWeights, MoEWeights  # noqa: E402
+from runtime.model.quantized import BlockFP8  # noqa: E402
 
 FULL_DEPTH = 61  # DeepSeek-V3
 
@@ -100,7 +103,9 @@ def layers_that_fit(layer_bytes: list[int], kv_per_layer: float, budget: float, 
 
 
 def _nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes of tensors and block-fp8 weights (values and scales) as stored; None counts 0."""
+    return sum(t.nbytes if isinstance(t, BlockFP8) else t.numel() * t.element_size()
+               for t in tensors if t is not None)
 
 
 def expected_experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
@@ -119,7 +124,7 @@ def step_bytes(rt, bs: int, mean_len: float) -> dict:
     mla_layers = len(spec.kv_cache_layers)
     layer_weights = 0
     for lw in w.layers:
-        layer_weights += sum(_nbytes(t) for t in vars(lw.attn).values() if isinstance(t, torch.Tensor))
+        layer_weights += sum(_nbytes(t) for t in vars(lw.attn).values() if isinstance(t, (torch.Tensor, BlockFP8)))
         if isinstance(lw.attn, AttentionWeights) and lw.attn.indexer is not None:
             layer_weights += _nbytes(*lw.attn.indexer.tensors)
         layer_weights += _nbytes(lw.mlp_norm)
@@ -274,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
                     help="model.pdl values to measure (programmatic dependent launch of the fused kernels and of "
                          "triton_mla's decode kernels)")
+    ap.add_argument("--weights", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+                    help="model.weights values to measure (a preset's weights in bf16 or block-fp8)")
     ap.add_argument("--kernels", action="store_true", help="per-kernel breakdown of the decode window")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="more Hydra overrides for every run, e.g. backend.kernel=fa2")
@@ -288,9 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     layers = (fit_layers(args.preset, max(args.batches), args.prompt, args.out_len) if args.layers == "auto"
               else int(args.layers))
     ceilings = measure_ceilings()
-    rows = [run_one(args.preset, bs, layers, args.prompt, args.out_len, ov, fu, args.kernels, g, pdl, tuple(args.set))
-            for fu in args.fused for g in args.gemv_rows for pdl in args.pdl for ov in args.overlap
-            for bs in args.batches]
+    rows = [{"weights": wf, **run_one(args.preset, bs, layers, args.prompt, args.out_len, ov, fu, args.kernels, g,
+                                      pdl, (*args.set, f"model.weights={wf}"))}
+            for wf in args.weights for fu in args.fused for g in args.gemv_rows for pdl in args.pdl
+            for ov in args.overlap for bs in args.batches]
     breakdowns = [r.pop("breakdown") for r in rows if "breakdown" in r]
     for r in rows:
         r["roofline_us"] = r["bytes"] / (ceilings.copy_gbs * 1e3)
@@ -298,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         r["step_ratio"] = r["roofline_us"] / r["period_us"]
         r["mb_per_step"] = r["bytes"] / 1e6
         r["idle_goal"] = "ok" if r["host_idle_us"] <= 30 else "MISS"
-    cols = ["fused", "gemv_rows", "pdl", "overlap", "bs", "kernel_us", "period_us", "idle_us", "bubble_us",
+    cols = ["weights", "fused", "gemv_rows", "pdl", "overlap", "bs", "kernel_us", "period_us", "idle_us", "bubble_us",
             "host_idle_us", "idle_profiled_us", "mb_per_step", "roofline_us", "ratio", "step_ratio",
             "kernels_per_layer", "idle_goal"]
     fmt = {"kernel_us": ".1f", "period_us": ".1f", "idle_us": ".1f", "bubble_us": ".1f", "host_idle_us": ".1f",
@@ -306,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
            "kernels_per_layer": ".1f"}
     title = (f"decode roofline: {args.preset}{''.join(' ' + o for o in args.set)}, {layers} layers, prompt "
              f"{args.prompt}, {args.out_len} steps, CUDA graphs; roofline = bytes / copy bandwidth")
-    tables = [Table(b, f"kernels of the decode window: fused={r['fused']} gemv_rows={r['gemv_rows']} pdl={r['pdl']} "
+    tables = [Table(b, f"kernels of the decode window: weights={r['weights']} fused={r['fused']} gemv_rows={r['gemv_rows']} pdl={r['pdl']} "
                        f"overlap={r['overlap']} bs={r['bs']}, "
                        f"{layers} layers", ["kernel", "per_step", "per_layer", "us_per_step", "share"],
                     {"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"}, name="kernels")

@@ -16,19 +16,22 @@
 # Each launch is capped at T seconds and the script skips what would start after DEADLINE seconds (540), so the
 # tables always print within one 10-minute device call. A graphed tp run that fails is retried once without graphs.
 # SMOKE=1: the same steps on the CPU (gloo) with a tiny model of the same structure, to check the script runs.
+# PYTHON: the interpreter every step runs (default python3 from PATH; the tests pass their own, sys.executable).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/tp_device}            # the run files (JSON); the checkpoint stays out of it (CKPT)
 mkdir -p "$OUT"
 CKPT=${CKPT:-/tmp/tp_ckpt}
 NPROC=${NPROC:-2}
+PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 port=$((29500 + RANDOM % 1000))
 
 if [ "${SMOKE:-0}" = 1 ]; then
-  # heads 8: NPROC up to 8 divides every sharded width (SMOKE=1 NPROC=8 is the 8-rank gloo check)
-  MODEL="model.hidden_size=256 model.num_heads=8 model.q_lora_rank=64 model.intermediate_size=256
-         model.moe_intermediate_size=128 model.n_routed_experts=16 model.vocab_size=512 model.dtype=float32"
+  # heads 8: NPROC up to 8 divides every sharded width (SMOKE=1 NPROC=8 is the 8-rank gloo check); the fp8
+  # weights stay fp8 (model.weights=stored), so q LoRA and the intermediates cut on whole 128-blocks up to 8 ranks
+  MODEL="model.hidden_size=256 model.num_heads=8 model.q_lora_rank=128 model.intermediate_size=1024
+         model.moe_intermediate_size=1024 model.n_routed_experts=16 model.vocab_size=512 model.dtype=float32"
   DEV=cpu; BF16="--dtype float32 --backend torch_mla --no-graphs"; SIZES="--batches 1 4 --prompt 16 --out-len 4"
   FP32SIZES="--batches 4 --prompt 16 --out-len 4"; SWEEP_MAX=$((1 << 20)); T=120
 else
@@ -45,19 +48,19 @@ left() {  # seconds this launch may take; 0 once past the deadline
 }
 one() {
   local l; l=$(left); [ "$l" -lt 20 ] && { echo "skipped: past the deadline"; return 124; }
-  timeout "$l" python3 -m bench.tp_decode --device $DEV --model-path "$CKPT" "$@"
+  timeout "$l" "$PY" -m bench.tp_decode --device $DEV --model-path "$CKPT" "$@"
 }
 many() {
   local l; l=$(left); [ "$l" -lt 20 ] && { echo "skipped: past the deadline"; return 124; }
   port=$((port + 1))
-  timeout "$l" python3 -m torch.distributed.run --nproc-per-node "$NPROC" --master-addr 127.0.0.1 \
+  timeout "$l" "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" --master-addr 127.0.0.1 \
     --master-port $port -m bench.tp_decode --device $DEV --model-path "$CKPT" "$@"
 }
 
 step "checkpoint -> $CKPT"
 if [ ! -f "$CKPT/config.json" ]; then
   # shellcheck disable=SC2086
-  timeout "$T" python3 -m runtime.app.make_checkpoint model=deepseek_v3 model.num_layers=2 \
+  timeout "$T" "$PY" -m runtime.app.make_checkpoint model=deepseek_v3 model.num_layers=2 \
     model.first_k_dense_replace=1 $MODEL device=$DEV out="$CKPT" fp8=true || { echo "checkpoint FAILED"; exit 1; }
 fi
 du -sh "$CKPT"
@@ -92,5 +95,5 @@ step "tables"
 for kind in bf16 fp32; do
   files=$(ls "$OUT"/${kind}_tp1.json "$OUT"/${kind}_tp"${NPROC}"_*.json 2>/dev/null)
   # shellcheck disable=SC2086
-  [ -n "$files" ] && python3 -m bench.tp_decode --table $files
+  [ -n "$files" ] && "$PY" -m bench.tp_decode --table $files
 done

@@ -123,7 +123,7 @@ def test_fp8_checkpoint_serves_like_its_dequantised_weights(small, tmp_path):
         s = f.get_tensor("model.layers.3.mlp.experts.5.down_proj.weight_scale_inv")
     assert q.dtype == torch.float8_e4m3fn
     spec = ModelSpec.from_config(resolve_model_config(
-        {"name": "hf", "path": str(out), "dtype": "float32", "max_context": 256})[0])
+        {"name": "hf", "path": str(out), "dtype": "float32", "max_context": 256, "weights": "dequantize"})[0])
     w = load_checkpoint(spec, torch.device("cpu"))
     assert torch.equal(w.layers[3].mlp.down[5], dequantize_fp8(q, s, torch.float32))
     ref = load_checkpoint(ModelSpec.from_config(resolve_model_config(

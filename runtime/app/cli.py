@@ -55,7 +55,8 @@ def explain(runtime, console: Console) -> None:
             "request_states": plan["request_state_bytes"],
             **{k.removesuffix("_bytes"): v for k, v in plan.items() if k.startswith("dsv4_")},
             "req_to_token": plan["req_to_token_bytes"],
-            "weights": plan["weights_bytes"], **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
+            "weights": plan["weights_bytes"], **{f"  weights:{k}": v for k, v in plan["weights_by_dtype"].items()},
+            **{f"workspace:{k}": v for k, v in plan["workspaces"].items()}}
     for name, n in rows.items():
         console.print(f"  {name:<32} {n:>16,d}")
     console.print(f"  {'total':<32} {plan['total_bytes']:>16,d}")

@@ -4,7 +4,7 @@ layout of the official DeepSeek releases (per-expert tensors), readable by our l
     python -m runtime.app.make_checkpoint model=deepseek_v3 model.num_layers=4 out=DIR [device=cuda] [fp8=true]
 
 ``out=DIR`` (required) and ``fp8=true`` (linear weights as fp8 e4m3 with 128 x 128 block scales, as the official
-V3/V3.2 release; our loader dequantises them) are this command's own; every other argument is a Hydra override of
+V3/V3.2 release; ``model.weights=fp8`` writes the preset's fp8 blocks as generated) are this command's own; every other argument is a Hydra override of
 the runtime's config. The model type follows the preset: sparse layers -> deepseek_v32, a softmax router ->
 deepseek_v2, else deepseek_v3. Shards of at most 4 GiB with ``model.safetensors.index.json`` when there are several.
 """
@@ -28,14 +28,14 @@ from runtime.core.errors import ConfigError, Problem
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.model.deepseek.checkpoint import INDEX_FILE, SINGLE_FILE
 from runtime.model.deepseek.hf_config import resolve_model_config
+from runtime.model.deepseek.stored import release_fp8
 from runtime.model.deepseek.weights import ModelWeights, random_weights
-from runtime.model.quantized import quantize_fp8
+from runtime.model.quantized import BlockFP8, quantize_fp8
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 SHARD_BYTES = 4 << 30
 ARCH = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
         "deepseek_v32": "DeepseekV32ForCausalLM"}
-NOT_FP8 = ("norm", "embed_tokens", "lm_head", "mlp.gate.", "e_score_correction_bias", "weights_proj")
 
 
 def model_type_of(spec: ModelSpec) -> tuple[str, list[Problem]]:
@@ -159,6 +159,7 @@ def write_checkpoint(spec: ModelSpec, weights: ModelWeights, out: Path, fp8: boo
     if problems:
         raise ConfigError(problems)
     out.mkdir(parents=True, exist_ok=True)
+    fp8 = fp8 or spec.weights == "fp8"
     (out / "config.json").write_text(json.dumps(hf_config(spec, mtype, fp8), indent=2))
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -172,7 +173,9 @@ def write_checkpoint(spec: ModelSpec, weights: ModelWeights, out: Path, fp8: boo
 
     for name, t in hf_tensors(spec, weights):
         parts = {name: t}
-        if fp8 and t.dim() == 2 and not any(k in name for k in NOT_FP8):
+        if isinstance(t, BlockFP8):  # model.weights=fp8: the blocks as generated
+            parts = {name: t.weight, name + "_scale_inv": t.scale}
+        elif fp8 and release_fp8(name, tuple(t.shape)):
             q, s = quantize_fp8(t)
             parts = {name: q, name + "_scale_inv": s}
         for n, x in parts.items():

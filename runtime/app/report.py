@@ -30,8 +30,9 @@ def memory_plan(container) -> dict:
         # the speculative draft's own KV pool (its weights are the target's)
         "draft_kv_pool_bytes": container.draft_kv_pool().nbytes if container.config.speculative.enabled() else 0,
     }
+    weights = container.model().weights
     return {**sizes, "workspaces": ledger.report(), "workspace_consumers": ledger.consumers(),
-            "total_bytes": sum(sizes.values()) + ledger.total_bytes}
+            "weights_by_dtype": weights.bytes_by_dtype(), "total_bytes": sum(sizes.values()) + ledger.total_bytes}
 
 
 SPEC_PHASES = ("draft_decode", "target_verify", "draft_extend")
@@ -169,14 +170,16 @@ def _graphs(runner) -> dict:
 
 
 def _model(runtime) -> dict:
-    """Name, dtype (what the weights are held in), layers, and where the weights came from: ``source`` (random, or
-    the checkpoint folder), ``stored_dtypes`` (checkpoint dtype -> tensors read in it: fp8 ``F8_E4M3`` / fp4 ``I8``
-    were dequantized to ``dtype``), ``load_seconds`` and ``peak_host_bytes`` (the process's peak resident memory
-    after loading)."""
+    """Name, dtype (the compute dtype), layers, and where the weights came from: ``source`` (random, or the
+    checkpoint folder), ``stored_dtypes`` (checkpoint dtype -> tensors read in it), ``weights`` (model.weights:
+    stored fp8 kept as fp8, or dequantized to ``dtype``), ``weight_bytes`` (dtype -> bytes as held on the
+    device), ``unquantized_bytes`` (weight group -> bytes of the weights held in a float dtype), ``load_seconds``
+    and ``peak_host_bytes`` (the process's peak resident memory after loading)."""
     m = runtime.config["model"]
     w = runtime.container.model().weights
     return {"name": m["name"], "model_type": m.get("model_type"), "dtype": m["dtype"], "layers": m["num_layers"],
-            "mlp": m.get("mlp"), "source": w.source, "stored_dtypes": w.stored_dtypes,
+            "mlp": m.get("mlp"), "source": w.source, "stored_dtypes": w.stored_dtypes, "weights": m.get("weights"),
+            "weight_bytes": w.bytes_by_dtype(), "unquantized_bytes": w.unquantized_bytes(),
             "load_seconds": w.load_seconds, "peak_host_bytes": w.peak_host_bytes}
 
 
@@ -264,6 +267,18 @@ def _parallel_line(pl: dict) -> str:
     return "; ".join(parts)
 
 
+def _weight_line(m: dict) -> str:
+    """model.weights, bytes per dtype as held, and the largest groups held in a float dtype."""
+    by = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(m["weight_bytes"].items(), key=lambda kv: -kv[1]))
+    line = f"{m['weights']}: {by}"
+    if "float8_e4m3fn" in m["weight_bytes"]:
+        top = sorted(m["unquantized_bytes"].items(), key=lambda kv: -kv[1])
+        line += "; in 16 / 32 bits: " + ", ".join(f"{k} {_mib(v)}" for k, v in top[:6])
+        if len(top) > 6:
+            line += f", {len(top) - 6} more groups {_mib(sum(v for _, v in top[6:]))}"
+    return line
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     t = Table(title=f"mla-runtime: {report['backend']} on {report['device']['name']}", show_header=False)
@@ -278,6 +293,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     loaded = (f"; loaded from {m['source']} (stored {stored}) in {m['load_seconds']:.2f} s, peak host memory "
               f"{_mib(m['peak_host_bytes'])}" if m["source"] != "random" else "; seeded random weights")
     t.add_row("model", f"{m['name']} ({m['dtype']}, {m['layers']} layers, mlp {m['mlp']})" + loaded)
+    t.add_row("weights", _weight_line(m))
     t.add_row("build order", " -> ".join(report["build_order"]))
     t.add_row("prefill", f"{p['tokens']} tokens in {p['steps']} steps, {p['tokens_per_s']:.1f} tok/s")
     t.add_row("decode", f"{d['tokens']} tokens in {d['steps']} steps; step ms mean {d['mean_step_ms']:.3f} "

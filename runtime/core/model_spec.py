@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from runtime.core.config import MODEL_DEFAULTS, LayerKind
+from runtime.core.config import MODEL_DEFAULTS, LayerKind, WeightFormat
 
 
 class MLPLayer(str, enum.Enum):
@@ -80,6 +80,7 @@ class ModelSpec:
     rope_truncate: bool = True
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = ()
+    weights: str = "auto"  # model.weights (runtime.core.config.WeightFormat)
     tp_size: int = 1  # tensor-parallel ranks: num_heads is this rank's share of the model's heads
 
     @classmethod
@@ -138,6 +139,7 @@ class ModelSpec:
             rope_truncate=bool(m["rope_truncate"]),
             tie_word_embeddings=bool(m["tie_word_embeddings"]),
             eos_token_id=tuple(m["eos_token_id"]),
+            weights=WeightFormat(m.get("weights", "auto")).value,
         )
 
     def draft(self, num_layers: int) -> ModelSpec:

@@ -22,25 +22,28 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.deepseek.rope import apply_rope_half
+from runtime.model.quantized import Weight, linear, weight_tensors
 
 K_NORM_EPS = 1e-6
 
 
 @dataclass
 class IndexerWeights:
-    wq_b: torch.Tensor  # [Hi * Di, q_lora]
-    wk: torch.Tensor  # [Di, hidden]
+    wq_b: Weight  # [Hi * Di, q_lora] (block-fp8 when stored)
+    wk: Weight  # [Di, hidden] (block-fp8 when stored)
     k_norm_weight: torch.Tensor  # [Di]
     k_norm_bias: torch.Tensor  # [Di]
     weights_proj: torch.Tensor  # [Hi, hidden] float32
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        return [self.wq_b, self.wk, self.k_norm_weight, self.k_norm_bias, self.weights_proj]
+        return [*weight_tensors(self.wq_b), *weight_tensors(self.wk), self.k_norm_weight, self.k_norm_bias,
+                self.weights_proj]
 
 
 def indexer_projections(
-    iw: IndexerWeights, spec, xn: torch.Tensor, q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    iw: IndexerWeights, spec, xn: torch.Tensor, q_in: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    project=linear,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Indexer queries, keys and head weights of a step's new tokens.
 
@@ -48,6 +51,8 @@ def indexer_projections(
     ----------
     xn : [T, hidden] normed hidden states (model dtype); q_in : [T, q_lora] the normed query latent
     cos, sin : [T, qk_rope_head_dim / 2] float32 RoPE tables at the tokens' positions
+    project : (x [T, K], weight) -> [T, N], the products with ``wq_b`` / ``wk`` (the decoder ops' ``linear``:
+        block-fp8 kernels for stored weights; torch by default)
 
     Returns
     -------
@@ -56,9 +61,9 @@ def indexer_projections(
         relu(s * x) = s * relu(x) for s > 0)
     """
     t, hi, di, r = xn.shape[0], spec.index_n_heads, spec.index_head_dim, spec.qk_rope_head_dim
-    q = F.linear(q_in, iw.wq_b).view(t, hi, di)
+    q = project(q_in, iw.wq_b).view(t, hi, di)
     q = torch.cat([apply_rope_half(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-    k = F.layer_norm(F.linear(xn, iw.wk), (di,), iw.k_norm_weight, iw.k_norm_bias, K_NORM_EPS)
+    k = F.layer_norm(project(xn, iw.wk), (di,), iw.k_norm_weight, iw.k_norm_bias, K_NORM_EPS)
     k = torch.cat([apply_rope_half(k[:, :r], cos, sin), k[:, r:]], dim=-1)
     weights = F.linear(xn.to(iw.weights_proj.dtype), iw.weights_proj).float() * (hi**-0.5 * di**-0.5)
     return q.contiguous(), k.contiguous(), weights.contiguous()

@@ -85,8 +85,10 @@ class MLAModel:
         self.dump_layer = dump_layer
         self.attention = MLAAttention(spec, kv_pool, backend, mha_prefill, dumper, sparse, dump_layer, ops)
         self.rope_cos, self.rope_sin = rope_tables(spec, device)
-        moe_dims = [d for k, lw in zip(spec.mlp_kinds, self.layers) if k == MLPLayer.moe for d in lw.mlp.down.shape[1:]]
-        self.grouped_mm = spec.has_moe and GROUPED_MM.usable(device, spec.dtype, tuple(moe_dims))
+        moe = [lw.mlp.down for k, lw in zip(spec.mlp_kinds, self.layers) if k == MLPLayer.moe]
+        moe_dims = tuple(d for down in moe for d in down.shape[1:])
+        # torch._grouped_mm multiplies float experts (block-fp8 ones take the fused ops' fp8 kernels)
+        self.grouped_mm = spec.has_moe and GROUPED_MM.usable(device, moe[0].dtype, moe_dims)
 
     @property
     def weight_bytes(self) -> int:

@@ -72,7 +72,7 @@ class MLAAttention:
                                                         None if use_mha else lw.w_uk)  # q_abs [T, H, kv_lora]
         index = None
         if lw.indexer is not None:  # sparse layer: the backend keeps its indexer keys (and, with HiSparse, its KV)
-            index = indexer_projections(lw.indexer, s, xn, q_in, cos, sin)
+            index = indexer_projections(lw.indexer, s, xn, q_in, cos, sin, ops.linear)
             self.sparse.store_sparse_tokens(torch.cat([ckv, kpe], dim=-1), index[1], layer_id, batch)
         sparse_decode = index is not None and batch.mode == ForwardMode.DECODE
 

@@ -8,7 +8,9 @@ before anything is allocated.
 :func:`load_checkpoint` then opens one shard at a time with ``safe_open`` and moves each tensor to the device
 in the compute dtype as it is read, so at most one tensor of the checkpoint is on the host at a time. fp8 e4m3
 weights (the official V3/V3.2 release) carry ``<name>_scale_inv`` [ceil(out/128), ceil(in/128)] float32 block
-scales: ``weight = fp8 * scale`` per 128 x 128 block, dequantised at load (:mod:`runtime.model.quantized`). Layers past ``spec.num_layers`` (a cut
+scales: ``weight = fp8 * scale`` per 128 x 128 block (:mod:`runtime.model.quantized`). ``model.weights=stored``
+keeps them so on the device (a :class:`~runtime.model.quantized.BlockFP8`; ``kv_b_proj`` excepted:
+:mod:`runtime.model.deepseek.stored`), ``dequantize`` expands them at load. Layers past ``spec.num_layers`` (a cut
 model, or the release's MTP layer) are not read.
 
 Tensor parallelism: each rank reads only its slice of each tensor (``safe_open(...).get_slice``; the cuts are
@@ -35,6 +37,7 @@ from runtime.core.errors import CheckpointError, Problem
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.sharding import FULL, Cut, experts_of, local_shape, tensor_cut
+from runtime.model.deepseek.stored import block_layout_problems, kept_fp8
 from runtime.model.deepseek.weights import (
     AttentionWeights,
     DecoderLayerWeights,
@@ -44,7 +47,17 @@ from runtime.model.deepseek.weights import (
     split_kv_b,
 )
 from runtime.model.indexer import IndexerWeights
-from runtime.model.quantized import FP8_BLOCK, ScaledTensor, StoredKind, apply_block_scales, unpack_fp4
+from runtime.model.quantized import (
+    FP8_BLOCK,
+    BlockFP8,
+    ScaledTensor,
+    StoredKind,
+    Weight,
+    apply_block_scales,
+    cat_rows,
+    scale_values,
+    unpack_fp4,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -196,8 +209,10 @@ def tensor_problems(folder: Path, index: dict[str, TensorInfo], expected: dict[s
     return problems
 
 
-def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[Problem]]:
-    """Headers only: (index, expected name -> shape, every problem). See the module docstring."""
+def scan_checkpoint(spec: ModelSpec, shard: Sharding = ONE_RANK) -> tuple[dict[str, TensorInfo], dict, list[Problem]]:
+    """Headers only: (index, expected name -> shape, every problem). See the module docstring. With
+    ``model.weights=stored``, every fp8 tensor's tensor-parallel cut (``shard``) and load-time fusion must keep
+    its scale blocks whole."""
     folder = Path(spec.path)
     index, problems = checkpoint_index(folder)
     if problems and not index:
@@ -220,6 +235,9 @@ def scan_checkpoint(spec: ModelSpec) -> tuple[dict[str, TensorInfo], dict, list[
                                         else f"{name}_scale_inv of shape {list(scale.shape)}",
                                         f"{name}_scale_inv of shape {list(want)} (128 x 128 blocks)",
                                         "use the release's scales, or a bf16 checkpoint"))
+    if spec.weights == "stored" and not problems:
+        fp8 = {n: shape for n, shape in expected.items() if index[n].dtype == FP8}
+        problems += block_layout_problems(spec, shard, fp8)
     return index, expected, problems
 
 
@@ -236,11 +254,12 @@ def _span(s: slice, n: int) -> tuple[int, int]:
 
 class _Reader:
     """Reads tensors shard by shard (one open file at a time), converting each to the device and a dtype; a
-    tensor ``scaled`` names (fp8 / fp4 with its scale tensor) is dequantized as it is read."""
+    tensor ``scaled`` names (fp8 / fp4 with its scale tensor) is dequantized as it is read, or, when ``keep``
+    says so for its name, kept as stored (a :class:`BlockFP8`, fp8 only)."""
 
     def __init__(self, index: dict[str, TensorInfo], device: torch.device, dtype: torch.dtype,
-                 scaled: dict[str, ScaledTensor]):
-        self.index, self.device, self.dtype, self.scaled = index, device, dtype, scaled
+                 scaled: dict[str, ScaledTensor], keep=lambda name: False):
+        self.index, self.device, self.dtype, self.scaled, self.keep = index, device, dtype, scaled, keep
         self._file: Path | None = None
         self._handle = None
 
@@ -256,22 +275,34 @@ class _Reader:
             self._handle.__exit__(None, None, None)
             self._handle, self._file = None, None
 
-    def get(self, name: str, dtype: torch.dtype | None = None, cut: Cut = FULL) -> torch.Tensor:
-        """Tensor ``name`` (this rank's ``cut`` of it: only those bytes are read) on the device, in ``dtype``."""
+    def kept(self, name: str) -> bool:
+        """Whether tensor ``name`` is read as stored (block-fp8) rather than dequantized."""
+        stored = self.scaled.get(name)
+        return stored is not None and stored.kind == StoredKind.fp8 and self.keep(name)
+
+    def get(self, name: str, dtype: torch.dtype | None = None, cut: Cut = FULL) -> Weight:
+        """Tensor ``name`` (this rank's ``cut`` of it: only those bytes are read) on the device, in ``dtype`` (or as
+        stored: a BlockFP8)."""
         info = self.index[name]
         want = dtype or (torch.float32 if name.endswith(FLOAT32_TENSORS) else self.dtype)
         if cut.replicated:
             parts = [self._whole(name, info, want)]
         else:
             parts = [self._piece(name, info, piece, want) for piece in cut.pieces]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=cut.dim)
+        return parts[0] if len(parts) == 1 else cat_rows(parts, dim=cut.dim)
 
-    def _whole(self, name: str, info: TensorInfo, want: torch.dtype) -> torch.Tensor:
+    def _scale(self, stored: ScaledTensor, blocks: tuple[slice, ...] | None = None) -> torch.Tensor:
+        h = self._open(self.index[stored.scale].file)
+        return h.get_tensor(stored.scale) if blocks is None else h.get_slice(stored.scale)[blocks]
+
+    def _whole(self, name: str, info: TensorInfo, want: torch.dtype) -> Weight:
         t = self._open(info.file).get_tensor(name)
         stored = self.scaled.get(name)
         if stored is None:
             return t.to(device=self.device, dtype=want)
-        scale = self._open(self.index[stored.scale].file).get_tensor(stored.scale)
+        scale = self._scale(stored)
+        if self.kept(name):
+            return BlockFP8(t.to(self.device), scale_values(scale).to(self.device), stored.block)
         return stored.dequantize(t.to(self.device), scale.to(self.device), want)
 
     def _piece(self, name: str, info: TensorInfo, piece: tuple[slice, ...], want: torch.dtype) -> torch.Tensor:
@@ -284,6 +315,14 @@ class _Reader:
             return self._open(info.file).get_slice(name)[piece].to(device=self.device, dtype=want)
         fp4 = stored.kind == StoredKind.fp4
         rows, cols = info.shape[0], info.shape[1] * (2 if fp4 and info.dtype != F4 else 1)
+        if self.kept(name):  # whole blocks (scan_checkpoint checked the cut): the bytes and their scales as stored
+            full = BlockFP8(torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device="meta"),
+                            torch.empty((-(-rows // stored.block[0]), -(-cols // stored.block[1])), device="meta"),
+                            stored.block)
+            w_idx, s_idx = full.index_of(piece)
+            t = self._open(info.file).get_slice(name)[w_idx]
+            return BlockFP8(t.to(self.device), scale_values(self._scale(stored, s_idx)).to(self.device),
+                            stored.block)
         (br, bc), (r0, r1), (c0, c1) = stored.block, *(_span(s, n) for s, n in zip(piece + (slice(None),) * 2,
                                                                                   (rows, cols)))
         b0, b1 = (c0 // 2, -(-c1 // 2)) if fp4 else (c0, c1)  # the stored columns (fp4: bytes) that hold the piece
@@ -294,24 +333,25 @@ class _Reader:
         t = t.to(self.device)
         values = unpack_fp4(t)[:, c0 - 2 * b0: c1 - 2 * b0] if fp4 else t.float()
         blocks = (slice(r0 // br, -(-r1 // br)), slice(c0 // bc, -(-c1 // bc)))
-        scale = self._open(self.index[stored.scale].file).get_slice(stored.scale)[blocks]
+        scale = self._scale(stored, blocks)
         return apply_block_scales(values, scale.to(self.device), stored.block, want, r0 % br, c0 % bc)
 
 
 def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_RANK) -> ModelWeights:
     """The weights of ``spec`` (the full model) from ``spec.path`` (see the module docstring), this rank's slices
-    of them under tensor parallelism (``shard``). Raises CheckpointError listing every problem before any
-    tensor is read."""
+    of them under tensor parallelism (``shard``); fp8 tensors kept as stored with ``model.weights=stored``.
+    Raises CheckpointError listing every problem before any tensor is read."""
     start = time.perf_counter()
-    index, expected, problems = scan_checkpoint(spec)
+    index, expected, problems = scan_checkpoint(spec, shard)
     if problems:
         raise CheckpointError(problems)
     cuts = {n: tensor_cut(n, expected[n], spec, shard) for n in expected}
     # read in file order: each shard is opened once; other ranks' experts (moe=ep) are skipped
     order = sorted((n for n in expected if cuts[n] is not None), key=lambda n: (str(index[n].file), n))
-    r = _Reader(index, torch.device(device), spec.dtype, v3_scales(index))
-    got: dict[str, torch.Tensor] = {}
-    stacks: dict[str, torch.Tensor] = {}
+    r = _Reader(index, torch.device(device), spec.dtype, v3_scales(index),
+                keep=kept_fp8 if spec.weights == "stored" else lambda name: False)
+    got: dict[str, Weight] = {}
+    stacks: dict[str, Weight] = {}
     mine, d = experts_of(spec.n_routed_experts, shard), spec.hidden_size
     try:
         for name in order:
@@ -322,7 +362,8 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
                 im = local_shape(expected[name], cuts[name])[0 if part != "down_proj" else 1]
                 if key not in stacks:
                     shape = (len(mine), 2 * im, d) if key.endswith("gate_up") else (len(mine), d, im)
-                    stacks[key] = torch.empty(shape, dtype=spec.dtype, device=device)
+                    stacks[key] = BlockFP8.empty(shape, device) if r.kept(name) else \
+                        torch.empty(shape, dtype=spec.dtype, device=device)
                 rows = {"gate_proj": slice(0, im), "up_proj": slice(im, 2 * im), "down_proj": slice(None)}[part]
                 stacks[key][int(x) - mine.start, rows] = r.get(name, cut=cuts[name])
             else:
@@ -342,7 +383,7 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
     return weights
 
 
-def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, torch.Tensor], first_expert: int,
+def _assemble(spec: ModelSpec, g: dict[str, Weight], stacks: dict[str, Weight], first_expert: int,
               vocab_start: int) -> ModelWeights:
     s = spec
     layers = []
@@ -377,6 +418,6 @@ def _assemble(spec: ModelSpec, g: dict[str, torch.Tensor], stacks: dict[str, tor
     return ModelWeights(embed, layers, g["model.norm.weight"], lm_head, vocab_start=vocab_start)
 
 
-def _dense(g: dict[str, torch.Tensor], prefix: str) -> DenseMLPWeights:
-    gate_up = torch.cat([g.pop(f"{prefix}.gate_proj.weight"), g.pop(f"{prefix}.up_proj.weight")], dim=0)
+def _dense(g: dict[str, Weight], prefix: str) -> DenseMLPWeights:
+    gate_up = cat_rows([g.pop(f"{prefix}.gate_proj.weight"), g.pop(f"{prefix}.up_proj.weight")])
     return DenseMLPWeights(gate_up=gate_up, down=g[f"{prefix}.down_proj.weight"])

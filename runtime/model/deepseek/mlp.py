@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.deepseek.weights import DenseMLPWeights
+from runtime.model.quantized import linear
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -15,5 +16,5 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
 
 
 def dense_mlp(w: DenseMLPWeights, x: torch.Tensor) -> torch.Tensor:
-    """x [T, D] -> down(silu(gate x) * up x) [T, D], in x's dtype."""
-    return F.linear(swiglu(F.linear(x, w.gate_up)), w.down)
+    """x [T, D] -> down(silu(gate x) * up x) [T, D], in x's dtype (float or block-fp8 weights: torch ops)."""
+    return linear(swiglu(linear(x, w.gate_up)), w.down)

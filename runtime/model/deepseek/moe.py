@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from runtime.core.model_spec import ModelSpec
 from runtime.model.deepseek.mlp import dense_mlp, swiglu
 from runtime.model.deepseek.weights import MoEWeights
+from runtime.model.quantized import Weight, linear
 
 
 def route(spec: ModelSpec, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,14 +140,15 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
                              grouped_mm, torch.float32)
 
 
-def routed_expert_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor, first_expert: int, n_experts: int, act, grouped_mm: bool,
+def routed_expert_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: Weight,
+                      down: Weight, first_expert: int, n_experts: int, act, grouped_mm: bool,
                       acc: torch.dtype) -> torch.Tensor:
     """The routed experts of V3 and V4 from the numbers: the (token, slot) pairs sorted by expert with no host
     sync, two grouped GEMMs for every expert (``grouped_mm``) or a GEMM pair per active expert (one host sync),
     then back to (token, slot) order and summed with the routing ``weights`` in ``acc`` (a fixed-order sum,
     deterministic: no atomics). gate_up [E_local, 2 I, D], down [E_local, D, I] hold experts ``first_expert ..``
-    of ``n_experts`` (other ranks' pairs add 0 here); ``act``: [n, 2 I] -> [n, I]. -> [T, D] in ``acc``."""
+    of ``n_experts`` (other ranks' pairs add 0 here; block-fp8 stacks take the per-expert loop, each expert
+    dequantized as it runs); ``act``: [n, 2 I] -> [n, I]. -> [T, D] in ``acc``."""
     t, k = ids.shape
     n_local = gate_up.shape[0]
     local, mine = local_ids(ids, first_expert, n_local, n_experts)
@@ -160,7 +162,7 @@ def routed_expert_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         start = 0
         for e, n in enumerate(counts.tolist()):  # one host sync; a GEMM pair per active expert only
             if n:
-                y[start : start + n] = F.linear(act(F.linear(xs[start : start + n], gate_up[e])), down[e])
+                y[start : start + n] = linear(act(linear(xs[start : start + n], gate_up[e])), down[e])
                 start += n
     unsorted = torch.empty(t * k, x.shape[1], dtype=acc, device=x.device)
     unsorted[order] = y.to(acc)

@@ -12,6 +12,9 @@
   :mod:`backends.kernels.skinny` instead of cuBLAS: the linear layers (bf16 / fp16; the q LoRA's RMSNorm inside
   q_b_proj's kernel), the router (float32, no cast kernels) and the routed + shared experts in two kernels (no
   sort, no grouped GEMM, no combine pass).
+  Block-fp8 weights (``model.weights=stored`` / ``fp8``) take the block-fp8 kernels: :mod:`backends.kernels.fp8_gemm`
+  for the linear layers (few rows: fp8 widened in registers; many rows: W8A8 with 1 x 128 activation scales) and
+  :mod:`backends.kernels.fp8_moe` for the experts (few tokens: two kernels as above; many: a grouped fp8 GEMM).
   With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch on Hopper and newer
   GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
 
@@ -36,6 +39,7 @@ from runtime.model.deepseek.moe import moe as torch_moe
 from runtime.model.deepseek.rope import apply_rope
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.layers import rms_norm
+from runtime.model.quantized import BlockFP8, linear
 
 #: the most rows the few-row kernels take (``backends.kernels.skinny.MAX_ROWS``: one 16-row tensor-core tile)
 GEMV_MAX_ROWS = 16
@@ -92,9 +96,9 @@ class TorchOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, K] @ w [N, K].T -> [T, N]."""
-        return F.linear(x, w)
+    def linear(self, x: torch.Tensor, w: torch.Tensor | BlockFP8) -> torch.Tensor:
+        """x [T, K] @ w [N, K].T -> [T, N] (a block-fp8 w dequantized to x's dtype first)."""
+        return linear(x, w)
 
     def head_linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per head: x [T, H, K] @ w [H, K, N] -> [T, H, N] (the absorbed MLA's ``q_nope @ w_uk``, ``o_lat @ w_uv``):
@@ -141,12 +145,14 @@ class FusedOps:
         ("cuda",), (8, 0), (torch.float32, torch.bfloat16, torch.float16))
 
     def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True):
-        from backends.kernels import decoder_ops, skinny  # imports triton: only where the fused ops are built
+        # imports triton: only where the fused ops are built
+        from backends.kernels import decoder_ops, fp8_gemm, fp8_moe, skinny
 
         if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"model.gemv_rows: got {gemv_rows}; expected 0 .. {GEMV_MAX_ROWS}. Fix: "
                              f"model.gemv_rows={GEMV_MAX_ROWS}")
         self.k, self.s, self.gemv_rows, self.pdl = decoder_ops, skinny, gemv_rows, bool(pdl)
+        self.f8, self.f8moe = fp8_gemm, fp8_moe
         self.torch = TorchOps()
 
     def _few_rows(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -155,6 +161,10 @@ class FusedOps:
                 and all(w.dtype == x.dtype and w.is_contiguous() for w in weights))
 
     def linear(self, x, w):
+        if isinstance(w, BlockFP8):  # stored fp8: the block-fp8 kernels (few rows, or W8A8) on 16-bit activations
+            if x.dtype in self.f8.ACT_DTYPES:
+                return self.f8.fp8_linear(x, w.weight, w.scale, w.block, pdl=self.pdl)
+            return self.torch.linear(x, w)  # float32 (the reference run): dequantized, then the matmul
         return self.s.linear(x, w, pdl=self.pdl) if self._few_rows(x, w) else F.linear(x, w)
 
     def head_linear(self, x, w):
@@ -192,26 +202,39 @@ class FusedOps:
     def dense_mlp(self, w, x):
         return self.linear(self.silu_mul(self.linear(x, w.gate_up)), w.down)
 
+    def _route(self, spec, w, x, few: bool):
+        """(weights [T, k] float32, ids [T, k]): V3's sigmoid routing in one kernel (the router's product in the
+        few-row kernel at few rows), softmax routing in torch."""
+        if spec.scoring_func != "sigmoid":
+            return route(spec, w, x)
+        logits = self.s.linear_f32(x, w.gate, pdl=self.pdl) if few else F.linear(x.float(), w.gate.float())
+        return self.k.route_sigmoid(logits, w.bias, spec.n_group, spec.topk_group, spec.num_experts_per_tok,
+                                    spec.norm_topk_prob, spec.routed_scaling_factor, self.pdl)
+
     def moe(self, spec, w, x, grouped_mm):
+        stored = isinstance(w.gate_up, BlockFP8)  # block-fp8 experts: the fp8 kernels, whatever grouped_mm says
         shared = (w.shared.gate_up, w.shared.down) if w.shared is not None else ()
-        few = self._few_rows(x, w.gate_up, w.down, *shared)
-        if not grouped_mm and not few:  # the per-expert loop (host sync) stays torch
-            return self.torch.moe(spec, w, x, grouped_mm)
-        if spec.scoring_func == "sigmoid":
-            logits = self.s.linear_f32(x, w.gate, pdl=self.pdl) if few else F.linear(x.float(), w.gate.float())
-            weights, ids = self.k.route_sigmoid(logits, w.bias, spec.n_group, spec.topk_group,
-                                                spec.num_experts_per_tok, spec.norm_topk_prob,
-                                                spec.routed_scaling_factor, self.pdl)
-        else:
-            weights, ids = route(spec, w, x)
+        few = 0 < x.shape[0] <= self.gemv_rows and x.dtype in self.s.DOT_DTYPES if stored \
+            else self._few_rows(x, w.gate_up, w.down, *shared)
+        if (not grouped_mm and not few and not stored) or (stored and x.dtype not in self.s.DOT_DTYPES):
+            return self.torch.moe(spec, w, x, grouped_mm)  # the per-expert loop (host sync) stays torch
+        weights, ids = self._route(spec, w, x, few)
         n_local = w.gate_up.shape[0]
         local, mine = local_expert_ids(w, ids)  # expert parallelism: other ranks' pairs in one last group
+        if few and stored:
+            sh = [t for m in shared for t in (m.weight, m.scale)] if shared else [None] * 4
+            return self.f8moe.fp8_moe_experts(x, local.contiguous(), weights.contiguous(), w.gate_up.weight,
+                                              w.gate_up.scale, w.down.weight, w.down.scale, *sh, pdl=self.pdl)
         if few:  # every (token, slot) pair streams its expert once; other ranks' experts (id n_local) add 0
             return self.s.moe_experts(x, local.contiguous(), weights.contiguous(), w.gate_up, w.down,
                                       *(shared or (None, None)), pdl=self.pdl)
         tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
         offsets = offsets[:n_local]
-        y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)
+        if stored:
+            y = self.f8moe.fp8_grouped_expert_mlp(x[tokens], w.gate_up.weight, w.gate_up.scale, w.down.weight,
+                                                  w.down.scale, offsets, self.silu_mul)
+        else:
+            y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)
         if mine is not None:  # rows past the last offset (other ranks' experts) are not computed: zero them
             y = torch.where((torch.arange(y.shape[0], device=y.device) < offsets[-1])[:, None], y, 0.0)
         shared = self.dense_mlp(w.shared, x) if w.shared is not None else None

@@ -20,10 +20,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
-
 from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import Sharding
+from runtime.model.quantized import Weight, cat_rows
 
 ALL = slice(None)
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -37,9 +36,10 @@ class Cut:
     pieces: tuple[tuple[slice, ...], ...]
     dim: int = 0
 
-    def apply(self, t: torch.Tensor) -> torch.Tensor:
+    def apply(self, t: Weight) -> Weight:
+        """This rank's part of a tensor, or of a block-fp8 weight (cut on whole scale blocks)."""
         parts = [t[p] for p in self.pieces]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+        return parts[0] if len(parts) == 1 else cat_rows(parts, dim=self.dim)
 
     @property
     def replicated(self) -> bool:

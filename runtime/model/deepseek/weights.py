@@ -6,6 +6,11 @@ tensors are used as they are stored. ``kv_b_proj`` is split at load into ``w_uk`
 normed hidden state) are concatenated once, at load or random init, into ``qkv_a``: one GEMM per layer
 (:meth:`AttentionWeights.of`); ``q_a`` and ``kv_a`` are views of it.
 
+``model.weights=fp8`` (a preset) generates the same float weights and keeps each tensor DeepSeek's fp8 release
+stores in fp8 (:func:`runtime.model.deepseek.stored.release_fp8`) as a :class:`~runtime.model.quantized.BlockFP8`
+(quantized whole, then cut, so every tp holds the same blocks); ``kv_b_proj`` goes through fp8 and back to the
+model dtype, as a stored checkpoint's does at load. A linear weight field below is a float tensor or a BlockFP8.
+
 Random initialisation: normal weights scaled by 1/sqrt(fan_in); the projections that write into the residual
 stream (attention output, MLP down) are scaled by a further 1/sqrt(2 * num_layers) (the GPT-2 / Megatron
 residual init), so the stream stays O(1) through depth and the first layers already say much of what the whole
@@ -23,18 +28,23 @@ from runtime.core.config import LayerKind
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.sharding import FULL, experts_of, tensor_cut
+from runtime.model.deepseek.stored import release_fp8
 from runtime.model.indexer import IndexerWeights
+from runtime.model.quantized import BlockFP8, bytes_by_dtype, cat_rows
+
+
+def _named(obj, prefix: str = ""):
+    """(field path, tensor or BlockFP8) of every weight of a weights dataclass, nested ones included."""
+    for k, v in vars(obj).items():
+        if isinstance(v, (torch.Tensor, BlockFP8)):
+            yield prefix + k, v
+        elif dataclasses.is_dataclass(v):
+            yield from _named(v, f"{prefix}{k}.")
 
 
 def _tensors(obj) -> list[torch.Tensor]:
-    """Every tensor of a weights dataclass, nested weights dataclasses included."""
-    out = []
-    for v in vars(obj).values():
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif dataclasses.is_dataclass(v):
-            out += _tensors(v)
-    return out
+    """Every tensor of a weights dataclass (a BlockFP8's values and scales), nested weights dataclasses included."""
+    return [t for _, v in _named(obj) for t in (v.tensors if isinstance(v, BlockFP8) else [v])]
 
 
 @dataclass
@@ -56,7 +66,7 @@ class AttentionWeights:
            indexer: IndexerWeights | None = None) -> AttentionWeights:
         """The layer's weights from the checkpoint's separate projections: q_a [q_lora, D] (None without q
         LoRA) and kv_a [kv_lora + rope, D] concatenated once into ``qkv_a``."""
-        qkv_a = kv_a if q_a is None else torch.cat([q_a, kv_a], dim=0)
+        qkv_a = kv_a if q_a is None else cat_rows([q_a, kv_a])
         return cls(attn_norm, qkv_a, q_a_norm, q_b, kv_a_norm, w_uk, w_uv, o, indexer)
 
     @property
@@ -152,14 +162,36 @@ class ModelWeights:
         return ModelWeights(self.embed, self.layers[:n], self.final_norm, self.lm_head, source=self.source,
                             vocab_start=self.vocab_start)
 
+    def named(self):
+        """(group, tensor or BlockFP8) of every weight once (a tied lm_head is the embedding); groups name the field
+        across layers: ``embed``, ``attn.q_b``, ``mlp.gate_up``, ``mlp.shared.down``, ..."""
+        yield "embed", self.embed
+        yield "final_norm", self.final_norm
+        if self.lm_head is not self.embed:
+            yield "lm_head", self.lm_head
+        for lw in self.layers:
+            yield from _named(lw)
+
     @property
     def nbytes(self) -> int:
-        seen, total = set(), 0
-        for t in [self.embed, self.final_norm, self.lm_head] + [x for lw in self.layers for x in lw.tensors]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-        return total
+        """The bytes the weights hold on the device, as stored (fp8 values, their scales, 16-bit tensors)."""
+        return sum(self.bytes_by_dtype().values())
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """dtype -> bytes as held (:func:`runtime.model.quantized.bytes_by_dtype`)."""
+        return bytes_by_dtype(v for _, v in self.named())
+
+    def unquantized_bytes(self) -> dict[str, int]:
+        """Weight group -> bytes of the weights held in a float dtype (not block-fp8): with stored fp8 weights, what
+        the release keeps in 16 / 32 bits plus ``attn.w_uk`` / ``attn.w_uv`` (kv_b_proj, dequantized for the
+        absorbed path)."""
+        out: dict[str, int] = {}
+        seen: set[int] = set()
+        for group, v in self.named():
+            if isinstance(v, torch.Tensor) and id(v) not in seen:
+                seen.add(id(v))
+                out[group] = out.get(group, 0) + v.numel() * v.element_size()
+        return out
 
 
 def split_kv_b(kv_b: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,23 +210,32 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(spec.weight_seed)
     s = spec
+    fp8 = spec.weights == "fp8"
 
     def w(*shape: int, fan_in: int, residual: bool = False, dtype: torch.dtype | None = None,
-          name: str = "") -> torch.Tensor | None:
-        """The next seeded tensor (generated whole); this rank's cut of it, None when it holds none of it."""
+          name: str = "") -> torch.Tensor | BlockFP8 | None:
+        """The next seeded tensor (generated whole; block-fp8 where the fp8 release stores it so, with
+        ``model.weights=fp8``); this rank's cut of it, None when it holds none of it."""
         scale = fan_in * (2 * s.num_layers if residual else 1)
         t = torch.randn(*shape, generator=gen, dtype=torch.float32, device=device) / scale**0.5
         cut = tensor_cut(name, tuple(shape), s, shard) if name else FULL
-        return None if cut is None else cut.apply(t).to(dtype or s.dtype).contiguous()
+        if cut is None:
+            return None
+        if fp8 and dtype is None and release_fp8(name, tuple(shape)):
+            return cut.apply(BlockFP8.quantize(t)).contiguous()
+        return cut.apply(t).to(dtype or s.dtype).contiguous()
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=s.dtype)
 
-    def gate_up(inter: int, prefix: str) -> torch.Tensor | None:
+    def gate_up(inter: int, prefix: str) -> torch.Tensor | BlockFP8 | None:
         """Full [2I, D] generated at once (gate rows, then up rows); this rank's gate rows, then its up rows."""
         t = w(2 * inter, d, fan_in=d, dtype=torch.float32)
         cut = tensor_cut(f"{prefix}.gate_proj.weight", (inter, d), s, shard)
-        return None if cut is None else torch.cat([cut.apply(t[:inter]), cut.apply(t[inter:])]).to(s.dtype)
+        if cut is None:
+            return None
+        t = BlockFP8.quantize(t) if fp8 else t.to(s.dtype)
+        return cat_rows([cut.apply(t[:inter]), cut.apply(t[inter:])])
 
     def mlp(inter: int, prefix: str) -> DenseMLPWeights:
         return DenseMLPWeights(gate_up=gate_up(inter, prefix),
@@ -215,17 +256,18 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
             q_in = s.q_lora_rank or d
             kv_b = w(h * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank, fan_in=s.kv_lora_rank,
                      name=f"{a}.kv_b_proj.weight")
-            w_uk, w_uv = split_kv_b(kv_b, s)
+            w_uk, w_uv = split_kv_b(kv_b.dequantize(s.dtype) if isinstance(kv_b, BlockFP8) else kv_b, s)
             attn = AttentionWeights.of(
                 attn_norm=ones(d),
-                q_a=w(s.q_lora_rank, d, fan_in=d) if s.q_lora_rank else None,
+                q_a=w(s.q_lora_rank, d, fan_in=d, name=f"{a}.q_a_proj.weight") if s.q_lora_rank else None,
                 q_a_norm=ones(s.q_lora_rank) if s.q_lora_rank else None,
-                q_b=w(h * s.qk_head_dim, q_in, fan_in=q_in, name=f"{a}.q_b_proj.weight"),
-                kv_a=w(s.kv_row_dim, d, fan_in=d),
+                q_b=w(h * s.qk_head_dim, q_in, fan_in=q_in,
+                      name=f"{a}.q_b_proj.weight" if s.q_lora_rank else f"{a}.q_proj.weight"),
+                kv_a=w(s.kv_row_dim, d, fan_in=d, name=f"{a}.kv_a_proj_with_mqa.weight"),
                 kv_a_norm=ones(s.kv_lora_rank),
                 w_uk=w_uk, w_uv=w_uv,
                 o=w(d, h * s.v_head_dim, fan_in=h * s.v_head_dim, residual=True, name=f"{a}.o_proj.weight"),
-                indexer=_random_indexer(s, w, q_in) if kind == LayerKind.sparse else None,
+                indexer=_random_indexer(s, w, q_in, f"{a}.indexer") if kind == LayerKind.sparse else None,
             )
         layer = DecoderLayerWeights(attn)
         if mkind == MLPLayer.dense:
@@ -234,8 +276,12 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
             e, im = s.n_routed_experts, s.moe_intermediate_size
             mine = experts_of(s.n_routed_experts, shard)
             im_local = im if shard.expert_parallel else len(range(im)[shard.part(im)])
-            gate_ups = torch.empty(len(mine), 2 * im_local, d, dtype=s.dtype, device=device)
-            downs = torch.empty(len(mine), d, im_local, dtype=s.dtype, device=device)
+            if fp8:
+                gate_ups = BlockFP8.empty((len(mine), 2 * im_local, d), device)
+                downs = BlockFP8.empty((len(mine), d, im_local), device)
+            else:
+                gate_ups = torch.empty(len(mine), 2 * im_local, d, dtype=s.dtype, device=device)
+                downs = torch.empty(len(mine), d, im_local, dtype=s.dtype, device=device)
             for x in range(e):  # one expert at a time: no float32 copy of all experts
                 ex = f"{p}.mlp.experts.{x}"
                 gu = gate_up(im, ex)
@@ -255,10 +301,11 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
     return ModelWeights(embed, layers, final_norm, lm_head, vocab_start=vocab.start)
 
 
-def _random_indexer(s: ModelSpec, w, q_in: int) -> IndexerWeights:
+def _random_indexer(s: ModelSpec, w, q_in: int, prefix: str) -> IndexerWeights:
     hi, di, d = s.index_n_heads, s.index_head_dim, s.hidden_size
     dev = w(1, fan_in=1).device
     return IndexerWeights(
-        wq_b=w(hi * di, q_in, fan_in=q_in), wk=w(di, d, fan_in=d),
+        wq_b=w(hi * di, q_in, fan_in=q_in, name=f"{prefix}.wq_b.weight"),
+        wk=w(di, d, fan_in=d, name=f"{prefix}.wk.weight"),
         k_norm_weight=torch.ones(di, dtype=s.dtype, device=dev), k_norm_bias=torch.zeros(di, dtype=s.dtype, device=dev),
         weights_proj=w(hi, d, fan_in=d, dtype=torch.float32))

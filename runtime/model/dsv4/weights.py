@@ -20,6 +20,7 @@ import torch
 
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.model.dsv4.config import DSV4Config, MlpType
+from runtime.model.quantized import bytes_by_dtype
 
 
 def _read(state: dict, name: str) -> torch.Tensor:
@@ -208,3 +209,11 @@ class ModelWeights(_Named):
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """dtype -> bytes (V4's weights are held in float dtypes: stored precision is not built for V4 yet)."""
+        return bytes_by_dtype(self.tensors)
+
+    def unquantized_bytes(self) -> dict[str, int]:
+        """Weight group -> bytes held in a float dtype: every V4 weight."""
+        return {"all (V4)": self.nbytes}

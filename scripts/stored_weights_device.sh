@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Stored-precision (block-fp8) weights on a GPU device machine, in two parts that each fit a 10-minute call:
+#   scripts/stored_weights_device.sh kernels   # the fp8 GEMM / MoE kernels' GPU tests, then both kernel benches
+#   scripts/stored_weights_device.sh tune      # sweeps of the few-row tiles (linear, experts)
+#   scripts/stored_weights_device.sh serve     # the fp8 preset end to end (parity), then decode_roofline bf16 vs fp8
+# Logs go to $OUT (or /tmp); each step has its own time limit so one slow step does not take the others.
+# PYTHON: the interpreter (default python3 from PATH).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+out=${OUT:-/tmp}
+part=${1:?usage: scripts/stored_weights_device.sh kernels|serve}
+step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $out/NAME.log, print its last lines
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "=== $name: exit $?"
+  tail -n "${TAIL:-25}" "$out/$name.log"
+}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+case "$part" in
+  kernels)
+    step tests 200 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gemm.py tests/test_fp8_moe.py
+    step gemm 150 "$py" -m bench.fp8_gemm_bench --m 1,4,16,32,64,4096
+    step moe 150 "$py" -m bench.fp8_moe_bench --no-libs --tokens 1 16 64 512 4096
+    ;;
+  tune)  # the few-row tiles of the fp8 linear and expert kernels
+    step sweep_gemm 240 "$py" -m bench.fp8_gemm_bench --no-libs --m 1 --shapes gate_up,o_proj,qkv_a --sweep
+    step sweep_moe 150 "$py" -m bench.fp8_moe_bench --no-libs --tokens 1 --sweep
+    ;;
+  serve)
+    step e2e 200 "$py" -m runtime +deploy=h100_triton_tp8 model.weights=fp8 workload.num_requests=16
+    step roofline 330 "$py" -m bench.decode_roofline --preset h100_triton_tp8 --layers 16 --batches 1 32 \
+      --weights bf16 fp8
+    ;;
+  *) echo "unknown part '$part': expected kernels or serve" >&2; exit 2 ;;
+esac
