@@ -56,7 +56,7 @@ def sparse_decode_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: di
     """Split-K partials of the Triton sparse decode (none for the torch impl)."""
     nbytes = 0
     if resolve_impl(backend_cfg["impl"], device) == "triton":
-        from backends.kernels.sparse_mla_decode import sparse_decode_scratch_bytes
+        from backends.kernels.sparse.sparse_mla_decode import sparse_decode_scratch_bytes
 
         nbytes = sparse_decode_scratch_bytes(max_decode_tokens(kv_cfg, graph_cfg), model.num_heads,
                                              model.kv_lora_rank, int(backend_cfg["max_splits"]))
@@ -68,7 +68,7 @@ def indexer_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, gr
     """Score buffer [tokens, max_context] float32 and top-k values/indices of the Triton indexer."""
     nbytes = 0
     if resolve_impl(backend_cfg["impl"], device) == "triton":
-        from backends.kernels.indexer import indexer_scratch_bytes
+        from backends.kernels.sparse.indexer import indexer_scratch_bytes
 
         nbytes = indexer_scratch_bytes(max_decode_tokens(kv_cfg, graph_cfg), model.max_context, model.index_topk)
     return WorkspaceSpec(INDEXER_WORKSPACE, nbytes=nbytes)
@@ -158,14 +158,14 @@ class DSABackend:
         # dense decode is only for full (non-sparse) MLA layers of a mixed model
         self.dense_decode = bool(set(model.kv_cache_layers) - set(model.sparse_layers))
         if self.impl == "triton":
-            from backends.kernels.indexer import indexer_topk
-            from backends.kernels.mla_extend import mla_extend
-            from backends.kernels.sparse_mla_decode import sparse_mla_decode
+            from backends.kernels.mla_extend.mla_extend import mla_extend
+            from backends.kernels.sparse.indexer import indexer_topk
+            from backends.kernels.sparse.sparse_mla_decode import sparse_mla_decode
 
             self._indexer, self._sparse, self._extend = indexer_topk, sparse_mla_decode, mla_extend
         else:
-            from backends.kernels.indexer import indexer_topk_reference
-            from backends.kernels.sparse_mla_decode import sparse_mla_decode_reference
+            from backends.kernels.sparse.indexer import indexer_topk_reference
+            from backends.kernels.sparse.sparse_mla_decode import sparse_mla_decode_reference
 
             self._indexer, self._sparse, self._extend = indexer_topk_reference, sparse_mla_decode_reference, None
         self.max_len = req_to_token_pool.max_context  # columns the Triton indexer scores (set per step)

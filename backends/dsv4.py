@@ -8,27 +8,27 @@ closed in this step into the compressed pools, and (2) computed q [T, H, D] and 
   before anything is overwritten) and the step's new rows; query ``t`` sees rows ``t - W < p <= t``;
 * compressed part: ``hca`` layers: every entry ``e < (t + 1) // rate``; ``csa`` layers: the entries the indexer
   picked (:meth:`DSV4Backend.select_topk`, -1 = none), gathered from the paged pool;
-* one joint softmax with a per-head sink (:func:`backends.kernels.dsv4_reference.sink_attention`);
+* one joint softmax with a per-head sink (:func:`backends.kernels.dsv4.dsv4_reference.sink_attention`);
 * finally the new rows go into the ring.
 
 The plain-torch implementation of attention (float32 or float64 compute, CPU or GPU, a host loop per request) is
 the oracle. What each impl runs (class data: :data:`backends.dsv4_flashinfer.DECODE_IMPLS`):
 
 * ``torch``: attention in torch (the oracle); the indexer batched in torch.
-* ``triton`` (``auto`` on CUDA): decode through the Triton kernel of :mod:`backends.kernels.dsv4_decode` (split
+* ``triton`` (``auto`` on CUDA): decode through the Triton kernel of :mod:`backends.kernels.dsv4.dsv4_decode` (split
   over the rows at small batches, its partials in the ledger's ``dsv4_decode_splits`` workspace:
   :func:`decode_workspace_spec`), extend
-  through the Triton kernel of :mod:`backends.kernels.dsv4_extend` (each query token over its own window and
+  through the Triton kernel of :mod:`backends.kernels.dsv4.dsv4_extend` (each query token over its own window and
   compressed lists; indices planned once per step in :meth:`DSV4Backend.init_forward_metadata` with tensor ops,
   no loop per request: :mod:`backends.dsv4_extend_plan`), except CSA layers under HiSparse, whose extend reads
   the selection from the host on the torch path; the indexer through the DSA scoring kernel when
-  ``index_head_dim`` is a power of two >= 16, else batched torch (:mod:`backends.kernels.dsv4_indexer`).
+  ``index_head_dim`` is a power of two >= 16, else batched torch (:mod:`backends.kernels.dsv4.dsv4_indexer`).
 * ``flashinfer``: decode through FlashInfer's ``trtllm_batch_decode_sparse_mla_dsv4`` (Blackwell only;
   :mod:`backends.dsv4_flashinfer`, the kernel injected: real or emulated); extend in torch; the indexer batched
   in torch.
 
 The indexer (:meth:`DSV4Backend.select_topk`) has no loop per request with any impl; its semantics are the
-per-request reference's (:func:`backends.kernels.dsv4_reference.indexer_topk`). The Triton decode and extend
+per-request reference's (:func:`backends.kernels.dsv4.dsv4_reference.indexer_topk`). The Triton decode and extend
 kernels passed on an H100 at V4-Flash shapes; the DSA indexer path passed there in a tiny served model
 (tests/test_dsv4_gpu.py, ``index_head_dim`` 16).
 
@@ -53,10 +53,10 @@ import torch
 from backends.base import BackendCapabilities, CudaGraphLevel
 from backends.dsv4_extend_plan import ExtendPlan, plan_extend
 from backends.dsv4_flashinfer import DECODE_IMPLS, FlashInferDecode, flashinfer_problems
-from backends.kernels.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes, dsv4_decode
-from backends.kernels.dsv4_extend import dsv4_extend
-from backends.kernels.dsv4_indexer import indexer_topk_paged, triton_indexer_fits
-from backends.kernels.dsv4_reference import sink_attention
+from backends.kernels.dsv4.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes, dsv4_decode
+from backends.kernels.dsv4.dsv4_extend import dsv4_extend
+from backends.kernels.dsv4.dsv4_indexer import indexer_topk_paged, triton_indexer_fits
+from backends.kernels.dsv4.dsv4_reference import sink_attention
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.device import DeviceInfo
 from runtime.core.dsv4_pools import DSV4Pools
@@ -104,7 +104,7 @@ DECODE_WORKSPACE = "dsv4_decode_splits"
 
 def decode_workspace_spec(spec: DSV4AttentionSpec, backend_cfg: dict, info: DeviceInfo) -> WorkspaceSpec:
     """The Triton decode's split partials: room for what its automatic split choice uses at any batch on this
-    GPU (:func:`backends.kernels.dsv4_decode.decode_workspace_bytes`; V4-Flash on an H100: about 13 MB); 0 bytes
+    GPU (:func:`backends.kernels.dsv4.dsv4_decode.decode_workspace_bytes`; V4-Flash on an H100: about 13 MB); 0 bytes
     for the other impls."""
     nbytes = 0
     if resolve_impl(backend_cfg["impl"], info.torch_device) == "triton":
@@ -266,7 +266,7 @@ class DSV4Backend:
     def select_topk(self, index_q: torch.Tensor, index_weights: torch.Tensor, layer_id: int,
                     batch: ForwardBatch) -> torch.Tensor:
         """Lightning-indexer top-k of a CSA layer over the entries already in the pool, the whole batch at once
-        (:func:`backends.kernels.dsv4_indexer.indexer_topk_paged`: batched torch, or with ``impl=triton`` the DSA
+        (:func:`backends.kernels.dsv4.dsv4_indexer.indexer_topk_paged`: batched torch, or with ``impl=triton`` the DSA
         scoring kernel when the indexer head width allows).
 
         index_q [T, Hi, Di] (RoPE applied), index_weights [T, Hi] (scales folded in) -> [T, index_topk] int64

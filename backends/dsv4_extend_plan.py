@@ -1,6 +1,6 @@
-"""The index lists of one DeepSeek-V4 extend step for the Triton extend kernel (:mod:`backends.kernels.dsv4_extend`),
-built once per step with tensor ops on the batch's device tensors (no loop per request, no host sync: the only host
-values used are the batch's host mirrors) and shared by every layer.
+"""The index lists of one DeepSeek-V4 extend step for the Triton extend kernel
+(:mod:`backends.kernels.dsv4.dsv4_extend`), built once per step with tensor ops on the batch's device tensors (no loop
+per request, no host sync: the only host values used are the batch's host mirrors) and shared by every layer.
 
 Query token ``t`` (absolute position ``t``) of request ``b`` (request-table row ``r``, ``P`` tokens cached before
 the step, its new tokens at rows ``s ..`` of the step's ``q`` / ``kv``) sees window positions ``t - W < p <= t``:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.kernels.dsv4_extend import GatherPart
+from backends.kernels.dsv4.dsv4_extend import GatherPart
 from runtime.core.batch import ForwardBatch
 from runtime.core.dsv4_pools import CompressedKVPool
 

@@ -4,7 +4,7 @@ Where it runs (class data, :data:`DECODE_IMPLS`): SM100 / SM103 (TRT-LLM-gen ker
 own sparse-MLA path behind the same function); bfloat16; head_dim 512; 8, 16, 32, 64 or 128 heads; sliding window
 128 (the kernel's SWA tile is fixed to 128 columns). **It has not run on Blackwell hardware**: the contract was
 read from FlashInfer's source and is exercised on the CPU through the emulation
-(:mod:`backends.kernels.emulated_dsv4`, ``backend.kernel=emulate``).
+(:mod:`backends.kernels.dsv4.emulated_dsv4`, ``backend.kernel=emulate``).
 
 Argument preparation per decode step and layer (:meth:`FlashInferDecode.decode`), from what the dsv4 backend
 already planned for its Triton path (window ring rows, compressed rows and their -1-padded indices):
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.kernels.emulated_dsv4 import HEADS, SWA_COLUMNS
+from backends.kernels.dsv4.emulated_dsv4 import HEADS, SWA_COLUMNS
 from runtime.core.errors import Problem
 from runtime.core.workspace import WorkspaceLedger, WorkspaceSpec
 

@@ -33,7 +33,7 @@ import torch
 from backends import mla_math
 from backends.base import BackendCapabilities, CudaGraphLevel
 from backends.block_tables import BlockTables
-from backends.kernels.emulated_mla import tokenspeed_workspace_bound
+from backends.kernels.mla_decode.emulated_mla import tokenspeed_workspace_bound
 from backends.trtllm_mla import latent_problems
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.errors import Problem

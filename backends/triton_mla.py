@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.kernels.mla_decode.mla_decode_workspace import decode_work_ints
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import ModelSpec
@@ -38,10 +39,10 @@ def split_kv_workspace_spec(model: ModelSpec, backend_cfg: dict) -> WorkspaceSpe
 
 
 def _work_ints(split_slots: int, heads: int) -> int:
-    """int32 of the wgmma decode's plan: 8 per stage-1 program, 2 per request and a piece counter per request and
-    head block (of at least 16 heads); a batch's programs never exceed its split slots + 1
-    (``backends.kernels.mla_decode.decode_programs``), nor its requests the split slots."""
-    return 8 * (split_slots + 1) + (2 + max(1, heads // 16)) * split_slots
+    """int32 of the decode plan (``work``) that :func:`backends.kernels.mla_decode.mla_decode.mla_decode` checks on
+    every call: a batch's requests never exceed the split slots, nor its programs (the launcher's own bound,
+    :func:`~backends.kernels.mla_decode.mla_decode_workspace.decode_work_ints`)."""
+    return decode_work_ints(split_slots, heads, split_slots)
 
 
 class TritonMLABackend:
@@ -57,7 +58,7 @@ class TritonMLABackend:
     config : dict
         The `backend` config: max_splits, split_slots, min_tokens_per_split, block_n, block_h, fp8_scores (64-head
         blocks over an fp8 cache on Hopper: fp8 or fp16 score products, see
-        :func:`backends.kernels.mla_decode.mla_decode`).
+        :func:`backends.kernels.mla_decode.mla_decode.mla_decode`).
     pdl : bool
         Launch both decode stages with programmatic dependent launch where the GPU has it (``model.pdl``, the same
         switch as the fused decoder kernels': a graphed step is one chain of PDL kernels).
@@ -109,8 +110,8 @@ class TritonMLABackend:
         config: dict,
         pdl: bool = False,
     ):
-        from backends.kernels.mla_decode import mla_decode
-        from backends.kernels.mla_extend import mla_extend
+        from backends.kernels.mla_decode.mla_decode import mla_decode
+        from backends.kernels.mla_extend.mla_extend import mla_extend
 
         self._decode_kernel, self._extend_kernel = mla_decode, mla_extend
         self.req_to_token_pool, self.kv_pool, self.model = req_to_token_pool, kv_pool, model

@@ -26,7 +26,7 @@ source), called with ``backend="trtllm-gen"``:
   emulation).
 
 The kernel is one injected callable (``kernel``): the real function (imported by :func:`load_kernel`, only on
-that path) or the torch emulation of its contract (``backends/kernels/emulated_mla.py``), so tests can
+that path) or the torch emulation of its contract (``backends/kernels/mla_decode/emulated_mla.py``), so tests can
 replace it. The real kernels have not been run by this project's tests (no Blackwell GPU was available).
 """
 
@@ -39,7 +39,7 @@ import torch
 
 from backends.base import BackendCapabilities, CudaGraphLevel
 from backends.block_tables import BlockTables
-from backends.kernels.emulated_mla import trtllm_counter_bytes
+from backends.kernels.mla_decode.emulated_mla import trtllm_counter_bytes
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.errors import Problem
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool

@@ -48,15 +48,15 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from backends.kernels.host_gather import copy_rows, gather_rows_from_host, scatter_rows_to_host  # noqa: E402
-from backends.kernels.indexer import (  # noqa: E402
+from backends.kernels.sparse.host_gather import copy_rows, gather_rows_from_host, scatter_rows_to_host  # noqa: E402
+from backends.kernels.sparse.indexer import (  # noqa: E402
     indexer_scores,
     indexer_scratch_bytes,
     indexer_topk,
     indexer_topk_reference,
     scores_topk,
 )
-from backends.kernels.sparse_mla_decode import (  # noqa: E402
+from backends.kernels.sparse.sparse_mla_decode import (  # noqa: E402
     sparse_decode_scratch_bytes,
     sparse_mla_decode,
     sparse_mla_decode_reference,
@@ -158,18 +158,16 @@ def dense_problem(gen):
 
 
 def bench_dense_triton(buf, page_table, q_nope, q_pe, ref, ctx):
-    from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
+    from backends.kernels.mla_decode.mla_decode import decode_workspace_shapes, mla_decode
 
     b = q_nope.shape[0]
     splits = max(1, min(2048, 2048 // b))  # the triton_mla backend's defaults (max_splits = split_slots = 2048)
-    po_shape, pl_shape = decode_workspace_shapes(b, H, splits, D_CKV)
-    po = torch.empty(po_shape, device=DEV)
-    pl = torch.empty(pl_shape, device=DEV)
+    po, pl, work = decode_workspace_shapes(b, H, splits, D_CKV).allocate(DEV)
     lens = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
     out = torch.empty(b, H, D_CKV, device=DEV, dtype=DT)
 
     def call():
-        mla_decode(q_nope, q_pe, buf, page_table, lens, SCALE, out, po, pl, max_splits=splits)
+        mla_decode(q_nope, q_pe, buf, page_table, lens, SCALE, out, po, pl, work, max_splits=splits)
 
     call()
     n = ref.shape[0]

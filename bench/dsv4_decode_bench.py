@@ -1,5 +1,5 @@
 """DeepSeek-V4 decode attention at V4-Flash shapes (64 heads, one 512-wide KV head, window 128, CSA top-512, HCA
-every 128 tokens): the Triton kernel (backends/kernels/dsv4_decode.py) checked against the float64 reference at odd
+every 128 tokens): the Triton kernel (backends/kernels/dsv4/dsv4_decode.py) checked against the float64 reference at odd
 lengths (the single pass, 3 splits and the automatic choice), then timed at 8k-128k contexts and batch 1, 4 and 64
 as CUDA-graph replays (as the decode step runs it), against the copy bandwidth of the bytes it actually reads (the
 gathered window and compressed rows, q and the output), measured in the same run. Rows per shape: ``auto`` (the
@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
-from backends.kernels.dsv4_decode import (  # noqa: E402
+from backends.kernels.dsv4.dsv4_decode import (  # noqa: E402
     decode_splits,
     decode_workspace_floats,
     dsv4_decode,

@@ -1,4 +1,4 @@
-"""Block-fp8 linear layers (``backends/kernels/fp8_gemm.py``) against bf16 cuBLAS and the fp8 libraries.
+"""Block-fp8 linear layers (``backends/kernels/gemm/fp8_gemm.py``) against bf16 cuBLAS and the fp8 libraries.
 
 Shapes: one TP8 rank of DeepSeek-V3 (hidden 7168), weights ``[N, K]`` e4m3 with 128 x 128 float32 block scales.
 Per (shape, M), all timed in CUDA graphs (bench/harness.py ``graph_ms``) captured over enough weight copies that
@@ -132,7 +132,7 @@ def _try(fn, ref, copies, label):
 
 
 def _sweep(fp8_gemm, path, m, n, kd, copies):
-    from backends.kernels.skinny import TileConfig
+    from backends.kernels.gemm.skinny import TileConfig
 
     if path == "few":
         cfgs = [TileConfig(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (256, 512, 1024)
@@ -157,7 +157,7 @@ def _sweep(fp8_gemm, path, m, n, kd, copies):
 
 
 def bench(args, ceil, fp8_tflops) -> list[dict]:
-    from backends.kernels import fp8_gemm
+    from backends.kernels.gemm import fp8_gemm
     from runtime.model.quantized import dequantize_fp8, quantize_fp8
 
     fi, fi_reason = (None, "--no-libs") if args.no_libs else _flashinfer()

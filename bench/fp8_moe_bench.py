@@ -1,4 +1,5 @@
-"""Block-fp8 MoE experts (``backends/kernels/fp8_moe.py``) against the bf16 path of the same routing and FlashInfer.
+"""Block-fp8 MoE experts (``backends/kernels/gemm/fp8_moe.py``) against the bf16 path of the same routing and
+FlashInfer.
 
 DeepSeek-V3 shapes, D 7168, top-8 over 256 experts with random routing, one shared expert:
 
@@ -84,7 +85,8 @@ def touched_bytes(c: dict, local_sets: list[torch.Tensor], t: int) -> float:
 
 
 def ours(c: dict, x: torch.Tensor, local: torch.Tensor, wts: torch.Tensor, config=None) -> torch.Tensor:
-    from backends.kernels import decoder_ops, fp8_moe
+    from backends.kernels.decoder import decoder_ops
+    from backends.kernels.gemm import fp8_moe
     from runtime.model.deepseek.mlp import swiglu
 
     n_local, t = c["n_local"], x.shape[0]
@@ -101,7 +103,7 @@ def ours(c: dict, x: torch.Tensor, local: torch.Tensor, wts: torch.Tensor, confi
 
 
 def bf16_path(c: dict, x: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
-    from backends.kernels import skinny
+    from backends.kernels.gemm import skinny
     from runtime.model.deepseek.mlp import swiglu
     from runtime.model.deepseek.moe import routed_expert_sum
 
@@ -152,7 +154,7 @@ def flashinfer_call(c: dict):
 
 
 def _sweep_few(c, x, local_sets, wts) -> dict:
-    from backends.kernels import fp8_moe
+    from backends.kernels.gemm import fp8_moe
 
     best = (float("inf"), None)
     for bi in (16, 32, 64):

@@ -1,4 +1,5 @@
-"""Few-row products: the Triton kernels of ``backends/kernels/skinny.py`` against cuBLAS and the grouped expert GEMM.
+"""Few-row products: the Triton kernels of ``backends/kernels/gemm/skinny.py`` against cuBLAS and the grouped expert
+GEMM.
 
 Shapes are DeepSeek-V3's as one TP8 rank holds them (``--tp 1``: the whole model). Per case: the float64
 check (relative error), cuBLAS / grouped-GEMM µs, ours µs, each as % of the copy bandwidth measured in the same
@@ -238,7 +239,7 @@ def main(argv=None) -> None:
     args.tokens = args.tokens or ([1, 8] if args.quick else [1, 4, 8, 16])
     if not torch.cuda.is_available():
         raise SystemExit("gemv_bench: needs a CUDA GPU (got none). Fix: run it on the device machine.")
-    from backends.kernels import skinny
+    from backends.kernels.gemm import skinny
 
     torch.manual_seed(0)
     ceil = measure_ceilings()

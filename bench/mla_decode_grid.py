@@ -92,15 +92,12 @@ class Case:
 def ours(case: Case, fp8: bool, reuse_plan: bool = False, **kw):
     """Our decode as a timed call. ``reuse_plan``: the first call writes the wgmma plan, the timed ones reuse it (as
     every layer but the first of a decode step does; FlashInfer's plan is outside its timed call too)."""
-    from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
-    from backends.kernels.mla_decode_plan_kernels import plan_ints
+    from backends.kernels.mla_decode.mla_decode import decode_work_ints, decode_workspace_shapes, mla_decode
 
     b = len(case.lens)
-    po_s, pl_s = decode_workspace_shapes(max(1, 2048 // 2048), case.h, 2048)
-    po = torch.empty(po_s, device="cuda")
-    pl = torch.empty(pl_s, device="cuda")
+    po, pl, _ = decode_workspace_shapes(1, case.h, 2048).allocate("cuda")  # one row: a flat space of 2048 slots
+    work = torch.empty(decode_work_ints(b, case.h, 2048), dtype=torch.int32, device="cuda")  # the plan of b requests
     out = torch.empty(b, case.h, D_CKV, device="cuda", dtype=torch.bfloat16)
-    work = torch.empty(plan_ints(1025, b, case.h // 16), dtype=torch.int32, device="cuda")  # <= 1025 programs
     kv = case.kv8 if fp8 else case.kv
     state = {"plan": None}
 

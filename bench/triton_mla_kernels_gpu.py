@@ -45,8 +45,12 @@ if SMOKE:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from backends.kernels.mla_decode import PROGRAMS_PER_SM, PROGRAMS_PER_SM_TMA, default_decode_config  # noqa: E402
-from backends.kernels.mla_extend import default_extend_config  # noqa: E402
+from backends.kernels.mla_decode.mla_decode import (  # noqa: E402
+    PROGRAMS_PER_SM,
+    PROGRAMS_PER_SM_TMA,
+    default_decode_config,
+)
+from backends.kernels.mla_extend.mla_extend import default_extend_config  # noqa: E402
 from bench.harness import (  # noqa: E402
     Ceilings,
     MiB,

@@ -12,8 +12,14 @@ import math
 import torch
 import triton
 
-from backends.kernels.mla_decode import decode_programs, default_decode_config, mla_decode, programs_per_sm
-from backends.kernels.mla_extend import mla_extend
+from backends.kernels.mla_decode.mla_decode import (
+    decode_programs,
+    decode_work_ints,
+    default_decode_config,
+    mla_decode,
+    programs_per_sm,
+)
+from backends.kernels.mla_extend.mla_extend import mla_extend
 from bench.harness import copies_for_l2
 
 D_CKV, D_PE, D = 512, 64, 576
@@ -102,6 +108,7 @@ class DecodeProblem:
         self.out = torch.empty(self.B, heads, D_CKV, device=dev, dtype=DTYPE)
         self.max_splits, self.split_slots = max_splits, split_slots
         self.ws = torch.empty(split_slots * heads * (D_CKV + 1), device=dev)
+        self.work = torch.empty(decode_work_ints(split_slots, heads, split_slots), dtype=torch.int32, device=dev)
         self._ref = None
         self.flops = 2 * heads * sum(kv_lens) * (D + D_CKV)
 
@@ -139,16 +146,18 @@ class DecodeProblem:
         return self._ref
 
     def runner(self, **cfg):
-        """A call of ``mla_decode`` with ``cfg`` that rotates over the input copies (``ws=`` sets max_splits)."""
+        """A call of ``mla_decode`` with ``cfg`` that rotates over the input copies (``ws=`` sets max_splits). The
+        Triton stage 1 unless ``cfg`` says ``use_wgmma``: the configs swept here are its tilings."""
         state = [0]
         cfg = dict(cfg)
+        cfg.setdefault("use_wgmma", False)
         po, pl, S = self.workspace(cfg.pop("ws", self.max_splits))
 
         def run():
             p = self.copies[state[0] % len(self.copies)]
             state[0] += 1
             mla_decode(
-                self.q_nope, self.q_pe, p.kv, p.pt, p.sl, SCALE, self.out, po, pl, max_splits=S, **cfg
+                self.q_nope, self.q_pe, p.kv, p.pt, p.sl, SCALE, self.out, po, pl, self.work, max_splits=S, **cfg
             )  # fmt: skip
 
         return run

@@ -111,7 +111,7 @@ def guard_indexer_ties(monkeypatch) -> list:
     defined, in the reference either: relu makes exact zeros). A test that compares selections asserts the list
     stays empty: its premise, not a tolerance. Wraps the backend's batched indexer (either impl)."""
     import backends.dsv4 as dsv4
-    from backends.kernels.dsv4_indexer import indexer_topk_paged
+    from backends.kernels.dsv4.dsv4_indexer import indexer_topk_paged
 
     ties = []
 

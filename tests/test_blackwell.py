@@ -16,7 +16,7 @@ from dependency_injector import providers
 from mla_harness import make_harness, oracle_absorbed, random_batch, random_q, rel_err, spec
 
 import containers
-from backends.kernels.emulated_mla import (
+from backends.kernels.mla_decode.emulated_mla import (
     EmulatedTokenSpeedMLADecode,
     EmulatedTrtllmMLADecode,
     tokenspeed_workspace_bound,

@@ -1,4 +1,5 @@
-"""The fused decoder kernels (FusedOps, backends/kernels/decoder_ops.py) against the unfused torch ops (TorchOps).
+"""The fused decoder kernels (FusedOps, backends/kernels/decoder/decoder_ops.py) against the unfused torch ops
+(TorchOps).
 
 On the CPU the kernels run in Triton's interpreter at tiny sizes (float32); the ``gpu`` tests run them compiled
 at DeepSeek-V3 TP8 sizes in bfloat16 on odd row counts (1, 7, 63): relative error <= 1e-2, no NaN.
@@ -89,7 +90,7 @@ def check_route(t, e, d, spec, dev):
     w = MoEWeights(gate=torch.randn(e, d, device=dev) / d**0.5, bias=torch.randn(e, device=dev) * 0.01,
                    gate_up=None, down=None, shared=None)
     wr, ir = route(spec, w, x)
-    from backends.kernels.decoder_ops import route_sigmoid
+    from backends.kernels.decoder.decoder_ops import route_sigmoid
 
     wf, idf = route_sigmoid(torch.nn.functional.linear(x, w.gate), w.bias, spec.n_group, spec.topk_group, spec.num_experts_per_tok,
                             spec.norm_topk_prob, spec.routed_scaling_factor)
@@ -98,7 +99,7 @@ def check_route(t, e, d, spec, dev):
 
 
 def check_dispatch_combine(t, k, e, d, dtype, dev, tol):
-    from backends.kernels.decoder_ops import moe_combine, moe_dispatch
+    from backends.kernels.decoder.decoder_ops import moe_combine, moe_dispatch
 
     ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
     tokens, inv, offs = moe_dispatch(ids, e)
@@ -168,7 +169,7 @@ def _route_lowest_index_first(logits, bias, groups, topk_group, k, scale):
 def test_route_sigmoid_breaks_ties_toward_the_lower_expert_id():
     """Logits from four values and a zero bias: many equal choices, in and across groups; among equal choices the
     lower group and the lower expert id come first (the kernel's rule before and after its one-max-per-pick form)."""
-    from backends.kernels.decoder_ops import route_sigmoid
+    from backends.kernels.decoder.decoder_ops import route_sigmoid
 
     g = torch.Generator().manual_seed(3)
     logits = torch.tensor([-1.0, 0.0, 0.5, 2.0])[torch.randint(0, 4, (6, 32), generator=g)]

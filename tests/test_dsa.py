@@ -51,8 +51,8 @@ def make_backend(impl: str, top_k: int, page_size: int = 4):
     keys = IndexKeyPool([0], 128 * page_size, DI, torch.float32, h.device)
     ws = {"dsa_sparse_decode": torch.empty(0, dtype=torch.uint8), "dsa_indexer": torch.empty(0, dtype=torch.uint8)}
     if impl == "triton":
-        from backends.kernels.indexer import indexer_scratch_bytes
-        from backends.kernels.sparse_mla_decode import sparse_decode_scratch_bytes
+        from backends.kernels.sparse.indexer import indexer_scratch_bytes
+        from backends.kernels.sparse.sparse_mla_decode import sparse_decode_scratch_bytes
 
         ws = {"dsa_sparse_decode": torch.empty(sparse_decode_scratch_bytes(8, spec.num_heads, KV_LORA, 4), dtype=torch.uint8),
               "dsa_indexer": torch.empty(indexer_scratch_bytes(8, 256, top_k), dtype=torch.uint8)}

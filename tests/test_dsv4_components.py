@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dsv4_harness import tiny_pair
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from backends.kernels.dsv4_reference import indexer_topk, sink_attention
+from backends.kernels.dsv4.dsv4_reference import indexer_topk, sink_attention
 from runtime.core.dsv4_pools import CompressedKVPool, CompressorStatePool
 from runtime.core.dsv4_spec import DSV4AttentionSpec, DSV4LayerType
 from runtime.model.dsv4.compressor import compress_decode, compress_step

@@ -15,7 +15,7 @@ from test_dsv4_kernels import DEV, _oracle
 
 import backends.dsv4 as dsv4
 from backends.dsv4 import DSV4Backend, decode_workspace_spec
-from backends.kernels.dsv4_decode import (
+from backends.kernels.dsv4.dsv4_decode import (
     CPU_SM_COUNT,
     MIN_TILES_PER_SPLIT,
     PROGRAMS_PER_SM,

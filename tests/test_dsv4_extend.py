@@ -13,7 +13,7 @@ from triton_env import needs_gpu
 
 import backends.dsv4 as dsv4
 from backends.dsv4 import DSV4Backend
-from backends.kernels.dsv4_extend import dsv4_extend
+from backends.kernels.dsv4.dsv4_extend import dsv4_extend
 from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.dsv4_spec import DSV4AttentionSpec, DSV4LayerType

@@ -1,6 +1,6 @@
 """``backend=dsv4 backend.impl=flashinfer``: the backend's argument preparation for FlashInfer's
 ``trtllm_batch_decode_sparse_mla_dsv4`` runs through the emulation of the kernel's contract
-(``backend.kernel=emulate``, :mod:`backends.kernels.emulated_dsv4`) and must give the torch impl's tokens; the
+(``backend.kernel=emulate``, :mod:`backends.kernels.dsv4.emulated_dsv4`) and must give the torch impl's tokens; the
 gate refuses real kernels off Blackwell naming the GPU, the requirement and the impls that run there.
 
 The kernel's shapes are fixed (head dim 512, 8..128 heads, a 128-token SWA tile, bf16), so the tiny model here has
@@ -17,7 +17,7 @@ from dsv4_harness import randomize_, tiny_hf_config
 from hf_models import prompt_overrides
 
 from backends.dsv4 import DSV4Backend
-from backends.kernels.emulated_dsv4 import EmulatedDSV4SparseDecode
+from backends.kernels.dsv4.emulated_dsv4 import EmulatedDSV4SparseDecode
 from containers import build
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import ConfigError

@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 indexer for a whole batch (backends/kernels/dsv4_indexer.py: batched torch, and the DSA scoring
+"""The DeepSeek-V4 indexer for a whole batch (backends/kernels/dsv4/dsv4_indexer.py: batched torch, and the DSA scoring
 kernel in the CPU interpreter) equal to the per-request reference ``indexer_topk`` over the same pool: requests of
 different lengths in odd table rows, queries that see no entry yet (-1 only), fewer visible entries than top_k
 (-1 padding), chunks of tokens smaller than a request, exact ties (equal scores: the same score multiset)."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from dsv4_harness import boundary_ties
 
-import backends.kernels.dsv4_indexer as idx_mod
-from backends.kernels.dsv4_indexer import indexer_topk_paged, triton_indexer_fits
-from backends.kernels.dsv4_reference import indexer_topk
+import backends.kernels.dsv4.dsv4_indexer as idx_mod
+from backends.kernels.dsv4.dsv4_indexer import indexer_topk_paged, triton_indexer_fits
+from backends.kernels.dsv4.dsv4_reference import indexer_topk
 from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.dsv4_pools import CompressedKVPool
 

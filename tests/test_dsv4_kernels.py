@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.kernels.dsv4_decode import dsv4_decode, dsv4_decode_torch
-from backends.kernels.dsv4_extend import GatherPart, dsv4_extend
-from backends.kernels.dsv4_reference import sink_attention
+from backends.kernels.dsv4.dsv4_decode import dsv4_decode, dsv4_decode_torch
+from backends.kernels.dsv4.dsv4_extend import GatherPart, dsv4_extend
+from backends.kernels.dsv4.dsv4_reference import sink_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

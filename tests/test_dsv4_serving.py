@@ -19,7 +19,7 @@ from conftest import compose_config
 from dsv4_harness import saved_reference
 from hf_models import prompt_overrides
 
-from backends.kernels.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes
+from backends.kernels.dsv4.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes
 from containers import build
 from runtime.core.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Block-fp8 linear layers (backends/kernels/fp8_gemm.py): the few-row W8A16 kernel, the W8A16 and W8A8 tiled GEMMs
+"""Block-fp8 linear layers (backends/kernels/gemm/fp8_gemm.py): the few-row W8A16 kernel, the W8A16 and W8A8 tiled GEMMs
 and the activation quantizer.
 
 CPU: Triton's interpreter at small odd sizes in float16 (its ``tl.dot`` is wrong for bfloat16, see test_gemv.py; its
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from triton_env import DEV, capture_graph, needs_gpu, rel_err
 
-from backends.kernels import fp8_gemm
-from backends.kernels.skinny import TileConfig
+from backends.kernels.gemm import fp8_gemm
+from backends.kernels.gemm.skinny import TileConfig
 from runtime.model.quantized import dequantize_fp8, quantize_fp8
 
 TOL_W8A16 = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -166,8 +166,8 @@ def test_refuses_what_it_cannot_take():
 
 def test_configs_by_rule():
     cpu = torch.device("cpu")  # counted as an H100's 132 SMs
-    assert fp8_gemm.few_config(2112, 7168, cpu) == TileConfig(16, 512, 4, 4)
-    assert fp8_gemm.few_config(7168, 2048, cpu) == TileConfig(32, 256, 4, 4)
+    assert fp8_gemm.few_config(2112, 7168, cpu) == TileConfig(32, 512, 4, 4)
+    assert fp8_gemm.few_config(7168, 2048, cpu) == TileConfig(64, 256, 4, 4)
     assert fp8_gemm.few_config(40000, 100, cpu) == TileConfig(64, 128, 4, 4)
     assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 4)
     assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 4)

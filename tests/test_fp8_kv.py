@@ -77,9 +77,9 @@ def test_auto_pool_is_the_model_dtype_and_counts_nothing():
 # ----------------------------------------------------------------------------------------------- kernels
 triton = pytest.importorskip("triton")
 
-from backends.kernels.mla_decode import mla_decode  # noqa: E402
-from backends.kernels.mla_extend import mla_extend  # noqa: E402
-from backends.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference  # noqa: E402
+from backends.kernels.mla_decode.mla_decode import decode_work_ints, mla_decode  # noqa: E402
+from backends.kernels.mla_extend.mla_extend import mla_extend  # noqa: E402
+from backends.kernels.sparse.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_reference  # noqa: E402
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 if not (_INTERP or _HAS_CUDA):
@@ -106,6 +106,12 @@ def _rows(kv, pt, b, n, scale):
     return kv[pt[b, t // ps].long(), t % ps].double() * scale
 
 
+def _work(partial_out):
+    """The decode plan space mla_decode checks, for one request per row of ``partial_out``."""
+    rows, heads, splits = partial_out.shape[:3]
+    return torch.empty(decode_work_ints(rows, heads, rows * splits), dtype=torch.int32, device=partial_out.device)
+
+
 def _rel(out, ref):
     out = out.detach().cpu().double()
     assert not torch.isnan(out).any()
@@ -129,7 +135,8 @@ def test_decode_reads_fp8_cache(qdtype, tol):
     po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
     pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)
     mla_decode(qn.to(DEV), qp.to(DEV), kv.to(DEV), pt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
-               sm, out, po, pl, max_splits=4, min_tokens_per_split=16, block_n=16, block_h=16, kv_scale=scale)
+               sm, out, po, pl, _work(po), max_splits=4, min_tokens_per_split=16, block_n=16, block_h=16,
+               kv_scale=scale)
     assert _rel(out, ref) < tol
 
 
@@ -152,7 +159,8 @@ def test_decode_fp8_cache_clamps_a_bf16_query_to_fp16_range():
     po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
     pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)
     mla_decode(qn.to(DEV), qp.to(DEV), kv.to(DEV), pt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
-               sm, out, po, pl, max_splits=4, min_tokens_per_split=16, block_n=16, block_h=16, kv_scale=scale)
+               sm, out, po, pl, _work(po), max_splits=4, min_tokens_per_split=16, block_n=16, block_h=16,
+               kv_scale=scale)
     assert _rel(out, ref) < 2e-2
 
 

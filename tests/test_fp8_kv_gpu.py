@@ -11,9 +11,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode  # noqa: E402
-from backends.kernels.mla_extend import mla_extend  # noqa: E402
-from backends.kernels.sparse_mla_decode import sparse_mla_decode  # noqa: E402
+from backends.kernels.mla_decode.mla_decode import decode_workspace_shapes, mla_decode  # noqa: E402
+from backends.kernels.mla_extend.mla_extend import mla_extend  # noqa: E402
+from backends.kernels.sparse.sparse_mla_decode import sparse_mla_decode  # noqa: E402
 
 D_CKV, D_PE, PAGE = 512, 64, 64
 FP8 = torch.float8_e4m3fn
@@ -79,10 +79,14 @@ def test_decode(path, heads, fp8):
         extra = dict(ckv_scale=SCALE, kpe_scale=SCALE) if fp8 else {}
         w.run(qn, qp, kv[..., :D_CKV], kv[..., D_CKV:], out=out, **extra)
     else:
-        po_s, pl_s = decode_workspace_shapes(len(LENS), heads, 64)
-        po, pl = torch.full(po_s, float("nan"), device="cuda"), torch.full(pl_s, float("nan"), device="cuda")
-        kw = dict(use_tma=False) if path == "pointer" else {}
-        mla_decode(qn, qp, kv, pt, seq, sm, out, po, pl, max_splits=64, kv_scale=SCALE, **kw)
+        ws = decode_workspace_shapes(len(LENS), heads, 64)
+        po = torch.full(ws.partial_out, float("nan"), device="cuda")
+        pl = torch.full(ws.partial_lse, float("nan"), device="cuda")
+        work = torch.empty(ws.work, dtype=torch.int32, device="cuda")
+        # "default": the stage 1 the launcher picks (the wgmma kernels on Hopper where they measured faster);
+        # "pointer": the Triton stage 1 with pointer loads
+        kw = dict(use_tma=False, use_wgmma=False) if path == "pointer" else {}
+        mla_decode(qn, qp, kv, pt, seq, sm, out, po, pl, work, max_splits=64, kv_scale=SCALE, **kw)
     assert _rel(out, ref) < TOL
 
 

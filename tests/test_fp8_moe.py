@@ -1,4 +1,4 @@
-"""The block-fp8 MoE expert kernels (backends/kernels/fp8_moe.py): the few-token decode path and the W8A8 grouped
+"""The block-fp8 MoE expert kernels (backends/kernels/gemm/fp8_moe.py): the few-token decode path and the W8A8 grouped
 GEMM path, against float64 references built from the dequantized weights.
 
 CPU: Triton's interpreter at small sizes. The few-token path runs in float16 (the interpreter's ``tl.dot`` is
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from triton_env import DEV, needs_gpu, rel_err
 
-from backends.kernels import fp8_moe
+from backends.kernels.gemm import fp8_moe
 from runtime.model.deepseek.mlp import swiglu
 from runtime.model.deepseek.moe import routed_expert_sum, sort_by_expert
 from runtime.model.quantized import dequantize_fp8, quantize_fp8

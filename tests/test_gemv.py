@@ -1,4 +1,4 @@
-"""The few-row product kernels (backends/kernels/skinny.py) and their use by FusedOps (``model.gemv_rows``).
+"""The few-row product kernels (backends/kernels/gemm/skinny.py) and their use by FusedOps (``model.gemv_rows``).
 
 CPU: Triton's interpreter at small odd sizes, float32 and float16 (its ``tl.dot`` gives garbage for bfloat16, so
 bf16 runs only in the ``gpu`` tests, at DeepSeek-V3 TP8 sizes). Every case against float64; row independence is
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from triton_env import DEV, needs_gpu, rel_err
 
-from backends.kernels import skinny
+from backends.kernels.gemm import skinny
 from runtime.model.deepseek.mlp import swiglu
 from runtime.model.deepseek.moe import routed_expert_sum
 from runtime.model.deepseek.ops import GEMV_MAX_ROWS, FusedOps, TorchOps

@@ -81,7 +81,7 @@ def oracle(q_nope, q_pe, rows: torch.Tensor, positions: torch.Tensor) -> torch.T
 
 
 def check_step(reqs: Requests, steps, gen) -> None:
-    from backends.kernels.sparse_mla_decode import sparse_mla_decode_reference
+    from backends.kernels.sparse.sparse_mla_decode import sparse_mla_decode_reference
 
     for layer, _batch, topk, locs in steps:
         b, heads = topk.shape[0], 3

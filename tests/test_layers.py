@@ -84,7 +84,8 @@ def test_checker_reports_a_circle_closed_by_a_type_checking_import(tmp_path):
 
 
 @pytest.mark.parametrize("module,layer", [("runtime.core.batch", "runtime.core"), ("runtime.__main__", "runtime"),
-                                          ("backends.kernels.mla_decode", "backends"), ("containers", "containers")])
+                                          ("backends.kernels.mla_decode.mla_decode", "backends"),
+                                          ("containers", "containers")])
 def test_layer_of(module, layer):
     from import_layers import layer_of
     assert layer_of(module) == layer

@@ -1,5 +1,5 @@
-"""The seesaw stage 1 of the MLA decode (:mod:`backends.kernels.mla_decode_seesaw_kernels`: 64 heads per program,
-each of two warpgroups owning one tile of a pair and half the output columns; Hopper).
+"""The seesaw stage 1 of the MLA decode (:mod:`backends.kernels.mla_decode.mla_decode_seesaw_kernels`: 64 heads per
+program, each of two warpgroups owning one tile of a pair and half the output columns; Hopper).
 
 CPU: ``mla_decode(seesaw=True)`` asks the launcher for the seesaw kernel with every split request left to the merge
 kernel, at 64-head blocks only. GPU (``gpu``-marked): 64 and 128 heads, bf16 and fp16, odd lengths (1, 7, 63, 64,
@@ -15,8 +15,7 @@ import torch
 from test_mla_decode_wgmma import ODD, _decode, _problem, _reference
 from triton_env import capture_graph, needs_gpu, rel_err, replays_equal_eager
 
-from backends.kernels.mla_decode import decode_workspace_shapes
-from backends.kernels.mla_decode_plan_kernels import plan_ints
+from backends.kernels.mla_decode.mla_decode import decode_workspace_shapes
 
 D_CKV, D_PE = 512, 64
 
@@ -26,18 +25,17 @@ FP8 = torch.float8_e4m3fn
 
 def _ask(monkeypatch, H, block_h, seesaw, kv_dtype):
     """mla_decode's request to the wgmma launcher (seesaw, merge limit) and the plan it returns, off the GPU."""
-    md = importlib.import_module("backends.kernels.mla_decode")
+    md = importlib.import_module("backends.kernels.mla_decode.mla_decode")
     seen = []
     monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
     monkeypatch.setattr(md, "wgmma_block_h", lambda *a: block_h)
     monkeypatch.setattr(md, "launch_wgmma_stage1", lambda *a, seesaw, merge_max, **k: seen.append((seesaw, merge_max)))
     B = 3
-    po, pl = (torch.empty(s) for s in decode_workspace_shapes(B, H, 4))
+    po, pl, work = decode_workspace_shapes(B, H, 4).allocate("cpu")
     kv = torch.zeros(8, 64, D_CKV + D_PE).to(kv_dtype)
     plan = md.mla_decode(torch.zeros(B, H, D_CKV), torch.zeros(B, H, D_PE), kv, torch.zeros(B, 8, dtype=torch.int32),
-                         torch.tensor([5, 300, 64], dtype=torch.int32), 0.1, torch.empty(B, H, D_CKV), po, pl,
-                         max_splits=4, use_wgmma=True, target_programs=8, seesaw=seesaw, _skip_merge=True,
-                         work=torch.zeros(plan_ints(64, B, H // 16), dtype=torch.int32))  # fmt: skip
+                         torch.tensor([5, 300, 64], dtype=torch.int32), 0.1, torch.empty(B, H, D_CKV), po, pl, work,
+                         max_splits=4, use_wgmma=True, target_programs=8, seesaw=seesaw, _skip_merge=True)  # fmt: skip
     return seen, plan
 
 
@@ -56,7 +54,7 @@ def test_seesaw_is_asked_for_64_head_blocks_with_the_merge_kernel(monkeypatch, H
     merge limit (4 over bf16 and in the lock-step kernel, which is what 64-head blocks over fp8 run; 0 in the 16-head
     fp8 kernel)."""
     if seesaw_from is not None:
-        monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "SEESAW_MIN_BATCH",
+        monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode.mla_decode_wgmma"), "SEESAW_MIN_BATCH",
                             seesaw_from)
     seen, plan = _ask(monkeypatch, H, block_h, seesaw, kv_dtype)
     assert seen == [expected] and plan.merge_max == expected[1]
@@ -102,13 +100,11 @@ def test_gpu_seesaw_one_plan_over_layers_in_a_graph():
         kv, pt, qn, qp = _problem(longest, H, torch.bfloat16, seed=seed)
         layers.append((kv.float().nan_to_num().to(kv.dtype), pt, qn, qp))  # every row up to the longer length is real
     B = len(lens_a)
-    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
-    po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
-    work = torch.empty(plan_ints(2048, B, H // 16), dtype=torch.int32, device="cuda")
+    po, pl, work = decode_workspace_shapes(B, H, 8).allocate("cuda")
     sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
     out_all = torch.empty(len(layers), B, H, D_CKV, dtype=torch.bfloat16, device="cuda")
     outs = list(out_all)  # views: one tensor to fill and compare
-    md = importlib.import_module("backends.kernels.mla_decode")
+    md = importlib.import_module("backends.kernels.mla_decode.mla_decode")
 
     def step():
         plan = None

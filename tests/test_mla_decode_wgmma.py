@@ -18,9 +18,13 @@ import torch
 import triton
 from triton_env import DEV, INTERPRETED, capture_graph, needs_gpu, rel_err, replays_equal_eager  # noqa: F401  (skips the module without Triton)
 
-from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
-from backends.kernels.mla_decode_plan_kernels import _mla_decode_merge_rows_kernel, _mla_decode_plan_kernel, plan_ints
-from backends.kernels.mla_decode_wgmma import (
+from backends.kernels.mla_decode.mla_decode import decode_work_ints, decode_workspace_shapes, mla_decode
+from backends.kernels.mla_decode.mla_decode_plan_kernels import (
+    _mla_decode_merge_rows_kernel,
+    _mla_decode_plan_kernel,
+    plan_ints,
+)
+from backends.kernels.mla_decode.mla_decode_wgmma import (
     FP8_ROLES_MIN_BATCH,
     SEESAW_MIN_BATCH,
     TOKENS_MIN_BATCH,
@@ -33,6 +37,7 @@ from backends.kernels.mla_decode_wgmma import (
 )
 
 D_CKV, D_PE = 512, 64
+WGMMA_MODULE = "backends.kernels.mla_decode.mla_decode_wgmma"
 
 
 def _plan_rows(lens, programs, min_chunk, block_n=64, snap=True):
@@ -107,10 +112,10 @@ def test_wgmma_refusals_name_every_reason():
     assert wgmma_problems(q, kv, 9, torch.zeros(8, dtype=torch.int32)) == []
     why = wgmma_problems(q.float(), kv.to(torch.float8_e4m3fn), 9, torch.zeros(8, dtype=torch.int32))
     assert len(why) == 1 and "bf16 / fp16 query over an fp8 cache" in why[0]
-    po, pl = decode_workspace_shapes(1, 128, 4)
-    with pytest.raises(ValueError, match="for use_wgmma: a Hopper GPU"):
+    workspace = decode_workspace_shapes(1, 128, 4).allocate("cpu")
+    with pytest.raises(ValueError, match=r"use_wgmma=True.*expected a Hopper GPU .*got no GPU.*Fix: pass use_wgmma=None"):
         mla_decode(q, q[..., :D_PE], kv, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1,
-                   torch.empty_like(q), torch.empty(po), torch.empty(pl), max_splits=4, use_wgmma=True)
+                   torch.empty_like(q), *workspace, max_splits=4, use_wgmma=True)  # fmt: skip
 
 
 def test_wgmma_heads_per_program():
@@ -178,7 +183,7 @@ def test_merge_rows_kernel_shares_the_jobs_out(programs):
 def test_a_plan_is_reused_only_where_it_is_the_same(monkeypatch):
     """mla_decode returns the wgmma plan it wrote; given back, the plan kernel is skipped, but only where every host
     choice and the work / lengths tensors are the same (another lengths tensor, batch or chunking plans again)."""
-    md = importlib.import_module("backends.kernels.mla_decode")
+    md = importlib.import_module("backends.kernels.mla_decode.mla_decode")
     runs = []
     monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
     monkeypatch.setattr(md, "wgmma_block_h", lambda *a: 16)
@@ -186,8 +191,8 @@ def test_a_plan_is_reused_only_where_it_is_the_same(monkeypatch):
     B, H = 3, 16
     q_nope, q_pe = torch.zeros(B, H, D_CKV), torch.zeros(B, H, D_PE)
     kv, pt = torch.zeros(8, 64, D_CKV + D_PE), torch.zeros(B, 8, dtype=torch.int32)
-    po, pl = (torch.empty(s) for s in decode_workspace_shapes(B, H, 4))
-    work, sl = torch.zeros(plan_ints(64, B, 1), dtype=torch.int32), torch.tensor([5, 300, 64], dtype=torch.int32)
+    po, pl, work = decode_workspace_shapes(B, H, 4).allocate("cpu")
+    sl = torch.tensor([5, 300, 64], dtype=torch.int32)
 
     def call(plan, lens=sl, b=B, **kw):
         return md.mla_decode(q_nope[:b], q_pe[:b], kv, pt, lens, 0.1, torch.empty(b, H, D_CKV), po, pl,
@@ -297,11 +302,11 @@ def _reference(q_nope, q_pe, kv, pt, lens, scale, kv_scale=1.0):
 
 def _decode(q_nope, q_pe, kv, pt, lens, scale, **kw):
     B, H = q_nope.shape[:2]
-    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
-    po = torch.full(po_shape, float("nan"), device="cuda")
-    pl = torch.full(pl_shape, float("nan"), device="cuda")
+    ws = decode_workspace_shapes(B, H, 8)
+    po = torch.full(ws.partial_out, float("nan"), device="cuda")
+    pl = torch.full(ws.partial_lse, float("nan"), device="cuda")
     out = torch.full((B, H, D_CKV), float("nan"), dtype=q_nope.dtype, device="cuda")
-    work = torch.full((plan_ints(2048, B, H // 16),), -1, dtype=torch.int32, device="cuda")
+    work = torch.full(ws.work, -1, dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, work=work, **kw)
     return out
@@ -384,7 +389,7 @@ def test_gpu_fp8_lockstep_kernel_matches_reference(H, monkeypatch):
     fp8-scores kernel) over odd lengths with NaN past every request's end, pages of 64 and 128, against the float32
     reference over the same fp8 cache."""
     needs_gpu()
-    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "FP8_HEADS_KERNEL", False)
+    monkeypatch.setattr(importlib.import_module(WGMMA_MODULE), "FP8_HEADS_KERNEL", False)
     for page, kw in ((64, {}), (128, dict(fp8_scores=False))):
         kv, pt, q_nope, q_pe = _problem(ODD, H, FP8, seed=H + page, page=page)
         ref = _reference(q_nope, q_pe, kv, pt, ODD, 0.1, 0.75)
@@ -401,7 +406,7 @@ def test_gpu_fp8_roles_kernel_matches_reference(page, monkeypatch):
     and calls), against the float32 reference over the same fp8 cache; heads of very different ranges at bf16-level
     error; a batch of ``FP8_ROLES_MIN_BATCH`` or more takes it by default."""
     needs_gpu()
-    wg = importlib.import_module("backends.kernels.mla_decode_wgmma")
+    wg = importlib.import_module(WGMMA_MODULE)
     monkeypatch.setattr(wg, "FP8_ROLES_MIN_BATCH", 1)
     for lens in (ODD, [1], [32768], [5, 3]):
         kv, pt, q_nope, q_pe = _problem(lens, 32, FP8, seed=len(lens) + page, page=page)
@@ -428,7 +433,7 @@ def test_gpu_wgmma_stage1_merge_matches_reference(H, dtype, merge_max, monkeypat
     """Split requests merged by the merge kernel, by the stage 1 up to 2 pieces, or all by the stage 1 (the last
     program to finish a request's pieces): the same outputs, zeros for empty requests, twice (counters reset)."""
     needs_gpu()
-    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "MERGE_MAX_PIECES", merge_max)
+    monkeypatch.setattr(importlib.import_module(WGMMA_MODULE), "MERGE_MAX_PIECES", merge_max)
     lens = [1, 7, 0, 4097, 2000, 64, 129, 30000, 0, 513]
     kv, pt, q_nope, q_pe = _problem(lens, H, dtype, seed=H + merge_max % 7)
     ref = _reference(q_nope, q_pe, kv, pt, lens, 0.1)
@@ -449,10 +454,8 @@ def test_gpu_wgmma_decode_graph_replay_matches_eager(H, dtype):
     kv, pt, q_nope, q_pe = _problem([max(a, b) for a, b in zip(lens_a, lens_b)], H, dtype, seed=5)
     kv = kv.float().nan_to_num().to(kv.dtype)  # lengths change between replays: every row up to the longer one is real
     B = len(lens_a)
-    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
-    po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
+    po, pl, work = decode_workspace_shapes(B, H, 8).allocate("cuda")
     out = torch.empty(B, H, D_CKV, dtype=q_nope.dtype, device="cuda")
-    work = torch.empty(plan_ints(2048, B, H // 16), dtype=torch.int32, device="cuda")
     sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
 
     def step():
@@ -479,9 +482,8 @@ def test_gpu_one_plan_serves_every_layer(H, dtype):
     layers = [_problem(lens, H, dtype, seed=seed) for seed in range(3)]
     refs = [_reference(qn, qp, kv, pt, lens, 0.1, kv_scale) for kv, pt, qn, qp in layers]
     B = len(lens)
-    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
-    po, pl = torch.empty(po_shape, device="cuda"), torch.empty(pl_shape, device="cuda")
-    work = torch.full((plan_ints(2048, B, H // 16),), -1, dtype=torch.int32, device="cuda")
+    po, pl, work = decode_workspace_shapes(B, H, 8).allocate("cuda")
+    work.fill_(-1)
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     outs = [torch.empty(B, H, D_CKV, dtype=qn.dtype, device="cuda") for _, _, qn, _ in layers]
     plans = []
@@ -514,7 +516,7 @@ def test_wgmma_branch_merges_through_the_plan_rows(monkeypatch):
     kernel: the plan kernel's per-request rows (not a recomputed plan) drive the merge of split requests."""
     from test_triton_kernels import _check, _make_cache, _ref_decode
 
-    md = importlib.import_module("backends.kernels.mla_decode")  # the module (the package exports the function)
+    md = importlib.import_module("backends.kernels.mla_decode.mla_decode")
     lens, H, scale = [1, 7, 300, 0, 65, 129, 200], 4, 0.06
     g = torch.Generator().manual_seed(3)
     kv, pt = _make_cache(lens, 64, torch.float32, g)
@@ -526,19 +528,20 @@ def test_wgmma_branch_merges_through_the_plan_rows(monkeypatch):
         assert merge_max == 0, "the stand-in stage 1 does not merge"
         _mla_decode_plan_kernel[(programs,)](sl, work, len(lens), programs, min_chunk, int(snap), 1, BLOCK_N=64,
                                              BLOCK_B=256, MERGE_MAX=0, PDL=False)  # fmt: skip
-        md.mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=max_splits, block_n=64, block_h=16,
-                      target_programs=programs, min_tokens_per_split=min_chunk, use_wgmma=False, _skip_merge=True)
+        md.mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, work, max_splits=max_splits, block_n=64,
+                      block_h=16, target_programs=programs, min_tokens_per_split=min_chunk, use_wgmma=False,
+                      _skip_merge=True)  # fmt: skip
         seen.update(programs=programs, req=work[8 * programs : 8 * programs + 2 * len(lens)].clone())
 
     monkeypatch.setattr(md, "wgmma_problems", lambda *a: [])
     monkeypatch.setattr(md, "wgmma_block_h", lambda *a: 16)
     monkeypatch.setattr(md, "launch_wgmma_stage1", stand_in)
     # every split request through the merge kernel
-    monkeypatch.setattr(importlib.import_module("backends.kernels.mla_decode_wgmma"), "MERGE_MAX_PIECES", 0)
+    monkeypatch.setattr(importlib.import_module(WGMMA_MODULE), "MERGE_MAX_PIECES", 0)
     po = torch.full((len(lens), H, 4, D_CKV), float("nan"), device=DEV)
     pl = torch.full((len(lens), H, 4), float("nan"), device=DEV)
     out = torch.full((len(lens), H, D_CKV), float("nan"), device=DEV)
-    work = torch.full((plan_ints(16, len(lens), 1),), -1, dtype=torch.int32, device=DEV)
+    work = torch.full((decode_work_ints(len(lens), H, len(lens) * 4),), -1, dtype=torch.int32, device=DEV)
     sl = torch.tensor(lens, dtype=torch.int32, device=DEV)
     md.mla_decode(q_nope.to(DEV), q_pe.to(DEV), kv.to(DEV), pt.to(DEV), sl, scale, out, po, pl, max_splits=4,
                   work=work, use_wgmma=True, target_programs=16)  # fmt: skip

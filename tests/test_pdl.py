@@ -16,7 +16,8 @@ from conftest import compose_config
 from triton_env import DEV, INTERPRETED, needs_gpu
 
 import containers
-from backends.kernels import decoder_kernels, skinny_kernels
+from backends.kernels.decoder import decoder_kernels
+from backends.kernels.gemm import skinny_kernels
 from backends.kernels.pdl import use_pdl
 from runtime.core.kv_pool import MLAKVPool
 from runtime.model.deepseek.ops import FusedOps

@@ -13,14 +13,14 @@ import torch
 from triton_env import DEV, INTERPRETED  # noqa: F401  (skips the module without Triton)
 from triton_env import needs_gpu as _needs_gpu
 
-from backends.kernels.host_gather import copy_rows, gather_rows_from_host, scatter_rows_to_host
-from backends.kernels.indexer import (
+from backends.kernels.sparse.host_gather import copy_rows, gather_rows_from_host, scatter_rows_to_host
+from backends.kernels.sparse.indexer import (
     indexer_scratch_bytes,
     indexer_topk,
     indexer_topk_reference,
     scores_topk,
 )
-from backends.kernels.sparse_mla_decode import (
+from backends.kernels.sparse.sparse_mla_decode import (
     sparse_decode_scratch_bytes,
     sparse_decode_splits,
     sparse_mla_decode,

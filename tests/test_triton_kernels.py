@@ -13,16 +13,22 @@ import torch
 import triton
 from triton_env import DEV, INTERPRETED, TOL  # noqa: F401  (skips the module without Triton)
 
-from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
-from backends.kernels.mla_extend import mla_extend
+from backends.kernels.mla_decode.mla_decode import decode_work_ints, decode_workspace_shapes, mla_decode
+from backends.kernels.mla_extend.mla_extend import mla_extend
 
-_dec_mod = importlib.import_module("backends.kernels.mla_decode")  # the module (the package exports the function)
+_dec_mod = importlib.import_module("backends.kernels.mla_decode.mla_decode")
 D_CKV, D_PE = 512, 64
 
 
 # ----------------------------------------------------------------------------------------------- helpers
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def _work(B, H, partial_out):
+    """The decode plan space mla_decode checks on every call, for B requests over ``partial_out``'s slots."""
+    slots = partial_out.shape[0] * partial_out.shape[2]
+    return torch.empty(decode_work_ints(B, H, slots), dtype=torch.int32, device=partial_out.device)
 
 
 def _make_cache(lens, page_size, dtype, g, extra_pages=3, width_extra=1):
@@ -107,6 +113,7 @@ def _run_decode(lens, H, page_size, dtype, seed, *, max_splits=4, ws_rows=None, 
         out,
         partial_out,
         partial_lse,
+        _work(B, H, partial_out),
         max_splits=max_splits,
         **kw,
     )
@@ -276,7 +283,8 @@ def test_decode_garbage_rows_past_length_never_reach_the_output(use_tma):
     out = torch.full((3, H, D_CKV), float("nan"), dtype=dtype, device=DEV)
     mla_decode(
         q_nope.to(DEV), q_pe.to(DEV), kv.to(DEV), pt.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV),
-        0.05, out, po, pl, max_splits=4, min_tokens_per_split=16, target_programs=5, use_tma=use_tma, **SMALL,
+        0.05, out, po, pl, _work(3, H, po), max_splits=4, min_tokens_per_split=16, target_programs=5, use_tma=use_tma,
+        **SMALL,
     )  # fmt: skip
     _check(out, ref, dtype)
 
@@ -317,6 +325,7 @@ def test_decode_strided_inputs_and_output():
         out,
         po,
         pl,
+        _work(2, H, po),
         max_splits=3,
         min_tokens_per_split=16,
         **SMALL,
@@ -348,12 +357,35 @@ def test_merge_config_shapes():
 
 
 def test_decode_workspace_helpers():
-    po, pl = decode_workspace_shapes(256, 16, 8)
-    assert po == (256, 16, 8, 512) and pl == (256, 16, 8)
-    assert _dec_mod.decode_workspace_bytes(256, 16, 8) == 4 * (256 * 16 * 8 * 513)
+    ws = decode_workspace_shapes(256, 16, 8)
+    assert ws.partial_out == (256, 16, 8, 512) and ws.partial_lse == (256, 16, 8)
+    # the plan of the most programs the 2048 slots allow (8 int32 each) and 2 + 1 int32 per request (one head block)
+    assert ws.work == (8 * 2048 + 3 * 256,) == (decode_work_ints(256, 16, 2048),)
+    assert _dec_mod.decode_workspace_bytes(256, 16, 8) == 4 * (256 * 16 * 8 * 513 + 8 * 2048 + 3 * 256) == ws.nbytes
     assert _dec_mod.decode_workspace_bytes(256, 16, 8) <= 128 * 2**20
-    po1, _ = decode_workspace_shapes(1, 16, 8)
-    assert po1[0] * po1[2] >= _dec_mod.MIN_WORKSPACE_SLOTS
+    ws1 = decode_workspace_shapes(1, 16, 8)
+    assert ws1.partial_out[0] * ws1.partial_out[2] >= _dec_mod.MIN_WORKSPACE_SLOTS
+    po, pl, work = ws1.allocate("cpu")
+    assert (po.shape, pl.shape, work.shape) == (ws1.partial_out, ws1.partial_lse, ws1.work)
+    assert (po.dtype, pl.dtype, work.dtype) == (torch.float32, torch.float32, torch.int32)
+
+
+def test_decode_work_ints_bounds_every_plan():
+    """decode_work_ints covers plan_ints at the most programs decode_programs gives and the most head blocks the
+    wgmma stage 1 uses (16 heads each), for any batch up to the bound's and any target."""
+    from backends.kernels.mla_decode.mla_decode_plan_kernels import plan_ints
+
+    g = torch.Generator().manual_seed(1)
+    for _trial in range(300):
+        batch = int(torch.randint(1, 300, (1,), generator=g))
+        B = int(torch.randint(1, batch + 1, (1,), generator=g))
+        slots = int(torch.randint(1, 5000, (1,), generator=g))
+        heads = 16 * int(torch.randint(1, 9, (1,), generator=g))
+        target = int(torch.randint(0, 20000, (1,), generator=g))
+        for block_h in (16, 32, 64):
+            hb = triton.cdiv(heads, block_h)
+            programs = _dec_mod.decode_programs(B, slots, hb, target)
+            assert plan_ints(programs, B, hb) <= decode_work_ints(batch, heads, slots)
 
 
 # ------------------------------------------------------------------------------------------------ extend

@@ -13,8 +13,8 @@ import torch
 from triton_env import DEV, INTERPRETED, TOL, capture_graph, replays_equal_eager  # noqa: F401  (skips the module without Triton)
 from triton_env import needs_gpu as _needs_gpu
 
-from backends.kernels.mla_decode import decode_workspace_shapes, mla_decode
-from backends.kernels.mla_extend import mla_extend
+from backends.kernels.mla_decode.mla_decode import decode_work_ints, decode_workspace_shapes, mla_decode
+from backends.kernels.mla_extend.mla_extend import mla_extend
 
 D_CKV, D_PE = 512, 64
 
@@ -63,21 +63,22 @@ def test_gpu_decode_real_sizes(H, use_tma):
     q_nope = torch.randn(B, H, D_CKV, device="cuda", generator=g).to(dtype)
     q_pe = torch.randn(B, H, D_PE, device="cuda", generator=g).to(dtype)
     scale = 1.0 / math.sqrt(192)
-    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
-    po = torch.empty(po_shape, device="cuda")
-    pl = torch.empty(pl_shape, device="cuda")
+    po, pl, work = decode_workspace_shapes(B, H, 8).allocate("cuda")
     out = torch.full((B, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, use_tma=use_tma)
+    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, work, max_splits=8, use_tma=use_tma, use_wgmma=False)
     assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
 
 
 def _backend_workspace(B, H, max_splits=64, split_slots=2048):
-    """The backend's view of its workspace: [B, H, S, 512] / [B, H, S] with S = min(max_splits, slots // B)."""
+    """The backend's view of its workspace: [B, H, S, 512] / [B, H, S] with S = min(max_splits, slots // B), and the
+    decode plan space at its end."""
     S = max(1, min(max_splits, split_slots // B))
-    ws = torch.full((split_slots * H * (D_CKV + 1),), float("nan"), device="cuda")
+    n_work = decode_work_ints(split_slots, H, split_slots)
+    ws = torch.full((split_slots * H * (D_CKV + 1) + n_work,), float("nan"), device="cuda")
     n = B * H * S * D_CKV
-    return ws[:n].view(B, H, S, D_CKV), ws[n : n + B * H * S].view(B, H, S), S
+    work = ws.view(torch.int32)[-n_work:]
+    return ws[:n].view(B, H, S, D_CKV), ws[n : n + B * H * S].view(B, H, S), work, S
 
 
 @pytest.mark.gpu
@@ -85,8 +86,8 @@ def _backend_workspace(B, H, max_splits=64, split_slots=2048):
     "kw",
     [
         {},
-        dict(use_tma=True),
-        dict(max_regs=128, target_programs=1000),
+        dict(use_tma=True, use_wgmma=False),
+        dict(max_regs=128, target_programs=1000, use_wgmma=False),
         dict(block_n=32, num_warps=8, num_stages=3, max_regs=128),
     ],
 )
@@ -106,10 +107,10 @@ def test_gpu_decode_variable_lengths_backend_workspace(kw):
     q_nope = torch.randn(B, H, D_CKV, device="cuda", generator=gq).to(dtype)
     q_pe = torch.randn(B, H, D_PE, device="cuda", generator=gq).to(dtype)
     scale = 1.0 / math.sqrt(192)
-    po, pl, S = _backend_workspace(B, H)
+    po, pl, work, S = _backend_workspace(B, H)
     out = torch.full((B, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=S, min_tokens_per_split=256, **kw)
+    mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, work, max_splits=S, min_tokens_per_split=256, **kw)
     assert (out[3] == 0).all()
     assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, scale)) < 2e-2
 
@@ -123,10 +124,10 @@ def test_gpu_decode_batch_of_one_long(max_splits):
     gq = torch.Generator(device="cuda").manual_seed(32)
     q_nope = torch.randn(1, H, D_CKV, device="cuda", generator=gq).to(dtype)
     q_pe = torch.randn(1, H, D_PE, device="cuda", generator=gq).to(dtype)
-    po, pl, S = _backend_workspace(1, H, max_splits=max_splits)
+    po, pl, work, S = _backend_workspace(1, H, max_splits=max_splits)
     out = torch.full((1, H, D_CKV), float("nan"), dtype=dtype, device="cuda")
     sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    mla_decode(q_nope, q_pe, kv, pt, sl, 0.07, out, po, pl, max_splits=S, min_tokens_per_split=64)
+    mla_decode(q_nope, q_pe, kv, pt, sl, 0.07, out, po, pl, work, max_splits=S, min_tokens_per_split=64)
     assert _gpu_rel(out, _gpu_ref_decode(q_nope, q_pe, kv, pt, lens, 0.07)) < 2e-2
 
 
@@ -144,14 +145,12 @@ def test_gpu_decode_cuda_graph_replay_matches_eager(pdl):
     q_nope = torch.randn(B, H, D_CKV, device="cuda", generator=g).to(dtype)
     q_pe = torch.randn(B, H, D_PE, device="cuda", generator=g).to(dtype)
     scale = 0.1
-    po_shape, pl_shape = decode_workspace_shapes(B, H, 8)
-    po = torch.empty(po_shape, device="cuda")
-    pl = torch.empty(pl_shape, device="cuda")
+    po, pl, work = decode_workspace_shapes(B, H, 8).allocate("cuda")
     out = torch.empty(B, H, D_CKV, dtype=dtype, device="cuda")
     sl = torch.tensor(lens_a, dtype=torch.int32, device="cuda")
 
-    def step(pdl=False):
-        mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, max_splits=8, pdl=pdl)
+    def step(pdl=False):  # the Triton stage 1 (the wgmma one has its own graph test)
+        mla_decode(q_nope, q_pe, kv, pt, sl, scale, out, po, pl, work, max_splits=8, pdl=pdl, use_wgmma=False)
 
     step(pdl)  # compile outside capture
     graph = capture_graph(lambda: step(pdl))

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-_kernels = importlib.import_module("backends.kernels.mla_decode_kernels")
+_kernels = importlib.import_module("backends.kernels.mla_decode.mla_decode_kernels")
 INTERPRETED = importlib.import_module("backends.kernels.checks").interpreted(_kernels._mla_decode_stage1_kernel)
 if INTERPRETED:
     DEV = "cpu"

@@ -13,7 +13,7 @@ Lifecycle of a request (every step is host-side bookkeeping plus device work que
 * **each decode step, per sparse layer**: the newest token's row goes into the device buffer (least recently
   used slot) and to its host slot (``store_new_tokens``); ``swap_in`` matches the indexer's top-k positions
   against the buffer (hits stay), copies misses from the host pool into the least recently used slots that
-  were not hit (GPU-driven gather, ``backends/kernels/host_gather.py``) and returns device locations. No host
+  were not hit (GPU-driven gather, ``backends/kernels/sparse/host_gather.py``) and returns device locations. No host
   sync, fixed shapes: CUDA-graph safe. Decode tokens take no device page (their ``out_cache_loc`` is slot 0 of
   the padding page); all of a model's attention layers must be sparse (validation).
 * **finish / retraction**: ``release`` returns host pages, device pages and the buffer.
@@ -259,7 +259,7 @@ class HiSparseCoordinator:
         """The step's new latent rows (kv_rows [T, kv_lora + rope], model dtype) of sparse layer ``layer_id``:
         written to their host slots (host_slots [T] int64, from :meth:`new_token_slots`); in DECODE also
         mapped into the request's device buffer, in its least recently used slot."""
-        from backends.kernels.host_gather import scatter_rows_to_host
+        from backends.kernels.sparse.host_gather import scatter_rows_to_host
 
         li = self._layer[layer_id]
         t = kv_rows.shape[0]
@@ -276,7 +276,7 @@ class HiSparseCoordinator:
     def store_rows(self, layer_id: int, row: int, first: int, values: torch.Tensor) -> None:
         """Rows ``first .. first + n - 1`` (keys) of request row ``row``: values [n, row_dim] to their host slots
         (host loop, outside graphs: V4's compressors call it with the entries whose windows closed)."""
-        from backends.kernels.host_gather import scatter_rows_to_host
+        from backends.kernels.sparse.host_gather import scatter_rows_to_host
 
         n = values.shape[0]
         if n:
@@ -289,7 +289,7 @@ class HiSparseCoordinator:
     def read_rows(self, layer_id: int, row: int, keys: torch.Tensor) -> torch.Tensor:
         """keys [n, K] int64 of request row ``row`` (-1 padding) -> [n, K, row_dim] on the device, gathered
         from the host pool (zeros where padded). For extend, where each query has its own selection."""
-        from backends.kernels.host_gather import gather_rows_from_host
+        from backends.kernels.sparse.host_gather import gather_rows_from_host
 
         n, k = keys.shape
         out = torch.zeros(n * k, self.rows.row_dim, dtype=self.rows.dtype, device=self.device)
@@ -312,7 +312,7 @@ class HiSparseCoordinator:
         -------
         locs : [B, K] int32 rows of :meth:`device_rows` (-1 where ``topk_indices`` is -1).
         """
-        from backends.kernels.host_gather import gather_rows_from_host
+        from backends.kernels.sparse.host_gather import gather_rows_from_host
 
         li, buf = self._layer[layer], self.buf
         req, now = batch.req_pool_indices, batch.positions

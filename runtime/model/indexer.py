@@ -1,7 +1,7 @@
 """The DeepSeek-V3.2 lightning indexer of a sparse layer: its weights, its projections, and its key cache.
 
 Per query token the indexer scores every previous token ``j`` as ``sum_h w_h * relu(q_h . k_j) / sqrt(Di)``
-with ``w = weights_proj(x) / sqrt(Hi)`` (the top-k itself is a kernel: ``backends/kernels/indexer.py``), as the
+with ``w = weights_proj(x) / sqrt(Hi)`` (the top-k itself is a kernel: ``backends/kernels/sparse/indexer.py``), as the
 reference (transformers' DeepseekV32Indexer) does:
 
 * q: ``wq_b`` of the query latent (the normed q LoRA output) -> [Hi, Di];

@@ -1,7 +1,7 @@
 """The decoder layer's small ops in two implementations, chosen by ``model.fused`` and the device's capabilities.
 
 * :class:`TorchOps`: the unfused torch ops (the reference: the CPU, and ``model.fused=off``).
-* :class:`FusedOps`: one Triton kernel per op (:mod:`backends.kernels.decoder_ops`): residual add + RMSNorm
+* :class:`FusedOps`: one Triton kernel per op (:mod:`backends.kernels.decoder.decoder_ops`): residual add + RMSNorm
   (two outputs), RMSNorm, kv_a_layernorm + RoPE of the rope key + the paged KV-cache write together with RoPE of
   the query's rope dims in place and, at few rows, the absorbed query q_nope @ W_UK (one launch), SiLU * up, and
   for the MoE: V3 (sigmoid, noaux_tc) routing, the expert grouping (a stable counting sort with the grouped GEMM's
@@ -9,14 +9,14 @@
   Where a kernel does not apply (an fp8 KV cache: the torch write counts clipped values; softmax routing; MoE
   without ``torch._grouped_mm``) the op takes the torch path for that case.
   Products of at most ``gemv_rows`` rows (``model.gemv_rows``: decode at small batch) take the few-row kernels of
-  :mod:`backends.kernels.skinny` instead of cuBLAS: the linear layers (bf16 / fp16; the q LoRA's RMSNorm inside
+  :mod:`backends.kernels.gemm.skinny` instead of cuBLAS: the linear layers (bf16 / fp16; the q LoRA's RMSNorm inside
   q_b_proj's kernel), the router (float32, no cast kernels) and the routed + shared experts in two kernels (no
   sort, no grouped GEMM, no combine pass).
-  Block-fp8 weights (``model.weights=stored`` / ``fp8``) take the block-fp8 kernels: :mod:`backends.kernels.fp8_gemm`
-  for the linear layers (few rows: fp8 widened in registers; many rows: W8A8 with 1 x 128 activation scales) and
-  :mod:`backends.kernels.fp8_moe` for the experts (few tokens: two kernels as above; many: a grouped fp8 GEMM).
-  With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch on Hopper and newer
-  GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
+  Block-fp8 weights (``model.weights=stored`` / ``fp8``) take the block-fp8 kernels:
+  :mod:`backends.kernels.gemm.fp8_gemm` for the linear layers (few rows: fp8 widened in registers; many rows: W8A8 with
+  1 x 128 activation scales) and :mod:`backends.kernels.gemm.fp8_moe` for the experts (few tokens: two kernels as above;
+  many: a grouped fp8 GEMM). With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch
+  on Hopper and newer GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
 
 Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
 ``model.fused`` (``auto|on|off``) and the classes' :class:`OpsCapabilities`, never from a type check.
@@ -41,7 +41,7 @@ from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.layers import rms_norm
 from runtime.model.quantized import BlockFP8, linear
 
-#: the most rows the few-row kernels take (``backends.kernels.skinny.MAX_ROWS``: one 16-row tensor-core tile)
+#: the most rows the few-row kernels take (``backends.kernels.gemm.skinny.MAX_ROWS``: one 16-row tensor-core tile)
 GEMV_MAX_ROWS = 16
 
 
@@ -146,7 +146,8 @@ class FusedOps:
 
     def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True):
         # imports triton: only where the fused ops are built
-        from backends.kernels import decoder_ops, fp8_gemm, fp8_moe, skinny
+        from backends.kernels.decoder import decoder_ops
+        from backends.kernels.gemm import fp8_gemm, fp8_moe, skinny
 
         if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"model.gemv_rows: got {gemv_rows}; expected 0 .. {GEMV_MAX_ROWS}. Fix: "
@@ -214,10 +215,11 @@ class FusedOps:
     def moe(self, spec, w, x, grouped_mm):
         stored = isinstance(w.gate_up, BlockFP8)  # block-fp8 experts: the fp8 kernels, whatever grouped_mm says
         shared = (w.shared.gate_up, w.shared.down) if w.shared is not None else ()
-        few = 0 < x.shape[0] <= self.gemv_rows and x.dtype in self.s.DOT_DTYPES if stored \
-            else self._few_rows(x, w.gate_up, w.down, *shared)
-        if (not grouped_mm and not few and not stored) or (stored and x.dtype not in self.s.DOT_DTYPES):
-            return self.torch.moe(spec, w, x, grouped_mm)  # the per-expert loop (host sync) stays torch
+        if stored and x.dtype not in self.s.DOT_DTYPES:  # float32 (the reference run): dequantized per expert
+            return self.torch.moe(spec, w, x, grouped_mm)
+        few = 0 < x.shape[0] <= self.gemv_rows if stored else self._few_rows(x, w.gate_up, w.down, *shared)
+        if not (grouped_mm or few or stored):  # the per-expert loop (host sync) stays torch
+            return self.torch.moe(spec, w, x, grouped_mm)
         weights, ids = self._route(spec, w, x, few)
         n_local = w.gate_up.shape[0]
         local, mine = local_expert_ids(w, ids)  # expert parallelism: other ranks' pairs in one last group

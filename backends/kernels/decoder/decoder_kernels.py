@@ -1,0 +1,265 @@
+"""Triton kernels of the fused decoder-layer ops (launchers: :mod:`backends.kernels.decoder.decoder_ops`).
+
+Each kernel reproduces the rounding of the unfused torch ops it replaces: torch computes a 16-bit elementwise op
+in float32 and rounds its result to the model dtype, so the kernels round (``.to(DT)``) where torch rounds, and a
+fused op agrees with the torch path to float32 summation order.
+
+In-place kernels (the latent row, the query's rope dims) load everything a program touches, pass a barrier, then
+store: another warp of the same program may store where this warp still has to load.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from backends.kernels.gemm.skinny_kernels import head_dot_tile
+from backends.kernels.pdl import pdl_enter
+
+
+@triton.jit
+def _rms_norm_kernel(X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n, eps,
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row: r = x (+ d) rounded to R's dtype (stored when HAS_DELTA); y = (r * rsqrt(mean(r^2) + eps)) rounded,
+    times w, rounded."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n
+    x = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        d = tl.load(D + row * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+        r = (x + d).to(R.dtype.element_ty)
+        tl.store(R + row * stride_r + cols, r, mask=m)
+        x = r.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+    y = (x * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rotate(x1, x2, c, s, DT: tl.constexpr):
+    """torch's rotate (cos/sin already rounded to DT): (x1 c - x2 s, x2 c + x1 s), each product and sum rounded."""
+    a = (x1 * c).to(DT).to(tl.float32) - (x2 * s).to(DT).to(tl.float32)
+    b = (x2 * c).to(DT).to(tl.float32) + (x1 * s).to(DT).to(tl.float32)
+    return a.to(DT), b.to(DT)
+
+
+@triton.jit
+def _rope_latent_kernel(Q, KV, W, COS, SIN, SLOTS, CACHE, WUK, QABS, T, n_blocks, stride_qt, stride_qh, stride_kv,
+                        stride_cs, stride_cache, stride_wh, stride_wk, stride_at, stride_ah, H, N_ABS, eps,
+                        NOPE: tl.constexpr, C: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr, INTERLEAVE: tl.constexpr, DO_Q: tl.constexpr,
+                        DO_LATENT: tl.constexpr, WRITE_CACHE: tl.constexpr, ABSORB: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """The MLA's q/kv preparation in one launch, in place. Programs 2t and 2t + 1 take token t: the query's RoPE
+    (when DO_Q) and the latent row (when DO_LATENT). With ABSORB the programs after 2T each take one (column block,
+    head) of q_nope @ W_UK into QABS (:func:`skinny_kernels.head_dot_tile`, T <= 16): q_nope is not what the RoPE
+    programs write, so the three run side by side."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    prep = pid < 2 * T
+    if prep:
+        row = (pid // 2).to(tl.int64)
+        if pid % 2 == 0:
+            if DO_Q:
+                _rope_q_row(Q, COS, SIN, row, stride_qt, stride_qh, stride_cs, H, NOPE, HALF, BLOCK_H, BLOCK_J,
+                            INTERLEAVE)
+        else:
+            if DO_LATENT:
+                _latent_row(KV, W, COS, SIN, SLOTS, CACHE, row, stride_kv, stride_cs, stride_cache, eps, C, HALF,
+                            BLOCK_C, BLOCK_J, INTERLEAVE, WRITE_CACHE)
+    if ABSORB:  # outside the branch above, so the product's loop is software-pipelined: RoPE / latent programs
+        # run it over no rows and no reduction (nothing loaded, nothing stored)
+        j = tl.maximum(pid - 2 * T, 0)
+        head_dot_tile(Q, WUK, QABS, tl.where(prep, 0, T), N_ABS, tl.where(prep, 0, NOPE), j % n_blocks,
+                      (j // n_blocks).to(tl.int64), stride_qt, stride_qh, stride_wh, stride_wk, stride_at, stride_ah,
+                      BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _latent_row(KV, W, COS, SIN, SLOTS, CACHE, row, stride_kv, stride_cs, stride_cache, eps,
+                C: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
+                INTERLEAVE: tl.constexpr, WRITE_CACHE: tl.constexpr):
+    """One token's latent row, in place: RMSNorm of the first C values (times W), RoPE on the 2*HALF rope values
+    (interleaved pairs in, de-interleaved out; or half-split), then the row copied to CACHE[SLOTS[row]]."""
+    DT: tl.constexpr = KV.dtype.element_ty
+    base = KV + row * stride_kv
+    c = tl.arange(0, BLOCK_C)
+    mc = c < C
+    x = tl.load(base + c, mask=mc, other=0.0).to(tl.float32)
+    j = tl.arange(0, BLOCK_J)
+    mj = j < HALF
+    if INTERLEAVE:
+        x1 = tl.load(base + C + 2 * j, mask=mj, other=0.0).to(tl.float32)
+        x2 = tl.load(base + C + 2 * j + 1, mask=mj, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(base + C + j, mask=mj, other=0.0).to(tl.float32)
+        x2 = tl.load(base + C + HALF + j, mask=mj, other=0.0).to(tl.float32)
+    cs = tl.load(COS + row * stride_cs + j, mask=mj, other=0.0).to(DT).to(tl.float32)
+    sn = tl.load(SIN + row * stride_cs + j, mask=mj, other=0.0).to(DT).to(tl.float32)
+    w = tl.load(W + c, mask=mc, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / C + eps)
+    ckv = ((x * rstd).to(DT).to(tl.float32) * w).to(DT)
+    o1, o2 = _rotate(x1, x2, cs, sn, DT)
+    tl.debug_barrier()
+    tl.store(base + c, ckv, mask=mc)
+    tl.store(base + C + j, o1, mask=mj)
+    tl.store(base + C + HALF + j, o2, mask=mj)
+    if WRITE_CACHE:
+        slot = tl.load(SLOTS + row).to(tl.int64)
+        cb = CACHE + slot * stride_cache
+        tl.store(cb + c, ckv.to(CACHE.dtype.element_ty), mask=mc)
+        tl.store(cb + C + j, o1.to(CACHE.dtype.element_ty), mask=mj)
+        tl.store(cb + C + HALF + j, o2.to(CACHE.dtype.element_ty), mask=mj)
+
+
+@triton.jit
+def _rope_q_row(Q, COS, SIN, row, stride_t, stride_h, stride_cs, H,
+                NOPE: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_J: tl.constexpr,
+                INTERLEAVE: tl.constexpr):
+    """RoPE on the rope dims (after NOPE) of every head of one token, in place."""
+    DT: tl.constexpr = Q.dtype.element_ty
+    h = tl.arange(0, BLOCK_H)[:, None]
+    j = tl.arange(0, BLOCK_J)[None, :]
+    m = (h < H) & (j < HALF)
+    base = Q + row * stride_t + h * stride_h + NOPE
+    if INTERLEAVE:
+        x1 = tl.load(base + 2 * j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
+    else:
+        x1 = tl.load(base + j, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + HALF + j, mask=m, other=0.0).to(tl.float32)
+    cs = tl.load(COS + row * stride_cs + j, mask=j < HALF, other=0.0).to(DT).to(tl.float32)
+    sn = tl.load(SIN + row * stride_cs + j, mask=j < HALF, other=0.0).to(DT).to(tl.float32)
+    o1, o2 = _rotate(x1, x2, cs, sn, DT)
+    tl.debug_barrier()
+    tl.store(base + j, o1, mask=m)
+    tl.store(base + HALF + j, o2, mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(X, Y, stride_x, stride_y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """[N, 2I] (gate, up) -> silu(gate) * up [N, I], silu rounded then the product rounded."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inter
+    DT: tl.constexpr = Y.dtype.element_ty
+    g = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(X + row * stride_x + inter + cols, mask=m, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (s * u).to(DT), mask=m)
+
+
+@triton.jit
+def _route_sigmoid_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scale,
+                          G: tl.constexpr, PER: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, NORM: tl.constexpr, TOP2: tl.constexpr, PDL: tl.constexpr):
+    """DeepSeek-V3 noaux_tc routing of one token: sigmoid scores, choice = scores + bias, groups ranked by the
+    sum of their top-2 choices (top-1 when a group has one expert), the best TOPK_GROUP groups kept, top-K
+    choices among them (descending, like torch.topk); weights = the chosen unbiased scores, renormalised
+    (+1e-20) when NORM, times scale."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    p = tl.arange(0, BLOCK_P)[None, :]
+    valid = (g < G) & (p < PER)
+    e = g * PER + p
+    logit = tl.load(LOGITS + row * stride_l + e, mask=valid, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-logit))
+    choice = s
+    if HAS_BIAS:
+        choice = s + tl.load(BIAS + e, mask=valid, other=0.0)
+    choice = tl.where(valid, choice, float("-inf"))
+    m1 = tl.max(choice, axis=1)
+    if TOP2:
+        first = tl.min(tl.where(choice == m1[:, None], p, BLOCK_P), axis=1)
+        m2 = tl.max(tl.where(p == first[:, None], float("-inf"), choice), axis=1)
+        gs = m1 + m2
+    else:
+        gs = m1
+    gi = tl.arange(0, BLOCK_G)
+    gs = tl.where(gi < G, gs, float("-inf"))
+    keep = gi < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(gs, axis=0)
+        b = tl.min(tl.where(gs == best, gi, BLOCK_G), axis=0)
+        keep = keep | (gi == b)
+        gs = tl.where(gi == b, float("-inf"), gs)
+    # top-K by one max per pick over a 64-bit key: the choice's bits made order-preserving as a signed integer
+    # (-0.0 first made +0.0, as they compare equal) above the complement of the slot's position, so the max is the
+    # largest choice and, among equal ones, the lowest position (= the lowest expert id, as the loop of
+    # max / argmin / gather it replaced); positions, not e, since padded slots (p >= PER) share e with the next
+    # group's experts
+    masked = tl.where(keep[:, None] & valid, choice, float("-inf")) + 0.0
+    bits = masked.to(tl.int32, bitcast=True)
+    pos = g * BLOCK_P + p
+    last: tl.constexpr = BLOCK_G * BLOCK_P - 1
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (last - pos).to(tl.int64)
+    key = tl.reshape(key, [BLOCK_G * BLOCK_P])  # one reduction per pick, not one per axis
+    flat = tl.arange(0, BLOCK_G * BLOCK_P)
+    kk = tl.arange(0, BLOCK_K)
+    picked = tl.full([BLOCK_K], -1, dtype=tl.int32)
+    for i in tl.static_range(K):
+        at = last - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
+        picked = tl.where(kk == i, at, picked)
+        key = tl.where(flat == at, -(2**63), key)
+    ids = ((picked // BLOCK_P) * PER + picked % BLOCK_P).to(tl.int64)
+    ws = 1.0 / (1.0 + tl.exp(-tl.load(LOGITS + row * stride_l + ids, mask=kk < K, other=0.0)))  # the scores again
+    ws = tl.where(kk < K, ws, 0.0)  # slots past K (BLOCK_K is a power of two) weigh nothing
+    if NORM:
+        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
+    tl.store(W_OUT + row * K + kk, ws * scale, mask=kk < K)
+    tl.store(ID_OUT + row * K + kk, ids, mask=kk < K)
+
+
+@triton.jit
+def _moe_dispatch_kernel(IDS, TOKENS, INV, OFFS, N, E, K: tl.constexpr,
+                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
+    """A stable counting sort of the N = T*K (token, slot) pairs by expert id: pair i goes to position
+    #{j: id_j < id_i} + #{j < i: id_j == id_i}; INV[i] = that position, TOKENS[position] = i // K; program 0
+    also writes OFFS[e] = #{j: id_j <= e} (int32), the inclusive row offsets the grouped GEMM takes."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
+    mi = i < N
+    idi = tl.load(IDS + i, mask=mi, other=0)
+    pos = tl.zeros([BLOCK_I], dtype=tl.int32)
+    for j0 in range(0, N, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        mj = j < N
+        idj = tl.load(IDS + j, mask=mj, other=0)
+        before = (idj[None, :] < idi[:, None]) | ((idj[None, :] == idi[:, None]) & (j[None, :] < i[:, None]))
+        pos += tl.sum((before & mj[None, :]).to(tl.int32), axis=1)
+    tl.store(INV + i, pos.to(tl.int64), mask=mi)
+    tl.store(TOKENS + pos, (i // K).to(tl.int64), mask=mi)
+    if pid == 0:
+        ex = tl.arange(0, BLOCK_E)
+        cnt = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for j0 in range(0, N, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            mj = j < N
+            idj = tl.load(IDS + j, mask=mj, other=0)
+            cnt += tl.sum(((idj[:, None] <= ex[None, :]) & mj[:, None]).to(tl.int32), axis=0)
+        tl.store(OFFS + ex, cnt, mask=ex < E)
+
+
+@triton.jit
+def _moe_combine_kernel(Y, INV, W, SHARED, OUT, D, stride_y, stride_s, stride_o,
+                        K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = round(sum_j W[t, j] * Y[INV[t K + j]]) (float32, j in order) (+ SHARED[t], rounded)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = d < D
+    DT: tl.constexpr = OUT.dtype.element_ty
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        p = tl.load(INV + t * K + j)
+        w = tl.load(W + t * K + j)
+        acc += tl.load(Y + p * stride_y + d, mask=m, other=0.0).to(tl.float32) * w
+    out = acc.to(DT)
+    if HAS_SHARED:
+        out = (out.to(tl.float32) + tl.load(SHARED + t * stride_s + d, mask=m, other=0.0).to(tl.float32)).to(DT)
+    tl.store(OUT + t * stride_o + d, out, mask=m)

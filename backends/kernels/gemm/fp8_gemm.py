@@ -1,0 +1,290 @@
+"""Launchers of the block-fp8 linear-layer kernels (:mod:`backends.kernels.gemm.fp8_gemm_kernels`): ``y = x @ W.T`` with
+DeepSeek-V3's fp8 weights used as stored, never expanded to bf16 in memory.
+
+Weights: ``w [N, K]`` ``torch.float8_e4m3fn`` and ``scale [ceil(N / bn), ceil(K / bk)]`` float32, the dequantized
+weight being ``w.float() * scale`` expanded per ``(bn, bk)`` block (edge blocks partial), as
+``runtime.model.quantized.dequantize_fp8`` computes it. ``bk`` must be a power of two >= 16 (>= 32 for the W8A8
+path: fp8 tensor-core steps are 32 deep); ``bn`` any positive int.
+
+Paths (:func:`fp8_linear` picks by M, ``path=`` forces one):
+
+* ``"few"`` (M <= :data:`FEW_ROWS`): W8A16, one 16-row tensor-core tile per program, fp8 weight tiles widened
+  to x's dtype in registers, each weight byte read once (:func:`few_config` picks the tiles).
+* ``"w8a8"`` (M > 16 by default): x quantized per row and ``bk`` inputs by :func:`quantize_act` (DeepSeek's
+  ``act_quant``: amax / 448), then a block-scaled fp8 GEMM on the fp8 tensor cores (:func:`gemm_config`).
+  Needs compute capability 8.9+ on a GPU; with ``path=None`` a GPU without fp8 tensor cores gets ``"w8a16"``.
+* ``"w8a16"``: the tiled GEMM with bf16 / fp16 activations and weights widened in registers, any M (no
+  activation rounding; for comparisons and GPUs without fp8 tensor cores).
+
+All launchers are CUDA-graph safe: outputs and temporaries from ``torch.empty``, grids from shapes, no host
+sync, tile choices by rule (no autotuning at run time).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from backends.kernels.checks import interpreted, require
+from backends.kernels.gemm import fp8_gemm_kernels as k
+from backends.kernels.gemm.skinny import CPU_SM_COUNT, TileConfig
+from backends.kernels.pdl import use_pdl
+from backends.kernels.sm_count import sm_count
+
+#: rows up to which :func:`fp8_linear` takes the few-row W8A16 kernel (one 16-row tensor-core tile)
+FEW_ROWS = 16
+FP8_BLOCK = (128, 128)
+PATHS = (None, "few", "w8a8", "w8a16", "flashinfer")
+#: where the library kernel serves: FlashInfer's ``fp8_blockscale_gemm_sm90`` (W8A8, 1 x 128 activation scales it
+#: computes itself, 128 x 128 weight blocks), Hopper only, bf16 activations
+LIBRARY_CC, LIBRARY_BLOCK = (9, 0), (128, 128)
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """A launch of the tiled GEMM: output tile ``block_m x block_n``, reduction step ``block_k`` (a power of two
+    dividing the scale block's ``bk``), row tiles per L2 group, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def few_config(n: int, k_dim: int, device: torch.device | str) -> TileConfig:
+    """Tiles of the few-row kernel, the bf16 few-row kernel's rule
+    (:func:`backends.kernels.gemm.skinny.default_config`): 64 weight rows x 256 inputs per step when that still gives
+    half the SMs a program, else 32 x 512, at most K rounded up to a power of two; 4 warps, 4 stages."""
+    sms = sm_count(device, CPU_SM_COUNT)
+    block_n, block_k = (64, 256) if triton.cdiv(n, 64) * 2 >= sms else (32, 512)
+    return TileConfig(block_n, min(block_k, triton.next_power_of_2(max(k_dim, 16))), 4, 4)
+
+
+def gemm_config(m: int, n: int, k_dim: int, bk: int, a_fp8: bool, device: torch.device | str) -> GemmConfig:
+    """Tiles of the tiled GEMM, by rule: ``block_k = min(bk, 128)`` for fp8 activations (one scale block per step,
+    as DeepSeek's ``fp8_gemm``), ``min(bk, 64)`` for bf16 / fp16 ones; ``block_m`` 64 up to 64 rows, else 128 (fp8
+    tensor-core products are 64 rows per warp group), for W8A16 the smallest of 16 / 32 / 64 / 128 holding M;
+    ``block_n`` 128 when that still gives every SM a tile, else 64; 8 warps at 128 rows, else 4; 4 stages
+    (128 x 128 x 128 fp8: 128 KiB of shared memory). NOT yet tuned on a GPU: compare with
+    ``python -m bench.fp8_gemm_bench --sweep``."""
+    block_k = min(bk, 128 if a_fp8 else 64)
+    if a_fp8:
+        block_m = 64 if m <= 64 else 128
+    else:
+        block_m = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
+    sms = sm_count(device, CPU_SM_COUNT)
+    block_n = 128 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= sms else 64
+    return GemmConfig(block_m, block_n, block_k, 8, 8 if block_m == 128 else 4, 4)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
+               pdl: bool = False, path: str | None = None,
+               config: TileConfig | GemmConfig | None = None) -> torch.Tensor:
+    """``x @ dequantize(w, scale).T`` with float32 accumulation.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [M, K] bf16 or fp16; rows may be strided, the last dim contiguous.
+    w : torch.Tensor
+        [N, K] ``torch.float8_e4m3fn``, last dim contiguous.
+    scale : torch.Tensor
+        [ceil(N / bn), ceil(K / bk)] float32 (any strides): the weight's block scales (``<name>_scale_inv``).
+    block : (int, int)
+        The scale block ``(bn, bk)``: bn >= 1, bk a power of two >= 16 (>= 32 for ``"w8a8"``).
+    pdl : bool
+        Launch with programmatic dependent launch (Hopper+, compiled kernels only).
+    path : {None, "few", "w8a8", "w8a16", "flashinfer"}
+        None: :func:`choose_path` (``"few"`` for M <= 16; above, FlashInfer's SM90 block-scale GEMM where it
+        serves, else ``"w8a8"``, or ``"w8a16"`` on a GPU without fp8 tensor cores or bk < 32). A forced path
+        that cannot run raises ValueError saying why.
+    config : TileConfig or GemmConfig, optional
+        Tiles: :class:`~backends.kernels.gemm.skinny.TileConfig` for ``"few"`` (default :func:`few_config`),
+        :class:`GemmConfig` for the others (default :func:`gemm_config`).
+
+    Returns
+    -------
+    torch.Tensor
+        [M, N] in x's dtype, from ``torch.empty`` (``"w8a8"`` also allocates its fp8 copy of x and its scales).
+    """
+    m, kd, n, bn, bk = _check(x, w, scale, block)
+    chosen = _resolve_path(path, m, (bn, bk), x)
+    if chosen == "flashinfer" and m and n and kd:
+        return _library_gemm()(x.contiguous(), w, None, scale, out_dtype=x.dtype)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if kd == 0:
+        return y.zero_()
+    if chosen == "few":
+        require(config is None or isinstance(config, TileConfig),
+                f"config a skinny.TileConfig for the few-row path; got {type(config).__name__}")
+        cfg = config or few_config(n, kd, x.device)
+        _check_pow2("config.block_k", cfg.block_k, 16)
+        require(cfg.block_n >= 16, f"config.block_n >= 16 (one tensor-core tile); got {cfg.block_n}")
+        p = use_pdl(pdl, k._few_w8a16_kernel, x.device)
+        k._few_w8a16_kernel[(triton.cdiv(n, cfg.block_n),)](
+            x, w, scale, y, m, n, kd, x.stride(0), w.stride(0), scale.stride(0), scale.stride(1), y.stride(0), bn,
+            BK_S=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=bn % cfg.block_n == 0, PDL=p,
+            launch_pdl=p, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        return y
+    require(config is None or isinstance(config, GemmConfig),
+            f"config a fp8_gemm.GemmConfig for the {chosen} path; got {type(config).__name__}")
+    a_fp8 = chosen == "w8a8"
+    cfg = config or gemm_config(m, n, kd, bk, a_fp8, x.device)
+    _check_pow2("config.block_k", cfg.block_k, 32 if a_fp8 else 16)
+    require(bk % cfg.block_k == 0, f"config.block_k ({cfg.block_k}) dividing the scale block's bk ({bk})")
+    if a_fp8:
+        a, a_scale = quantize_act(x, bk, pdl)
+    else:
+        a, a_scale = x, scale  # a_scale unused (A_FP8 off)
+    p = use_pdl(pdl, k._block_gemm_kernel, x.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    k._block_gemm_kernel[grid](
+        a, a_scale, w, scale, y, m, n, kd, a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0),
+        scale.stride(0), scale.stride(1), y.stride(0), bn, BK_S=bk, A_FP8=a_fp8, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=kd % cfg.block_k == 0, PDL=p,
+        launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-``group``-inputs fp8 quantization of activations (DeepSeek-V3's ``act_quant``).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        [M, K] bf16 / fp16 / float32; rows may be strided, the last dim contiguous.
+    group : int
+        Inputs per scale, a power of two >= 16 (the weight's bk, 128 for DeepSeek-V3).
+    pdl : bool
+        Launch with programmatic dependent launch.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``x_fp8`` [M, K] ``float8_e4m3fn`` and ``x_scale`` [M, ceil(K / group)] float32, both contiguous, with
+        ``x_scale = max(amax(|x_group|) / 448, 1e-12)`` and ``x_fp8 = clamp(x / x_scale, +-448)`` rounded to
+        nearest (the bits of the same computation in torch).
+    """
+    _check_pow2("group", group, 16)
+    require(x.dim() == 2 and x.dtype in (*ACT_DTYPES, torch.float32) and (x.numel() == 0 or x.stride(-1) == 1),
+            f"x [M, K] bf16 / fp16 / float32 with a contiguous last dim; got {tuple(x.shape)} {x.dtype} "
+            f"strides {tuple(x.stride())} (fix: x.contiguous())")
+    m, kd = x.shape
+    q = torch.empty(m, kd, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, triton.cdiv(kd, group), dtype=torch.float32, device=x.device)
+    if q.numel() == 0:
+        return q, s
+    block_m = 16 if m <= 16 else 32
+    p = use_pdl(pdl, k._quant_act_kernel, x.device)
+    k._quant_act_kernel[(triton.cdiv(m, block_m), s.shape[1])](
+        x, q, s, m, kd, x.stride(0), q.stride(0), s.stride(0), BLOCK_M=block_m, G=group, PDL=p,
+        ROUND_FIRST=interpreted(k._quant_act_kernel), launch_pdl=p, num_warps=4)
+    return q, s
+
+
+def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype = torch.float16,
+                block: tuple[int, int] | None = None, library: bool = True) -> str:
+    """The path :func:`fp8_linear` takes with ``path=None``: ``"few"`` for M <= :data:`FEW_ROWS` (bf16
+    activations: the decode step keeps the dequantized model's precision; FlashInfer's W8A8 is 1.3-2.7x faster
+    there on an H200, but its e4m3 activations took a 4-layer decode's hidden-state error from 3.6e-2 to 5.1e-2,
+    past the parity tolerance); above it ``"flashinfer"`` where the library serves (bf16 activations, 128 x 128
+    blocks, an SM90 GPU, FlashInfer importable: faster than ours at every TP8 shape measured), else ``"w8a8"``
+    where fp8 tensor cores exist and bk >= 32, else ``"w8a16"`` (``library`` False: our kernels' path only, for
+    the bench)."""
+    if m <= FEW_ROWS:
+        return "few"
+    if library and _library_serves(dtype, tuple(block or (128, bk)), device):
+        return "flashinfer"
+    return "w8a8" if _fp8_dot_ok(device) and bk >= 32 else "w8a16"
+
+
+# ------------------------------------------------------------------------------------------------ checks
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block) -> tuple[int, int, int, int, int]:
+    require(isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) for b in block)
+            and block[0] >= 1, f"block = (bn, bk), two ints, bn >= 1; got {block!r}")
+    bn, bk = block
+    _check_pow2("block's bk", bk, 16)
+    require(x.dim() == 2 and x.dtype in ACT_DTYPES and (x.numel() == 0 or x.stride(-1) == 1),
+            f"x [M, K] bf16 or fp16 with a contiguous last dim; got {tuple(x.shape)} {x.dtype} strides "
+            f"{tuple(x.stride())} (fix: x.to(torch.bfloat16) / x.contiguous())")
+    kd = x.shape[1]
+    require(w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.shape[1] == kd
+            and (w.numel() == 0 or w.stride(-1) == 1),
+            f"w [N, K={kd}] torch.float8_e4m3fn with a contiguous last dim; got {tuple(w.shape)} {w.dtype} "
+            f"(fp8 checkpoints store weight [out, in] and weight_scale_inv)")
+    n = w.shape[0]
+    want = (triton.cdiv(n, bn), triton.cdiv(kd, bk))
+    require(scale.dtype == torch.float32 and tuple(scale.shape) == want,
+            f"scale [ceil(N / {bn}), ceil(K / {bk})] = {list(want)} float32 for w {tuple(w.shape)} and block "
+            f"{tuple(block)}; got {tuple(scale.shape)} {scale.dtype} (ue8m0 / bf16 scales: convert with "
+            f"runtime.model.quantized.scale_values first)")
+    require(x.device == w.device == scale.device,
+            f"x, w and scale on one device; got {x.device}, {w.device}, {scale.device}")
+    return x.shape[0], kd, n, bn, bk
+
+
+def _check_pow2(what: str, value, least: int) -> None:
+    require(isinstance(value, int) and value >= least and value & (value - 1) == 0,
+            f"{what} a power of two >= {least}; got {value!r}")
+
+
+def _resolve_path(path: str | None, m: int, block: tuple[int, int], x: torch.Tensor) -> str:
+    require(path in PATHS, f"path one of {PATHS}; got {path!r}")
+    bk, device = block[1], x.device
+    if path is None:
+        return choose_path(m, bk, device, x.dtype, block)
+    if path == "flashinfer":
+        require(_library_serves(x.dtype, block, device),
+                f"bf16 activations, {LIBRARY_BLOCK} blocks, a GPU of compute capability {LIBRARY_CC} and FlashInfer "
+                f"for path='flashinfer'; got {x.dtype}, {tuple(block)}, {device} (fix: path=None)")
+    if path == "few":
+        require(m <= FEW_ROWS, f"M <= {FEW_ROWS} rows for path='few' (one 16-row tile); got M = {m} "
+                               f"(fix: path=None, 'w8a8' or 'w8a16')")
+    if path == "w8a8":
+        require(bk >= 32, f"bk >= 32 for path='w8a8' (fp8 tensor-core steps are 32 deep); got bk = {bk} "
+                          f"(fix: path='w8a16')")
+        require(_fp8_dot_ok(device), f"a GPU with fp8 tensor cores (compute capability 8.9+) for path='w8a8'; "
+                                     f"got {device} (fix: path='w8a16')")
+    return path
+
+
+def _fp8_dot_ok(device: torch.device | str) -> bool:
+    """fp8 tensor-core products run here: Triton's interpreter (emulated), or a CUDA GPU of capability 8.9+."""
+    if interpreted(k._block_gemm_kernel):
+        return True
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 9)
+
+
+def _library_serves(dtype: torch.dtype, block: tuple[int, int], device: torch.device | str) -> bool:
+    device = torch.device(device)
+    if dtype != torch.bfloat16 or tuple(block) != LIBRARY_BLOCK or device.type != "cuda":
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_capability(index) == LIBRARY_CC and _library_gemm() is not None
+
+
+@functools.cache
+def _library_gemm():
+    """FlashInfer's ``fp8_blockscale_gemm_sm90`` (x, w, x_scale=None, w_scale, out_dtype), None without it."""
+    try:
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+    except Exception:  # noqa: BLE001 - not installed, or built without the SM90 GEMMs: our kernels serve
+        return None
+    return fp8_blockscale_gemm_sm90
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

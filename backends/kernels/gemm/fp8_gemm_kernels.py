@@ -1,0 +1,168 @@
+"""Triton kernels for linear layers over DeepSeek-V3 block-fp8 weights, launchers in
+:mod:`backends.kernels.gemm.fp8_gemm`.
+
+Weight format: ``W [N, K]`` float8 e4m3 and ``S [ceil(N / BN_S), ceil(K / BK_S)]`` float32, the dequantized weight
+being ``W[n, k] * S[n // BN_S, k // BK_S]`` (the edge blocks may be partial). ``BN_S`` / ``BK_S`` are the scale
+block; ``BK_S`` is a power of two (a constexpr), ``BN_S`` any positive int (each output column gathers its own
+scale row, so no relation between the scale block and the column tile is needed).
+
+* :func:`_few_w8a16_kernel`: M <= 16 rows (decode). One program per block of output columns streams its weight rows
+  once; each fp8 tile is widened to the activations' dtype in registers and fed to the tensor cores as the A
+  operand against the activations as one zero-padded 16-row B tile (as ``skinny_kernels._linear_dot_kernel``);
+  the tile's partial product is multiplied by its (column, k-block) scale and added to a float32 accumulator.
+  A row's result does not depend on M (padded rows are zeros, same tile, same order).
+* :func:`_block_gemm_kernel`: a tiled GEMM for any M, block scales applied per k-step. ``A_FP8``: W8A8 as
+  DeepSeek's inference code (``act_quant`` + ``fp8_gemm``): A is fp8 with one scale per row and ``BK_S`` inputs
+  (:func:`_quant_act_kernel`), ``acc += dot(a, b) * a_scale[:, None] * b_scale[None, :]``, fp8 tensor cores.
+  Otherwise W8A16: A is bf16 / fp16, B widened to it in registers, ``acc += dot(a, b) * b_scale[None, :]``.
+* :func:`_quant_act_kernel`: x [M, K] -> fp8 [M, K] and float32 scales [M, ceil(K / G)], per row and G inputs:
+  ``s = max(amax / 448, 1e-12)``, ``q = clamp(x / s, +-448)`` (IEEE division, so the bits equal torch's).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from backends.kernels.pdl import pdl_enter
+
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _few_w8a16_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, BN_S,
+                      BK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_SCALE_ROW: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Y[:M, n-block] = X[:M] @ dequant(W)[n-block].T for M <= 16, float32 accumulation.
+
+    X [M, K] bf16 / fp16 (rows strided, last dim contiguous); W [N, K] fp8 e4m3; S float32 scales; Y [M, N] of X's
+    dtype; one chained accumulator ``acc[BLOCK_N, 16]``. ``ONE_SCALE_ROW`` (the program's rows lie in one scale
+    row: BN_S a multiple of BLOCK_N): one [BLOCK_N, BLOCK_K] weight load per step, as the bf16 few-row kernel, each
+    input column's block scale multiplying the 16 activation rows, ``(X * s[k-block]).to(X dtype)``; otherwise
+    sub-tiles of ``min(BLOCK_K, BK_S)`` inputs, each weight row widened and scaled, ``(W * s[row]).to(X dtype)``
+    (what dequantize-at-load computes).
+
+    Speed (H200, one row): 17-22% of copy bandwidth, 0.44-0.75x the bf16 few-row kernel on bf16 weights; the time
+    grows with BLOCK_N (fewer, longer programs), a per-sub-tile ``dot * scale`` and reading the weights as bytes
+    widened by bit operations ran at the same speed (docs/kernels.md)."""
+    pdl_enter(PDL)
+    SUB_K: tl.constexpr = BLOCK_K if BLOCK_K < BK_S else BK_S
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, 16)
+    nmask = rn < N
+    mmask = rm < M
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = X + rm[:, None] * stride_xm
+    s_rows = S + (rn // BN_S) * stride_sn
+    s_tile = S + (tl.program_id(0) * BLOCK_N // BN_S) * stride_sn
+    DT: tl.constexpr = Y.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    if ONE_SCALE_ROW:  # one [BLOCK_N, BLOCK_K] load per step, each column's k-block scale on the activations
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            sv = tl.load(s_tile + (rk // BK_S) * stride_sk, mask=kmask, other=0.0)
+            acc = tl.dot(w.to(DT), tl.trans((x.to(tl.float32) * sv[None, :]).to(DT)), acc)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // SUB_K):
+                ks = k0 + j * SUB_K
+                rk = ks + tl.arange(0, SUB_K)
+                kmask = rk < K
+                w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+                x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+                # a sub-tile wholly past K (last step) reads the last k-block's scales: its products are zeros
+                s = tl.load(s_rows + (tl.minimum(ks, K - 1) // BK_S) * stride_sk, mask=nmask, other=0.0)
+                acc = tl.dot((w.to(tl.float32) * s[:, None]).to(DT), tl.trans(x), acc)
+    out = tl.trans(acc).to(DT)
+    tl.store(Y + rm[:, None] * stride_ym + rn[None, :], out, mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _block_gemm_kernel(A, AS, B, BS, C, M, N, K, stride_am, stride_asm, stride_ask, stride_bn, stride_bsn,
+                       stride_bsk, stride_cm, BN_S, BK_S: tl.constexpr, A_FP8: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """C[m-block, n-block] = A @ dequant(B).T, float32 accumulation, one program per output tile.
+
+    A [M, K]: fp8 e4m3 with scales AS [M, ceil(K / BK_S)] (``A_FP8``), or bf16 / fp16 (AS unused); B [N, K] fp8
+    e4m3 with block scales BS; C [M, N] bf16 / fp16. BLOCK_K divides BK_S (both powers of two), so every k-step lies
+    in one scale block and its product is scaled before it joins the accumulator. Programs are ordered in groups
+    of GROUP_M row tiles (the B tiles of a group stay in L2). Out-of-range rows / columns are read wrapped
+    (``% M``, ``% N``) and not stored, so only the K edge is masked (not at all with ``EVEN_K``)."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rma = rm % M
+    rnb = rn % N
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rma.to(tl.int64)[:, None] * stride_am + rk[None, :]
+    b_ptrs = B + rnb.to(tl.int64)[:, None] * stride_bn + rk[None, :]
+    as_ptrs = AS + rma * stride_asm
+    bs_ptrs = BS + (rnb // BN_S) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = (k0 + rk) < K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
+        kb = k0 // BK_S
+        b_s = tl.load(bs_ptrs + kb * stride_bsk)
+        if A_FP8:
+            a_s = tl.load(as_ptrs + kb * stride_ask)
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, tl.trans(b.to(a.dtype))) * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c = acc.to(C.dtype.element_ty)
+    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], c, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _round_e4m3(q):
+    """float32 q (|q| <= 448) rounded to nearest even on e4m3's grid, in float32: 3 mantissa bits, the grid of
+    2^-6 (the smallest normal) below it. ``(q + c) - c`` with ``c = 1.5 * 2^(e + 20)`` (e: q's exponent, at least
+    -6) rounds q to a multiple of 2^(e - 3) by IEEE addition. The cast to e4m3 after it is exact, so the bits do
+    not depend on how the cast rounds (Triton's interpreter drops the carry into the next binade: 126.5 -> 64)."""
+    bits = q.to(tl.int32, bitcast=True)
+    e = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
+    c = (((e + 20) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    return (q + c) - c
+
+
+@triton.jit
+def _quant_act_kernel(X, Q, QS, M, K, stride_xm, stride_qm, stride_qsm, BLOCK_M: tl.constexpr, G: tl.constexpr,
+                      PDL: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """Program (row block, group g): Q[rows, g G : (g + 1) G] = x / s in fp8 e4m3 and QS[rows, g] = s, with
+    ``s = max(amax(|x|) / 448, 1e-12)`` over the group's (valid) inputs; both divisions IEEE-rounded
+    (``tl.div_rn``: the bits of torch's), x / s clamped to +-448 and cast to e4m3 (nearest, ties to even).
+    ``ROUND_FIRST`` (Triton's CPU interpreter, whose cast rounds a carry into the next binade wrong): the quotient
+    is first rounded on e4m3's grid (:func:`_round_e4m3`), so the cast is exact; the GPU's cast rounds itself."""
+    pdl_enter(PDL)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    rk = g * G + tl.arange(0, G)
+    mask = (rm < M)[:, None] & (rk < K)[None, :]
+    x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    s = tl.maximum(tl.div_rn(amax, FP8_MAX), 1e-12)
+    q = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX)
+    if ROUND_FIRST:
+        q = _round_e4m3(q)
+    tl.store(Q + rm.to(tl.int64)[:, None] * stride_qm + rk[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(QS + rm * stride_qsm + g, s, mask=rm < M)
+
