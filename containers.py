@@ -32,8 +32,8 @@ from backends.dsv4_flashinfer import FlashInferDecode
 from backends.dsv4_flashinfer import load_kernel as load_dsv4_kernel
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
-from backends.kernels.emulated_dsv4 import EmulatedDSV4SparseDecode
-from backends.kernels.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
+from backends.kernels.dsv4.emulated_dsv4 import EmulatedDSV4SparseDecode
+from backends.kernels.mla_decode.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
 from backends.linear_attention import LinearAttentionBackend
 from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
 from backends.tokenspeed_mla import TokenSpeedMLABackend
@@ -398,10 +398,10 @@ class Container(containers.DeclarativeContainer):
                                                                             sharding)),
         dsv4_random=_step(build_log, "weights:random", providers.Factory(
             random_dsv4_weights, dsv4_cfg, model_spec.provided.weight_seed, model_spec.provided.dtype, device,
-            sharding)),
+            sharding, weights=model_spec.provided.weights, fmt=dsv4_stored)),
         dsv4_checkpoint=_step(build_log, "weights:checkpoint", providers.Factory(
             load_dsv4_checkpoint, dsv4_cfg, model_spec.provided.path, dsv4_stored, model_spec.provided.dtype,
-            device, sharding)),
+            device, sharding, weights=model_spec.provided.weights)),
     )
     dumper = providers.Singleton(AttentionDumper, config.dump_dir, req_to_token_pool)
     decoder_ops = providers.Selector(  # model.fused (auto|on|off) against the ops classes' capabilities
@@ -557,9 +557,10 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
         problems += weights_problems(plain, info)  # the full model's view: tensor-parallel cuts of fp8 blocks
         if not problems and plain["model"]["path"]:
             spec = ModelSpec.from_config(plain["model"])
-            problems = (scan_dsv4_checkpoint(dsv4_config(plain["model"]), spec.path,
-                                             StoredFormat.of(plain["model"]))[-1] if spec.is_dsv4
-                        else scan_checkpoint(spec, Sharding(0, plain["parallel"]["tp"], plain["parallel"]["moe"]))[2])
+            shard = Sharding(0, plain["parallel"]["tp"], plain["parallel"]["moe"])
+            problems = (scan_dsv4_checkpoint(dsv4_config(plain["model"]), spec.path, StoredFormat.of(plain["model"]),
+                                             shard, keep=spec.weights == "stored")[-1] if spec.is_dsv4
+                        else scan_checkpoint(spec, shard)[2])
     if problems:
         raise ConfigError(problems)
     container.config.from_dict(plain)

@@ -1,6 +1,8 @@
 """Startup checks of ``model.weights`` (how the linear layers' weights are held): the value fits the model's
-source, the GPU computes fp8, and a preset's fp8 blocks survive its tensor-parallel cuts. A checkpoint's own fp8
-tensors are checked against the cuts from their headers (:func:`runtime.model.deepseek.checkpoint.scan_checkpoint`).
+source, the GPU computes fp8, and a preset's fp8 blocks (DeepSeek-V4: also its fp4 experts' 32-input scale groups)
+survive its tensor-parallel cuts. A checkpoint's own fp8 / fp4 tensors are checked against the cuts from their
+headers (:func:`runtime.model.deepseek.checkpoint.scan_checkpoint`,
+:func:`runtime.model.dsv4.checkpoint.scan_dsv4_checkpoint`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from runtime.core.model_spec import DSV4_MODEL_TYPE, ModelSpec
 from runtime.core.parallel import Sharding
 from runtime.model.deepseek.checkpoint import expected_tensors
 from runtime.model.deepseek.stored import block_layout_problems, release_fp8
+from runtime.model.dsv4.checkpoint import expected_tensors as dsv4_tensors
+from runtime.model.dsv4.hf_config import dsv4_config
+from runtime.model.dsv4.stored import StoredFormat, release_kind, stored_layout_problems
+from runtime.model.quantized import FP4_GROUP, FP8_BLOCK, StoredKind
 
 #: the least compute capability whose tensor cores multiply e4m3 (Ada, Hopper and newer)
 FP8_MIN_CC = (8, 9)
@@ -48,19 +54,44 @@ def weights_problems(cfg: Mapping[str, Any], device: DeviceInfo) -> list[Problem
     fp8 = value == "fp8" or (value == "stored" and _quantized(path))
     if not fp8:
         return out
-    if v4:
-        out.append(Problem(f"model.weights={value}", "a DeepSeek-V4 model",
-                           "a V2 / V3 / V3.2 model: V4's weights in stored precision are not built yet",
-                           "model.weights=dequantize for a V4 checkpoint, model.weights=bf16 for the preset"))
-        return out
     cc = device.compute_capability
     if device.kind == "cuda" and cc is not None and cc < FP8_MIN_CC:
         out.append(Problem(f"model.weights={value}", f"{device.name} (compute capability {cc[0]}.{cc[1]})",
                            f"a GPU with fp8 tensor cores (compute capability >= {FP8_MIN_CC[0]}.{FP8_MIN_CC[1]})",
                            f"model.weights={'dequantize' if path else 'bf16'}"))
-    if value == "fp8":  # a preset: every tensor the release stores in fp8 (a checkpoint's: scan_checkpoint)
+    if v4 and (cfg.get("graph") or {}).get("enabled"):
+        out.append(Problem("graph.enabled=true", f"DeepSeek-V4 weights held as stored (model.weights={value})",
+                           "graph=off: V4's stored fp8 / fp4 experts run the torch loop over the active experts (a "
+                           "host sync per MoE layer; no fp8 / fp4 expert kernel for V4 yet)",
+                           f"graph=off, or model.weights={'dequantize' if path else 'bf16'}"))
+    if value == "fp8" and v4:
+        out += _dsv4_preset_layout(cfg)
+    elif value == "fp8":  # a preset: every tensor the release stores in fp8 (a checkpoint's: scan_checkpoint)
         spec = ModelSpec.from_config(model)
         tensors = {n: s for n, s in expected_tensors(spec).items() if release_fp8(n, s)}
         par = cfg.get("parallel") or {}
         out += block_layout_problems(spec, Sharding(0, int(par.get("tp", 1)), str(par.get("moe", "tp"))), tensors)
     return out
+
+
+def _dsv4_preset_layout(cfg: Mapping[str, Any]) -> list[Problem]:
+    """A V4 preset with ``model.weights=fp8``: the fp8 matrices and fp4 experts it generates
+    (:func:`runtime.model.dsv4.stored.release_kind`) against its tensor-parallel cuts. A config whose V4 fields or
+    tensor-parallel split are refused elsewhere (the V4 and parallel checks) is not looked at here."""
+    model, par = cfg["model"], cfg.get("parallel") or {}
+    tp, moe = int(par.get("tp", 1)), str(par.get("moe", "tp"))
+    try:
+        v4 = dsv4_config(model)
+    except (ValueError, KeyError, TypeError):
+        return []  # reported by the V4 validation
+    groups, heads = v4.o_groups, v4.attention.num_heads
+    if heads % tp or (groups % tp and tp % groups):
+        return []  # reported by the parallel checks
+    fmt = StoredFormat.of(model)
+    block, experts = fmt.fp8_block or FP8_BLOCK, fmt.expert_dtype or StoredKind.fp4.value
+    stored = {}
+    for name, shape in dsv4_tensors(v4).items():
+        kind = release_kind(name, experts)
+        if kind is not None:
+            stored[name] = (shape, (1, FP4_GROUP) if kind == StoredKind.fp4 else block)
+    return stored_layout_problems(v4, Sharding(0, tp, moe), stored, checkpoint=False)

@@ -67,10 +67,10 @@ class WeightFormat(str, enum.Enum):
     """``model.weights``: how the linear layers' weights are held and computed (:mod:`runtime.model.quantized`)."""
 
     auto = "auto"  # a checkpoint: as stored; a preset: bf16
-    stored = "stored"  # a checkpoint's fp8 matrices kept as fp8 with their block scales, computed as shipped
-    dequantize = "dequantize"  # a checkpoint's fp8 matrices expanded to model.dtype at load (the reference)
+    stored = "stored"  # a checkpoint's fp8 matrices kept as fp8 with their block scales (V4: fp4 experts packed)
+    dequantize = "dequantize"  # a checkpoint's fp8 / fp4 weights expanded to model.dtype at load (the reference)
     bf16 = "bf16"  # a preset's random weights in model.dtype (bf16 on the GPU presets)
-    fp8 = "fp8"  # a preset's random weights in block-fp8 as the V3 release stores them
+    fp8 = "fp8"  # a preset's random weights as the release stores them (block-fp8; V4: also fp4 experts)
 
 
 class RopeType(str, enum.Enum):

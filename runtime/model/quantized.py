@@ -13,7 +13,9 @@ releases; transformers' ``Fp8Dequantize`` reads the same ones).
 loaded from fp8 then holds twice its fp8 bytes in bf16). ``model.weights=stored`` (the default for a quantized
 checkpoint) keeps each fp8 matrix as a :class:`BlockFP8`: the e4m3 values and float32 block scales, on the device
 as shipped; :func:`linear` is its torch product (per-weight dequantize, then the matmul: exactly the dequantize
-path's numbers), the fused ops run the block-fp8 kernels of :mod:`backends.kernels.fp8_gemm` on the GPU.
+path's numbers), the fused ops run the block-fp8 kernels of :mod:`backends.kernels.gemm.fp8_gemm` on the GPU.
+DeepSeek-V4's fp4 routed experts stay packed as a :class:`PackedFP4` (e2m1 bytes and float32 scales per row and
+32 inputs); their product is the torch one everywhere (no fp4 kernel: dequantize per weight, then the matmul).
 """
 
 from __future__ import annotations
@@ -105,18 +107,40 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[t
     return q.to(torch.float8_e4m3fn).contiguous(), scale
 
 
+def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., out, in] (``in`` even) -> (packed e2m1 uint8 [..., out, in / 2], low nibble first; float32 scales
+    [..., out, ceil(in / group)]) as DeepSeek-V4's release stores its experts: per row and ``group`` inputs the
+    scale is amax / 6 rounded up to a power of two (ue8m0), each value the nearest e2m1 one (ties toward zero).
+    Values already on that grid come back exactly from :func:`dequantize_fp4`; otherwise the error is at most half
+    an e2m1 step: ``scale / 4`` below 2, ``scale / 2`` up to 4, ``scale`` above (``scale <= amax / 3``)."""
+    in_dim = w.shape[-1]
+    if in_dim % 2:
+        raise ValueError(f"quantize_fp4: got an input dim of {in_dim}; expected an even one (two values per byte)")
+    groups = -(-in_dim // group)
+    padded = torch.zeros(*w.shape[:-1], groups * group, dtype=torch.float32, device=w.device)
+    padded[..., :in_dim] = w.float()
+    grouped = padded.view(*w.shape[:-1], groups, group)
+    amax = grouped.abs().amax(dim=-1)  # [..., out, groups]
+    scale = torch.ceil(torch.log2(amax.clamp_min(2.0**-100) / E2M1_VALUES[7])).clamp(-127, 127).exp2()
+    x = (grouped / scale[..., None]).flatten(-2)[..., :in_dim]
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)  # between the e2m1 magnitudes
+    nibble = torch.bucketize(x.abs(), mids) | ((x < 0).to(torch.int64) << 3)
+    return (nibble[..., 0::2] | (nibble[..., 1::2] << 4)).to(torch.uint8), scale
+
+
 class BlockLayoutError(ValueError):
-    """A cut, concatenation or stack of :class:`BlockFP8` weights that would split a scale block."""
+    """A cut, concatenation or stack of :class:`BlockFP8` / :class:`PackedFP4` weights that would split a scale
+    block (fp8) or group (fp4)."""
 
 
-def _blocks(s: slice, n: int, b: int, what: str) -> slice:
+def _blocks(s: slice, n: int, b: int, what: str, unit: str = "fp8 scale block") -> slice:
     """Element slice ``s`` of a dim of ``n`` -> the slice of its scale blocks of ``b``; it must start on a block
     boundary and end on one or at ``n``."""
     r = range(n)[s]
     if r.step != 1 or r.start % b or (r.stop % b and r.stop != n):
         raise BlockLayoutError(
             f"{what}: got the element range [{r.start}, {r.stop}) of {n}; expected a range that starts on a "
-            f"multiple of the fp8 scale block ({b}) and ends on one or at {n}. Fix: model.weights=dequantize, or a "
+            f"multiple of the {unit} ({b}) and ends on one or at {n}. Fix: model.weights=dequantize, or a "
             f"parallel.tp that cuts whole {b}-blocks")
     return slice(r.start // b, -(-r.stop // b))
 
@@ -214,46 +238,183 @@ class BlockFP8:
         return self.weight.is_contiguous() and self.scale.is_contiguous()
 
 
-#: a linear layer's weight as the model holds it: a float tensor, or block-fp8 as stored
-Weight = torch.Tensor | BlockFP8
+@dataclass(frozen=True)
+class PackedFP4:
+    """A weight as DeepSeek-V4's release stores its routed experts: e2m1 values packed two per byte (low nibble
+    first) and a float32 scale (a power of two: ue8m0 as stored, read with :func:`scale_values`) per row and
+    ``group`` inputs; ``value = e2m1 * scale``. ``weight`` uint8 [N, K / 2] or [E, N, K / 2] (stacked experts);
+    ``scale`` [..., N, ceil(K / group)]. :attr:`shape` is the unpacked one ([..., N, K]).
+
+    Indexing takes an expert (``w[e]``), any rows (each row has its own scales) and whole groups of columns
+    (``w[:, c0:c1]``: 16 bytes per 32-input group); a cut through a group raises :class:`BlockLayoutError`."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    group: int = FP4_GROUP
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], device: torch.device | str, group: int = FP4_GROUP) -> PackedFP4:
+        """Uninitialized storage for a weight (or stack) of unpacked ``shape``: fill it with ``w[i] = part``."""
+        return cls(torch.empty((*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=device),
+                   torch.empty((*shape[:-1], -(-shape[-1] // group)), dtype=torch.float32, device=device), group)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, group: int = FP4_GROUP) -> PackedFP4:
+        """[..., N, K] float -> its packed fp4 form (:func:`quantize_fp4`), one expert at a time for a stack."""
+        if w.dim() > 2:
+            parts = [cls.quantize(x, group) for x in w]
+            return cls(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]), group)
+        q, s = quantize_fp4(w, group)
+        return cls(q, s, group)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.weight.shape[:-1], 2 * self.weight.shape[-1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype (packed bytes)."""
+        return self.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scale]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def dim(self) -> int:
+        return self.weight.dim()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight (or stack) in ``dtype``: what ``model.weights=dequantize`` loads."""
+        return apply_block_scales(unpack_fp4(self.weight), self.scale, (1, self.group), dtype)
+
+    def index_of(self, key) -> tuple[tuple, tuple]:
+        """(packed weight index, scale index) of ``key`` (unpacked element coordinates): ints or slices on the
+        leading (expert) dims, slices on the last two, the columns on whole groups."""
+        key = key if isinstance(key, tuple) else (key,)
+        lead = self.weight.dim() - 2
+        w_idx, s_idx = [], []
+        for d, k in enumerate(key):
+            if d < lead and isinstance(k, int):
+                w_idx.append(k)
+                s_idx.append(k)
+            elif not isinstance(k, slice):
+                raise BlockLayoutError(f"PackedFP4 index: got {key!r}; expected ints on the expert dims, then slices")
+            elif d <= lead:  # experts, rows: one scale row per weight row
+                w_idx.append(k)
+                s_idx.append(k)
+            else:
+                g = _blocks(k, self.shape[d], self.group, f"a cut of a {list(self.shape)} fp4 weight",
+                            "fp4 scale group")
+                r = range(self.shape[d])[k]
+                w_idx.append(slice(r.start // 2, r.stop // 2))
+                s_idx.append(g)
+        return tuple(w_idx), tuple(s_idx)
+
+    def __getitem__(self, key) -> PackedFP4:
+        w_idx, s_idx = self.index_of(key)
+        return PackedFP4(self.weight[w_idx], self.scale[s_idx], self.group)
+
+    def __setitem__(self, key, value: PackedFP4) -> None:
+        w_idx, s_idx = self.index_of(key)
+        if value.group != self.group:
+            raise BlockLayoutError(f"PackedFP4 store: got a group of {value.group}; expected {self.group}")
+        self.weight[w_idx] = value.weight
+        self.scale[s_idx] = value.scale
+
+    def contiguous(self) -> PackedFP4:
+        return PackedFP4(self.weight.contiguous(), self.scale.contiguous(), self.group)
+
+    def is_contiguous(self) -> bool:
+        return self.weight.is_contiguous() and self.scale.is_contiguous()
+
+
+#: a weight held as stored (block-fp8 or packed fp4)
+QUANTIZED = (BlockFP8, PackedFP4)
+#: a linear layer's weight as the model holds it: a float tensor, or block-fp8 / packed fp4 as stored
+Weight = torch.Tensor | BlockFP8 | PackedFP4
+
+
+def stored_weight(kind: StoredKind, block: tuple[int, int], weight: torch.Tensor, scale: torch.Tensor
+                  ) -> BlockFP8 | PackedFP4:
+    """A checkpoint's stored tensors (fp8 e4m3, or packed fp4 bytes in any 1-byte dtype) and their scales (any
+    storage :func:`scale_values` reads) -> the weight as held: scales as float32."""
+    if kind == StoredKind.fp4:
+        return PackedFP4(weight.contiguous().view(torch.uint8), scale_values(scale), block[1])
+    return BlockFP8(weight, scale_values(scale), tuple(block))
+
+
+def _unit(w: BlockFP8 | PackedFP4, dim: int) -> int:
+    """Elements per scale along ``dim`` of a stored weight (1 on the expert dims and fp4 rows)."""
+    lead = w.dim() - 2
+    if dim < lead:
+        return 1
+    return w.block[dim - lead] if isinstance(w, BlockFP8) else (1, w.group)[dim - lead]
 
 
 def cat_rows(parts: list[Weight], dim: int = 0) -> Weight:
     """Weights concatenated along ``dim`` (q_a with kv_a, gate with up): float tensors with ``torch.cat``;
-    block-fp8 ones with their scales, every part but the last a whole number of blocks along ``dim``."""
-    if not isinstance(parts[0], BlockFP8):
+    block-fp8 / packed fp4 ones with their scales, every part but the last a whole number of blocks (fp8) or
+    groups (fp4 columns) along ``dim``."""
+    first = parts[0]
+    if not isinstance(first, QUANTIZED):
         return torch.cat(parts, dim=dim)
-    dim = dim % parts[0].dim()
-    b = parts[0].block[dim - (parts[0].dim() - 2)]
+    dim = dim % first.dim()
+    b = _unit(first, dim)
     for p in parts[:-1]:
         if p.shape[dim] % b:
             raise BlockLayoutError(
-                f"fusing fp8 weights along dim {dim}: got a part of {p.shape[dim]} rows; expected a multiple of the "
-                f"fp8 scale block ({b}) for every part but the last. Fix: model.weights=dequantize")
-    return BlockFP8(torch.cat([p.weight for p in parts], dim=dim), torch.cat([p.scale for p in parts], dim=dim),
-                    parts[0].block)
+                f"fusing stored weights along dim {dim}: got a part of {p.shape[dim]} rows; expected a multiple of the "
+                f"scale block ({b}) for every part but the last. Fix: model.weights=dequantize")
+    return type(first)(torch.cat([p.weight for p in parts], dim=dim), torch.cat([p.scale for p in parts], dim=dim),
+                       first.block if isinstance(first, BlockFP8) else first.group)
+
+
+def stack_weights(parts: list[Weight]) -> Weight:
+    """Weights of one shape stacked along a new expert dim: ``torch.stack``, or values and scales stacked."""
+    first = parts[0]
+    if not isinstance(first, QUANTIZED):
+        return torch.stack(parts)
+    return type(first)(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]),
+                       first.block if isinstance(first, BlockFP8) else first.group)
+
+
+def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a ``dtype`` tensor: a stored one dequantized, a float one cast."""
+    return w.dequantize(dtype) if isinstance(w, QUANTIZED) else w.to(dtype)
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """x [T, K] @ w [N, K].T -> [T, N] in x's dtype, torch ops: a block-fp8 weight is dequantized to x's dtype
-    first (the numbers of ``model.weights=dequantize``, bit for bit)."""
-    return F.linear(x, w.dequantize(x.dtype) if isinstance(w, BlockFP8) else w)
+    """x [T, K] @ w [N, K].T -> [T, N] in x's dtype, torch ops: a block-fp8 or packed fp4 weight is dequantized to
+    x's dtype first (the numbers of ``model.weights=dequantize``, bit for bit)."""
+    return F.linear(x, w.dequantize(x.dtype) if isinstance(w, QUANTIZED) else w)
 
 
 def weight_tensors(w: Weight | None) -> list[torch.Tensor]:
-    """The tensors that hold a weight (a block-fp8 one: values and scales)."""
+    """The tensors that hold a weight (a stored one: values and scales)."""
     if w is None:
         return []
-    return w.tensors if isinstance(w, BlockFP8) else [w]
+    return w.tensors if isinstance(w, QUANTIZED) else [w]
+
+
+STORED_KEYS = {BlockFP8: "float8_e4m3fn", PackedFP4: "fp4 e2m1 (packed)"}
 
 
 def bytes_by_dtype(weights) -> dict[str, int]:
-    """dtype -> bytes of ``weights`` (tensors and BlockFP8s, each counted once): ``float8_e4m3fn`` for stored fp8
-    values, ``float32 scales`` for their block scales, the float dtypes of every other tensor."""
+    """dtype -> bytes of ``weights`` (tensors, BlockFP8s and PackedFP4s, each counted once): ``float8_e4m3fn`` for
+    stored fp8 values, ``fp4 e2m1 (packed)`` for packed fp4 bytes, ``float32 scales`` for their scales, the float
+    dtypes of every other tensor."""
     out: dict[str, int] = {}
     seen: set[int] = set()
     for v in weights:
-        parts = [("float8_e4m3fn", v.weight), ("float32 scales", v.scale)] if isinstance(v, BlockFP8) \
+        parts = [(STORED_KEYS[type(v)], v.weight), ("float32 scales", v.scale)] if isinstance(v, QUANTIZED) \
             else [(str(v.dtype).removeprefix("torch."), v)]
         for key, t in parts:
             if id(t) not in seen:

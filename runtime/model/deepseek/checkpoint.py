@@ -50,12 +50,13 @@ from runtime.model.indexer import IndexerWeights
 from runtime.model.quantized import (
     FP8_BLOCK,
     BlockFP8,
+    PackedFP4,
     ScaledTensor,
     StoredKind,
     Weight,
     apply_block_scales,
     cat_rows,
-    scale_values,
+    stored_weight,
     unpack_fp4,
 )
 
@@ -255,7 +256,7 @@ def _span(s: slice, n: int) -> tuple[int, int]:
 class _Reader:
     """Reads tensors shard by shard (one open file at a time), converting each to the device and a dtype; a
     tensor ``scaled`` names (fp8 / fp4 with its scale tensor) is dequantized as it is read, or, when ``keep``
-    says so for its name, kept as stored (a :class:`BlockFP8`, fp8 only)."""
+    says so for its name, kept as stored (a :class:`BlockFP8`, or DeepSeek-V4's fp4 as a :class:`PackedFP4`)."""
 
     def __init__(self, index: dict[str, TensorInfo], device: torch.device, dtype: torch.dtype,
                  scaled: dict[str, ScaledTensor], keep=lambda name: False):
@@ -276,9 +277,8 @@ class _Reader:
             self._handle, self._file = None, None
 
     def kept(self, name: str) -> bool:
-        """Whether tensor ``name`` is read as stored (block-fp8) rather than dequantized."""
-        stored = self.scaled.get(name)
-        return stored is not None and stored.kind == StoredKind.fp8 and self.keep(name)
+        """Whether tensor ``name`` is read as stored (block-fp8 / packed fp4) rather than dequantized."""
+        return name in self.scaled and self.keep(name)
 
     def get(self, name: str, dtype: torch.dtype | None = None, cut: Cut = FULL) -> Weight:
         """Tensor ``name`` (this rank's ``cut`` of it: only those bytes are read) on the device, in ``dtype`` (or as
@@ -302,7 +302,7 @@ class _Reader:
             return t.to(device=self.device, dtype=want)
         scale = self._scale(stored)
         if self.kept(name):
-            return BlockFP8(t.to(self.device), scale_values(scale).to(self.device), stored.block)
+            return stored_weight(stored.kind, stored.block, t.to(self.device), scale.to(self.device))
         return stored.dequantize(t.to(self.device), scale.to(self.device), want)
 
     def _piece(self, name: str, info: TensorInfo, piece: tuple[slice, ...], want: torch.dtype) -> torch.Tensor:
@@ -315,14 +315,14 @@ class _Reader:
             return self._open(info.file).get_slice(name)[piece].to(device=self.device, dtype=want)
         fp4 = stored.kind == StoredKind.fp4
         rows, cols = info.shape[0], info.shape[1] * (2 if fp4 and info.dtype != F4 else 1)
-        if self.kept(name):  # whole blocks (scan_checkpoint checked the cut): the bytes and their scales as stored
-            full = BlockFP8(torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device="meta"),
-                            torch.empty((-(-rows // stored.block[0]), -(-cols // stored.block[1])), device="meta"),
-                            stored.block)
+        if self.kept(name):  # whole blocks / groups (the scan checked the cut): the bytes and scales as stored
+            full = PackedFP4.empty((rows, cols), "meta", stored.block[1]) if fp4 else \
+                BlockFP8.empty((rows, cols), "meta", stored.block)
             w_idx, s_idx = full.index_of(piece)
-            t = self._open(info.file).get_slice(name)[w_idx]
-            return BlockFP8(t.to(self.device), scale_values(self._scale(stored, s_idx)).to(self.device),
-                            stored.block)
+            h = self._open(info.file)
+            t = h.get_tensor(name)[w_idx] if info.dtype == F4 else h.get_slice(name)[w_idx]
+            return stored_weight(stored.kind, stored.block, t.to(self.device),
+                                 self._scale(stored, s_idx).to(self.device))
         (br, bc), (r0, r1), (c0, c1) = stored.block, *(_span(s, n) for s, n in zip(piece + (slice(None),) * 2,
                                                                                   (rows, cols)))
         b0, b1 = (c0 // 2, -(-c1 // 2)) if fp4 else (c0, c1)  # the stored columns (fp4: bytes) that hold the piece

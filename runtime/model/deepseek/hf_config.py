@@ -197,9 +197,8 @@ def resolve_model_config(model: dict) -> tuple[dict, list[Problem]]:
     for key, value in MODEL_DEFAULTS.items():
         if out.get(key) is None:
             out[key] = list(value) if isinstance(value, list) else value
-    if str(out.get("weights") or "auto") == "auto":  # a checkpoint as stored (V4: dequantized), a preset in bf16
-        out["weights"] = ("dequantize" if out.get("model_type") == "deepseek_v4" else "stored") if out.get("path") \
-            else "bf16"
+    if str(out.get("weights") or "auto") == "auto":  # a checkpoint as stored (V2 - V4), a preset in bf16
+        out["weights"] = "stored" if out.get("path") else "bf16"
     for key in REQUIRED:
         if out.get(key) is None:
             problems.append(Problem(f"model.{key}", "null", "a positive integer",

@@ -7,9 +7,13 @@ Tensor names: DeepSeek's release spelling (``layers.3.attn.wq_a.weight``, ``ffn.
 or transformers' own (``self_attn.q_a_proj``, fused ``experts.gate_up_proj``), mapped by :func:`hf_name`. Weights
 in bf16/fp16/fp32/fp64 (``tid2eid`` int32/int64), or DeepSeek's release format: fp8 e4m3 matrices with ue8m0 block
 scales (``<module>.scale``) and fp4 e2m1 routed experts, as config.json's ``quantization_config`` declares
-(:mod:`runtime.model.dsv4.stored` checks them from the headers); those are dequantized to the model dtype as each
-tensor is read (:mod:`runtime.model.quantized`), so the loaded model holds ~2x the fp8 bytes (bf16) and ~4x the fp4
-bytes; computing in fp8 / fp4 is not built. Layers past ``num_layers`` and the MTP layers are not read.
+(:mod:`runtime.model.dsv4.stored` checks them from the headers). ``model.weights=dequantize`` expands them to the
+model dtype as each tensor is read (:mod:`runtime.model.quantized`: the loaded model holds ~2x the fp8 bytes in
+bf16 and ~4x the fp4 bytes); ``model.weights=stored`` (the default for a quantized checkpoint) keeps fp8 matrices
+as :class:`~runtime.model.quantized.BlockFP8` and fp4 experts as :class:`~runtime.model.quantized.PackedFP4`, every
+product through the torch path (dequantize per weight, then the matmul; no fp8 / fp4 kernel for V4 yet). A
+preset with ``model.weights=fp8`` generates the same formats (:func:`runtime.model.dsv4.stored.release_kind`).
+Layers past ``num_layers`` and the MTP layers are not read.
 
 Tensor parallelism: each rank reads only its slice of each tensor (:mod:`runtime.model.dsv4.sharding`), block-scaled
 ones with the scale blocks that cover the slice; the seeded weights draw every full tensor and keep the slice.
@@ -32,9 +36,18 @@ from runtime.model.deepseek.checkpoint import TensorInfo, _Reader, checkpoint_in
 from runtime.model.deepseek.sharding import experts_of
 from runtime.model.dsv4.config import DSV4Config, MlpType
 from runtime.model.dsv4.sharding import dsv4_tensor_cut
-from runtime.model.dsv4.stored import StoredFormat, check_tensor, scale_names
+from runtime.model.dsv4.stored import StoredFormat, check_tensor, release_kind, scale_names, stored_layout_problems
 from runtime.model.dsv4.weights import ModelWeights
-from runtime.model.quantized import ScaledTensor
+from runtime.model.quantized import (
+    FP4_GROUP,
+    FP8_BLOCK,
+    BlockFP8,
+    PackedFP4,
+    ScaledTensor,
+    StoredKind,
+    cat_rows,
+    stack_weights,
+)
 
 INT_TENSORS = ("tid2eid",)
 ROUTED = re.compile(r"\.mlp\.experts\.\d+\.")  # a routed expert's tensor (transformers' per-expert names)
@@ -131,13 +144,15 @@ def _per_expert(expected: dict, names: dict[str, str], cfg: DSV4Config) -> dict:
     return out
 
 
-def scan_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat
-                         ) -> tuple[dict[str, TensorInfo], dict[str, str], dict, dict[str, ScaledTensor],
-                                    list[Problem]]:
+def scan_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat, shard: Sharding = ONE_RANK,
+                         keep: bool = False) -> tuple[dict[str, TensorInfo], dict[str, str], dict,
+                                                      dict[str, ScaledTensor], list[Problem]]:
     """Headers only: (index by checkpoint name, transformers name -> checkpoint name, expected transformers name
     -> shape, checkpoint name -> how to dequantize it (fp8 / fp4 tensors), every problem: missing or truncated
     shards, missing tensors, wrong shapes, dtypes we cannot serve, fp8 / fp4 tensors without their scale or with
-    a scale or packed shape that does not match), each naming the tensor and its file, expected vs found."""
+    a scale or packed shape that does not match), each naming the tensor and its file, expected vs found. With
+    ``keep`` (``model.weights=stored``) the fp8 / fp4 tensors' cuts under ``shard`` and the expert gate / up
+    fusion must keep their scale blocks / groups whole (:func:`runtime.model.dsv4.stored.stored_layout_problems`)."""
     folder = Path(folder)
     index, problems = checkpoint_index(folder)
     if problems and not index:
@@ -161,24 +176,30 @@ def scan_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat
         problems += found
         if stored is not None:
             scaled[orig] = stored
+    if keep and not problems:
+        layout = {n: (shape, scaled[names[n]].block) for n, shape in expected.items() if names.get(n) in scaled}
+        problems += stored_layout_problems(cfg, shard, layout, checkpoint=True)
     return index, names, expected, scaled, problems
 
 
 def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat, dtype: torch.dtype,
-                         device: torch.device, shard: Sharding = ONE_RANK) -> ModelWeights:
+                         device: torch.device, shard: Sharding = ONE_RANK, weights: str = "dequantize"
+                         ) -> ModelWeights:
     """Every tensor of :func:`expected_tensors` from ``folder``, in file order, one on the host at a time, cast to
     ``dtype`` (``tid2eid`` to int64; fp8 / fp4 tensors dequantized with their scales as they are read);
     per-expert tensors are stacked. Under tensor parallelism (``shard``) only this rank's slice of each tensor is
     read (:mod:`runtime.model.dsv4.sharding`; fp8 / fp4 slices with the scale blocks that cover them), and with
-    moe=ep other ranks' experts not at all. ``cfg`` is the full model's. Raises :class:`CheckpointError` listing
+    moe=ep other ranks' experts not at all. ``cfg`` is the full model's. ``weights="stored"``: fp8 / fp4 tensors
+    kept as stored (BlockFP8 / PackedFP4, cut on whole blocks / groups). Raises :class:`CheckpointError` listing
     every problem before reading."""
     start = time.perf_counter()
-    index, names, expected, scaled, problems = scan_dsv4_checkpoint(cfg, folder, fmt)
+    keep = str(weights) == "stored"
+    index, names, expected, scaled, problems = scan_dsv4_checkpoint(cfg, folder, fmt, shard, keep)
     if problems:
         raise CheckpointError(problems)
     cuts = {n: dsv4_tensor_cut(n, shape, cfg, shard) for n, shape in expected.items()}
     mine = [n for n in expected if cuts[n] is not None]
-    reader = _Reader(index, torch.device(device), dtype, scaled)
+    reader = _Reader(index, torch.device(device), dtype, scaled, keep=lambda name: keep)
     state: dict[str, torch.Tensor] = {}
     try:
         for name in sorted(mine, key=lambda n: (str(index[names[n]].file), n)):
@@ -189,9 +210,9 @@ def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat,
     for i in range(cfg.attention.num_layers):  # the release layout: one tensor per expert
         p = f"model.layers.{i}.mlp.experts."
         if p + f"{experts.start}.gate_proj.weight" in state:
-            state[p + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{p}{x}.gate_proj.weight"),
-                                                                state.pop(f"{p}{x}.up_proj.weight")]) for x in experts])
-            state[p + "down_proj"] = torch.stack([state.pop(f"{p}{x}.down_proj.weight") for x in experts])
+            state[p + "gate_up_proj"] = stack_weights([cat_rows([state.pop(f"{p}{x}.gate_proj.weight"),
+                                                                 state.pop(f"{p}{x}.up_proj.weight")]) for x in experts])
+            state[p + "down_proj"] = stack_weights([state.pop(f"{p}{x}.down_proj.weight") for x in experts])
     weights = ModelWeights.load(state, cfg=cfg, first_expert=experts.start,
                                 vocab_start=shard.part(cfg.vocab_size).start)
     weights.source = str(folder)
@@ -202,11 +223,17 @@ def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat,
 
 
 def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: torch.device,
-                        shard: Sharding = ONE_RANK) -> ModelWeights:
+                        shard: Sharding = ONE_RANK, weights: str = "bf16", fmt: StoredFormat | None = None
+                        ) -> ModelWeights:
     """Seeded random weights of the shapes :func:`expected_tensors` lists, drawn on ``device``: matrices with
     std ``fan_in ** -0.5``, norms 1, sinks / position biases / mHC bases small, ``tid2eid`` uniform expert ids.
     Under tensor parallelism (``shard``) every full tensor is drawn in the same order and this rank keeps its
-    slice, so tp=1 and tp=N serve the same model (``cfg`` is the full model's)."""
+    slice, so tp=1 and tp=N serve the same model (``cfg`` is the full model's). ``weights="fp8"``: the tensors
+    the release stores quantized are quantized whole, then cut (fp8 e4m3 in ``fmt.fp8_block`` blocks, default
+    128 x 128; routed experts as ``fmt.expert_dtype``, default fp4): the same draws as bf16, rounded."""
+    quantized = str(weights) == "fp8"
+    fmt = fmt or StoredFormat()
+    block, experts = fmt.fp8_block or FP8_BLOCK, fmt.expert_dtype or StoredKind.fp4.value
     g = torch.Generator(device=device).manual_seed(int(seed))
     state: dict[str, torch.Tensor] = {}
     for name, shape in expected_tensors(cfg).items():
@@ -218,7 +245,19 @@ def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: 
             t = 0.1 * torch.randn(shape, generator=g, dtype=dtype, device=device)
         else:
             t = torch.randn(shape, generator=g, dtype=dtype, device=device) * shape[-1] ** -0.5
+        kind = release_kind(name, experts) if quantized else None
+        if kind is not None:
+            t = _quantized(t, kind, block)
         cut = dsv4_tensor_cut(name, shape, cfg, shard)  # never None: the experts are fused tensors here
         state[name] = t if cut.replicated else cut.apply(t).contiguous()
     return ModelWeights.load(state, cfg=cfg, first_expert=experts_of(cfg.n_routed_experts, shard).start,
                              vocab_start=shard.part(cfg.vocab_size).start)
+
+
+def _quantized(t: torch.Tensor, kind: StoredKind, block: tuple[int, int]) -> BlockFP8 | PackedFP4:
+    """A drawn tensor ([N, K], or a stack of experts [E, N, K]) in the release's ``kind``."""
+    if kind == StoredKind.fp4:
+        return PackedFP4.quantize(t, FP4_GROUP)
+    if t.dim() > 2:
+        return stack_weights([BlockFP8.quantize(x, block) for x in t])
+    return BlockFP8.quantize(t, block)

@@ -8,7 +8,8 @@ Both spellings transformers reads are accepted: what ``DeepseekV4Config.to_dict(
 Missing schedules take transformers' defaults (:func:`default_layer_types`, :func:`default_mlp_types`).
 
 DeepSeek's release format (``quantization_config`` fp8 e4m3 with ue8m0 block scales, ``expert_dtype`` fp4) is read
-into ``model.v4.fp8_block`` / ``expert_dtype`` (:func:`stored_format`); the checkpoint loader dequantizes.
+into ``model.v4.fp8_block`` / ``expert_dtype`` (:func:`stored_format`); the checkpoint loader keeps those weights as
+stored (``model.weights=stored``, the default) or dequantizes them (``dequantize``).
 """
 
 from __future__ import annotations

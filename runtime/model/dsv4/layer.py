@@ -23,7 +23,6 @@ ranks by the injected group (one all-reduce each) before mHC expands them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from backends.dsv4 import DSV4AttentionBackend
 from runtime.core.batch import ForwardBatch, ForwardMode
@@ -37,15 +36,16 @@ from runtime.model.dsv4.moe import moe_forward
 from runtime.model.dsv4.norms import rms_norm, unweighted_rms_norm
 from runtime.model.dsv4.rope import apply_rope, cos_sin
 from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, LayerWeights
+from runtime.model.quantized import Weight, dense, linear
 
 
-def grouped_output(o: torch.Tensor, o_a: torch.Tensor, o_b: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_output(o: torch.Tensor, o_a: Weight, o_b: Weight, groups: int) -> torch.Tensor:
     """o [T, H, D] -> [T, hidden]: group g of the flattened heads through block g of o_a [G * R, H * D / G],
-    the concatenated [T, G * R] through o_b [hidden, G * R]."""
+    the concatenated [T, G * R] through o_b [hidden, G * R] (stored weights dequantized per use)."""
     t = o.shape[0]
     x = o.reshape(t, groups, -1)
-    y = torch.einsum("tgi,gri->tgr", x, o_a.view(groups, -1, x.shape[-1]).to(x.dtype))
-    return F.linear(y.reshape(t, -1), o_b)
+    y = torch.einsum("tgi,gri->tgr", x, dense(o_a, x.dtype).view(groups, -1, x.shape[-1]))
+    return linear(y.reshape(t, -1), o_b)
 
 
 class DSV4Attention:
@@ -62,7 +62,7 @@ class DSV4Attention:
         """Feed the step's tokens to one compressor; closed windows' entries (RoPE applied) go to the backend,
         which stores them where this layer's entries live (the pool, or HiSparse's host pool)."""
         spec, eps = self.cfg.attention, self.cfg.rms_norm_eps
-        kv, gate = F.linear(x, comp.kv_proj), F.linear(x, comp.gate_proj)  # the whole step's tokens at once
+        kv, gate = linear(x, comp.kv_proj), linear(x, comp.gate_proj)  # the whole step's tokens at once
         if batch.mode == ForwardMode.DECODE:  # the whole batch at once: candidate entries, see compress_decode
             ent = compress_decode(kv, gate, comp.position_bias, comp.kv_norm, eps, state, self.layer_id,
                                   batch.req_pool_indices.long(), batch.positions)
@@ -84,10 +84,10 @@ class DSV4Attention:
         cfg, spec, w, eps = self.cfg, self.cfg.attention, self.w, self.cfg.rms_norm_eps
         t = x.shape[0]
         cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions, x.dtype)
-        q_res = rms_norm(F.linear(x, w.q_a_proj), w.q_a_norm, eps)
-        q = unweighted_rms_norm(F.linear(q_res, w.q_b_proj).view(t, spec.num_heads, spec.head_dim), eps)
+        q_res = rms_norm(linear(x, w.q_a_proj), w.q_a_norm, eps)
+        q = unweighted_rms_norm(linear(q_res, w.q_b_proj).view(t, spec.num_heads, spec.head_dim), eps)
         q = apply_rope(q, cos, sin)
-        kv = apply_rope(rms_norm(F.linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
+        kv = apply_rope(rms_norm(linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
         topk = None
         if self.kind == DSV4LayerType.hca:
             self._compress(w.compressor, self.pools.hca_state, "kv", x, batch)
@@ -95,8 +95,8 @@ class DSV4Attention:
             self._compress(w.compressor, self.pools.csa_state, "kv", x, batch)
             self._compress(w.indexer, self.pools.csa_index_state, "index", x, batch)
             hi, di = spec.index_n_heads, spec.index_head_dim
-            index_q = apply_rope(F.linear(q_res, w.indexer.q_b_proj).view(t, hi, di), cos, sin)
-            index_w = F.linear(x, w.indexer.weights_proj) * (hi**-0.5 * di**-0.5)
+            index_q = apply_rope(linear(q_res, w.indexer.q_b_proj).view(t, hi, di), cos, sin)
+            index_w = linear(x, w.indexer.weights_proj) * (hi**-0.5 * di**-0.5)
             topk = self.backend.select_topk(index_q, index_w, self.layer_id, batch)
         attend = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
         o = attend(q, kv, w.sinks, topk, self.layer_id, batch)

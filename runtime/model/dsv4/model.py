@@ -57,8 +57,11 @@ class DSV4Model:
         self.spec, self.cfg, self.w, self.weights = spec, cfg, weights, weights
         self.group = group
         self.device = weights.embed_tokens.device
-        dims = (cfg.hidden_size, weights.layers[0].mlp.down_proj.shape[2])  # the expert width this rank holds
-        self.grouped_mm = GROUPED_MM.usable(self.device, weights.embed_tokens.dtype, dims)  # V4 experts: see moe.py
+        down = weights.layers[0].mlp.down_proj
+        dims = (cfg.hidden_size, down.shape[2])  # the expert width this rank holds
+        # torch._grouped_mm multiplies float experts (bf16 ones on SM90); stored ones (fp8 / packed fp4 bytes)
+        # take the per-expert loop, each expert dequantized as it runs: see moe.py
+        self.grouped_mm = GROUPED_MM.usable(self.device, down.dtype, dims)
         self.layers = [DSV4DecoderLayer(cfg, i, lw, pools, backend, self.group, self.grouped_mm)
                        for i, lw in enumerate(weights.layers)]
 

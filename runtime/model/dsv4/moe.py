@@ -7,7 +7,8 @@ picks count.
 
 The routed experts run as V3's do: the (token, slot) pairs sorted by expert without a host sync, then, where
 ``torch._grouped_mm`` serves (CUDA bf16, SM90+: ``grouped_mm``), two grouped GEMMs for all experts; elsewhere one
-GEMM pair per active expert (one host sync). The k outputs of a token are weighted and summed in float32 (float64
+GEMM pair per active expert (one host sync; the only path for experts held as stored, BlockFP8 / PackedFP4:
+each expert dequantized as it runs, see :func:`runtime.model.deepseek.moe.routed_expert_sum`). The k outputs of a token are weighted and summed in float32 (float64
 for a float64 model).
 
 Tensor parallelism (the caller all-reduces the output): with moe=tp every expert and the shared expert hold a
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from runtime.model.deepseek.moe import routed_expert_sum
 from runtime.model.dsv4.config import DSV4Config, ScoringFunc
 from runtime.model.dsv4.weights import MoEWeights
+from runtime.model.quantized import linear
 
 
 def router_scores(logits: torch.Tensor, fn: ScoringFunc) -> torch.Tensor:
@@ -58,11 +60,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config,
                 grouped_mm: bool = False) -> torch.Tensor:
     """x [T, hidden] -> routed + shared expert output [T, hidden] in x's dtype (a rank's partial sum under tensor
-    parallelism, see the module docstring)."""
+    parallelism, see the module docstring). ``grouped_mm`` only for float expert stacks (the caller decides from
+    their dtype)."""
     ids, weights = route(w, x, input_ids, cfg)
     limit = cfg.swiglu_limit
     acc = torch.promote_types(x.dtype, torch.float32)
     routed = routed_expert_sum(x, weights, ids, w.gate_up_proj, w.down_proj, w.first_expert, cfg.n_routed_experts,
                                lambda h: swiglu(*h.chunk(2, dim=-1), limit), grouped_mm, acc)
-    shared = swiglu(F.linear(x, w.shared_gate_proj), F.linear(x, w.shared_up_proj), limit)
-    return (routed + F.linear(shared, w.shared_down_proj).to(acc)).to(x.dtype)
+    shared = swiglu(linear(x, w.shared_gate_proj), linear(x, w.shared_up_proj), limit)
+    return (routed + linear(shared, w.shared_down_proj).to(acc)).to(x.dtype)

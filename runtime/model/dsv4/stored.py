@@ -14,15 +14,26 @@ format (config.json's ``quantization_config``, read into ``model.v4.fp8_block`` 
 The release also ships bf16 tensors without scales (the compressors' and the indexer's ``wkv`` / ``wgate`` /
 ``weights_proj``, norms, sinks, ...): any tensor may be float. :func:`check_tensor` returns how to read a tensor
 (a :class:`runtime.model.quantized.ScaledTensor`, or None for float) and every problem with it.
+
+``model.weights=stored`` keeps the fp8 matrices as :class:`~runtime.model.quantized.BlockFP8` and the fp4 experts as
+:class:`~runtime.model.quantized.PackedFP4`; tensor parallelism then cuts them on whole 128 x 128 blocks / 32-input
+groups (16 bytes), as does the loader's fusion of each expert's gate with its up rows:
+:func:`stored_layout_problems` lists every cut that would split one before anything is read, with the
+``parallel.tp`` values that work. :func:`release_kind` says which tensors the release stores quantized (what the
+presets generate with ``model.weights=fp8``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from runtime.core.config import DSV4ExpertDtype
 from runtime.core.errors import Problem
+from runtime.core.parallel import Sharding
 from runtime.model.deepseek.checkpoint import TensorInfo
+from runtime.model.dsv4.config import DSV4Config
+from runtime.model.dsv4.sharding import dsv4_tensor_cut
 from runtime.model.quantized import FP4_GROUP, ScaledTensor, StoredKind
 
 FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
@@ -129,3 +140,82 @@ def _shape(what: str, got: list[int], want: list[int], note: str) -> list[Proble
     return [Problem(what, f"shape {got}", f"shape {want} {note}",
                     "the config and the weights disagree (or the shard is damaged): fix config.json or "
                     "re-download / re-save the checkpoint")]
+
+
+# ---------------------------------------------------------------------------- model.weights=stored / fp8
+#: the matrices DeepSeek's V4 release stores in fp8 (transformers names): attention's projections, the indexer's
+#: query projection and the shared expert; the compressors, the indexer's weights_proj, embed / head are bf16
+RELEASE_FP8 = re.compile(r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj)\.weight$"
+                         r"|compressor\.indexer\.q_b_proj\.weight$|shared_experts\.(gate|up|down)_proj\.weight$")
+#: routed experts: per expert (the release) or transformers' fused stacks (the presets)
+ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.(\d+\.(gate|up|down)_proj\.weight|gate_up_proj|down_proj)$")
+
+
+def release_kind(name: str, expert_dtype: str | None) -> StoredKind | None:
+    """How DeepSeek's V4 release stores the tensor ``name`` (transformers' spelling): fp8, fp4 (routed experts
+    with ``expert_dtype`` fp4), or None (a float tensor). What ``model.weights=fp8`` generates for a preset."""
+    if ROUTED_EXPERT.search(name):
+        return StoredKind(expert_dtype) if expert_dtype else None
+    return StoredKind.fp8 if RELEASE_FP8.search(name) else None
+
+
+def _splits(cfg: DSV4Config, size: int, moe: str, stored: dict[str, tuple[tuple[int, ...], tuple[int, int]]]
+            ) -> dict[str, tuple[str, tuple[int, int], list[str]]]:
+    """Kind of stored tensor -> (an example name, its scale block, what splits a block / group) when ``size``
+    ranks cut it (every rank checked; one tensor per kind and shape: the layers repeat them)."""
+    kinds: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, int]]] = {}
+    for name, (shape, block) in stored.items():
+        kinds.setdefault((re.sub(r"\.\d+(?=\.)", "", name), shape), (name, block))
+    out: dict[str, tuple[str, tuple[int, int], list[str]]] = {}
+    for (kind, shape), (name, block) in kinds.items():
+        last = len(shape) - 2  # the row dim; the column dim follows
+        bad: list[str] = []
+        for rank in range(size):
+            cut = dsv4_tensor_cut(name, shape, cfg, Sharding(rank, size, moe))
+            if cut is None:
+                continue
+            for piece in cut.pieces:
+                for d in (last, last + 1):
+                    r = range(shape[d])[piece[d] if d < len(piece) else slice(None)]
+                    b = block[d - last]
+                    if r.start % b or (r.stop % b and r.stop != shape[d]):
+                        bad.append(f"rank {rank}: dim {d} cut at [{r.start}, {r.stop}) of {shape[d]}")
+            if len(cut.pieces) > 1 and cut.dim >= last:  # transformers' fused gate_up: gate rows, then up rows
+                rows = len(range(shape[cut.dim])[cut.pieces[0][cut.dim]])
+                if rows % block[cut.dim - last]:
+                    bad.append(f"rank {rank}: {rows} gate rows fused with the up rows")
+            elif ROUTED_EXPERT.search(name) and name.endswith("gate_proj.weight"):  # the loader fuses gate with up
+                rows = len(range(shape[0])[cut.pieces[0][0]])
+                if rows % block[0]:
+                    bad.append(f"rank {rank}: {rows} gate rows fused with the up rows")
+        if bad:
+            out.setdefault(kind, (name, block, bad))
+    return out
+
+
+def stored_layout_problems(cfg: DSV4Config, shard: Sharding,
+                           stored: dict[str, tuple[tuple[int, ...], tuple[int, int]]], checkpoint: bool
+                           ) -> list[Problem]:
+    """Every kind of stored V4 tensor (``stored``: transformers name -> (full unpacked shape, scale block: fp8
+    (128, 128), fp4 (1, 32))) whose tensor-parallel cut (:mod:`runtime.model.dsv4.sharding`) or load-time fusion
+    would split an fp8 scale block or an fp4 scale group: one problem per kind, with the ``parallel.tp`` values
+    that keep them whole as the fix. ``cfg``: the full model's."""
+    bad = _splits(cfg, shard.size, shard.moe, stored)
+    if not bad:
+        return []
+    heads, groups = cfg.attention.num_heads, cfg.o_groups
+    im, experts = cfg.moe_intermediate_size, cfg.n_routed_experts
+    ok = [tp for tp in (1, 2, 4, 8, 16) if tp != shard.size and not heads % tp and not (groups % tp and tp % groups)
+          and not cfg.vocab_size % tp and not im % tp and not (shard.moe == "ep" and experts % tp)
+          and not _splits(cfg, tp, shard.moe, stored)]
+    other = f"parallel.tp in {ok}" if ok else "no parallel.tp keeps every block whole"
+    fix = f"model.weights={'dequantize' if checkpoint else 'bf16'} ({other})"
+    out = []
+    for name, block, why in bad.values():
+        fp4 = block[0] == 1
+        unit = (f"whole {block[1]}-input fp4 scale groups ({block[1] // 2} bytes)" if fp4
+                else f"whole {block[0]} x {block[1]} fp8 scale blocks")
+        out.append(Problem(f"{'fp4' if fp4 else 'fp8'} weight {name} (and its kind in every layer)",
+                           "; ".join(why[:4]) + (f"; {len(why) - 4} more" if len(why) > 4 else ""),
+                           f"cuts and fusions on {unit} (parallel.tp={shard.size}, parallel.moe={shard.moe})", fix))
+    return out

@@ -9,6 +9,11 @@ name a layer needs before reading anything.
 Under tensor parallelism the tensors are a rank's slices (:mod:`runtime.model.dsv4.sharding`): the shapes below
 with this rank's heads, output groups, vocabulary rows, experts or expert width; ``first_expert`` and
 ``vocab_start`` say where its experts and vocabulary rows start.
+
+Matrices are float tensors, or with ``model.weights=stored`` / ``fp8`` held as the release stores them
+(:class:`~runtime.model.quantized.BlockFP8` fp8 matrices, :class:`~runtime.model.quantized.PackedFP4` routed
+experts: a :data:`~runtime.model.quantized.Weight`); the code that multiplies them goes through
+:func:`runtime.model.quantized.linear` / ``dense``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.model.dsv4.config import DSV4Config, MlpType
-from runtime.model.quantized import bytes_by_dtype
+from runtime.model.quantized import QUANTIZED, Weight, bytes_by_dtype, weight_tensors
 
 
 def _read(state: dict, name: str) -> torch.Tensor:
@@ -39,24 +44,27 @@ class _Named:
         got = {f: _read(state, prefix + s) for f, s in cls.HF_NAMES.items()}
         return cls(**got, **extra)
 
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        out = []
+    def named(self, prefix: str = ""):
+        """(group name, weight) of every field holding a tensor or a stored weight, nested ones included."""
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                out.append(v)
+            if isinstance(v, (torch.Tensor, *QUANTIZED)):
+                yield prefix + f.name, v
             elif isinstance(v, _Named):
-                out += v.tensors
-        return out
+                yield from v.named(f"{prefix}{f.name}.")
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held (a stored weight's values and scales)."""
+        return [t for _, v in self.named() for t in weight_tensors(v)]
 
 
 @dataclass
 class CompressorWeights(_Named):
     """``self_attn.compressor.`` (and the indexer's own compressor): width = 2 * dim when overlapping (CSA)."""
 
-    kv_proj: torch.Tensor  # [width, hidden]
-    gate_proj: torch.Tensor  # [width, hidden]
+    kv_proj: Weight  # [width, hidden]
+    gate_proj: Weight  # [width, hidden]
     position_bias: torch.Tensor  # [rate, width]
     kv_norm: torch.Tensor  # [dim]
     HF_NAMES: ClassVar[dict[str, str]] = {"kv_proj": "kv_proj.weight", "gate_proj": "gate_proj.weight",
@@ -67,7 +75,7 @@ class CompressorWeights(_Named):
 class IndexerWeights(CompressorWeights):
     """``self_attn.compressor.indexer.``: a compressor at ``index_head_dim`` plus the query and weight heads."""
 
-    q_b_proj: torch.Tensor = None  # [Hi * Di, q_lora]
+    q_b_proj: Weight = None  # [Hi * Di, q_lora]
     weights_proj: torch.Tensor = None  # [Hi, hidden]
     HF_NAMES: ClassVar[dict[str, str]] = {**CompressorWeights.HF_NAMES, "q_b_proj": "q_b_proj.weight",
                                           "weights_proj": "scorer.weights_proj.weight"}
@@ -77,13 +85,13 @@ class IndexerWeights(CompressorWeights):
 class AttentionWeights(_Named):
     """``self_attn.``"""
 
-    q_a_proj: torch.Tensor  # [q_lora, hidden]
+    q_a_proj: Weight  # [q_lora, hidden]
     q_a_norm: torch.Tensor  # [q_lora]
-    q_b_proj: torch.Tensor  # [H * D, q_lora]
-    kv_proj: torch.Tensor  # [D, hidden]
+    q_b_proj: Weight  # [H * D, q_lora]
+    kv_proj: Weight  # [D, hidden]
     kv_norm: torch.Tensor  # [D]
-    o_a_proj: torch.Tensor  # [G * o_lora, H * D / G]  (block-diagonal per group)
-    o_b_proj: torch.Tensor  # [hidden, G * o_lora]
+    o_a_proj: Weight  # [G * o_lora, H * D / G]  (block-diagonal per group)
+    o_b_proj: Weight  # [hidden, G * o_lora]
     sinks: torch.Tensor  # [H]
     compressor: CompressorWeights | None = None  # CSA / HCA layers
     indexer: IndexerWeights | None = None  # CSA layers
@@ -118,11 +126,11 @@ class MoEWeights(_Named):
     """``mlp.``: router, routed experts (3-D, gate rows first in ``gate_up_proj``) and the shared expert."""
 
     gate: torch.Tensor  # [E, hidden]
-    gate_up_proj: torch.Tensor  # [E, 2 * I, hidden]
-    down_proj: torch.Tensor  # [E, hidden, I]
-    shared_gate_proj: torch.Tensor  # [Is, hidden]
-    shared_up_proj: torch.Tensor  # [Is, hidden]
-    shared_down_proj: torch.Tensor  # [hidden, Is]
+    gate_up_proj: Weight  # [E, 2 * I, hidden]
+    down_proj: Weight  # [E, hidden, I]
+    shared_gate_proj: Weight  # [Is, hidden]
+    shared_up_proj: Weight  # [Is, hidden]
+    shared_down_proj: Weight  # [hidden, Is]
     e_score_correction_bias: torch.Tensor | None = None  # [E] float32 (top-k routed layers)
     tid2eid: torch.Tensor | None = None  # [vocab, top_k] int64 (hash layers)
     first_expert: int = 0  # global id of gate_up_proj[0] (moe=ep: this rank's first expert; else 0)
@@ -199,21 +207,32 @@ class ModelWeights(_Named):
             vocab_start=vocab_start,
         )
 
+    def named(self, prefix: str = ""):
+        """(group name, weight): the embedding, norm, LM head, mHC head, then every layer's (group names without
+        the layer index)."""
+        yield from (("embed_tokens", self.embed_tokens), ("norm", self.norm), ("lm_head", self.lm_head))
+        yield from self.hc_head.named("hc_head.")
+        for layer in self.layers:
+            yield from layer.named()
+
     @property
     def tensors(self) -> list[torch.Tensor]:
-        out = [self.embed_tokens, self.norm, self.lm_head, *self.hc_head.tensors]
-        for layer in self.layers:
-            out += layer.tensors
-        return out
+        return [t for _, v in self.named() for t in weight_tensors(v)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def bytes_by_dtype(self) -> dict[str, int]:
-        """dtype -> bytes (V4's weights are held in float dtypes: stored precision is not built for V4 yet)."""
-        return bytes_by_dtype(self.tensors)
+        """dtype -> bytes as held (:func:`runtime.model.quantized.bytes_by_dtype`: fp8 values, packed fp4 bytes,
+        their float32 scales, the float dtypes)."""
+        return bytes_by_dtype(v for _, v in self.named())
 
     def unquantized_bytes(self) -> dict[str, int]:
-        """Weight group -> bytes held in a float dtype: every V4 weight."""
-        return {"all (V4)": self.nbytes}
+        """Weight group (``attn.q_b_proj``, ``mlp.gate_up_proj``, ``embed_tokens``, ...: summed over the layers) ->
+        bytes held in a float dtype (all of them with ``model.weights=dequantize`` / ``bf16``)."""
+        out: dict[str, int] = {}
+        for group, v in self.named():
+            if isinstance(v, torch.Tensor):
+                out[group] = out.get(group, 0) + v.numel() * v.element_size()
+        return out

@@ -1,0 +1,264 @@
+"""``model.weights=stored`` for DeepSeek-V4 (issue 46's stored precision, V4 part), on the CPU's torch path.
+
+A tiny release folder (tests/dsv4_release.py: fp8 e4m3 matrices with ue8m0 block scales, fp4 e2m1 routed experts
+packed two per byte) is loaded as stored (BlockFP8 / PackedFP4) and dequantized; both serve the same greedy tokens
+(the stored product is dequantize-then-matmul, so the numbers are the same) and the stored one holds fewer bytes.
+Tensor parallelism cuts the stored bytes with their scale blocks / groups; a cut through an fp8 block or an fp4
+group is refused at startup with the parallel.tp values that work. ``quantize_fp4`` (the fp8 preset's experts)
+round-trips values on the e2m1 grid exactly. The release's dims are chosen so that tp=2 keeps every block whole:
+o_lora_rank 128 (o_a_proj 256 rows, o_b_proj 256 columns), expert width 256 (shared expert 128 rows per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import compose_config
+from hf_models import prompt_overrides
+from test_dsv4_config import TINY
+
+from containers import build, to_plain
+from runtime.app.report import memory_plan
+from runtime.app.weights_checks import weights_problems
+from runtime.core.device import DeviceInfo
+from runtime.core.errors import CheckpointError
+from runtime.core.parallel import ONE_RANK, Sharding
+from runtime.model.deepseek.hf_config import resolve_model_config
+from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights
+from runtime.model.dsv4.hf_config import dsv4_config
+from runtime.model.dsv4.stored import StoredFormat
+from runtime.model.quantized import (
+    E2M1_VALUES,
+    BlockFP8,
+    BlockLayoutError,
+    PackedFP4,
+    bytes_by_dtype,
+    cat_rows,
+    dequantize_fp4,
+    linear,
+    quantize_fp4,
+    stack_weights,
+    unpack_fp4,
+)
+
+pytest.importorskip("transformers")
+from dsv4_release import fp4_rows, write_release  # noqa: E402
+from test_dsv4_tp_sharding import assert_reassembles  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CPU = torch.device("cpu")
+# even experts / vocabulary (tp=2), and dims whose tp=2 cuts keep every fp8 block whole (see the docstring)
+DIMS = {"n_routed_experts": 6, "vocab_size": 98, "o_lora_rank": 128, "moe_intermediate_size": 256}
+PROMPTS, NEW = [[5, 17, 3, 60, 8], [41, 2, 2, 90, 33, 7, 12, 71, 19]], 5
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("v4_stored")
+    write_release(folder, **DIMS)
+    model, problems = resolve_model_config({"name": "hf", "path": str(folder), "dtype": "float32"})
+    assert not problems, problems
+    return folder, model
+
+
+def _load(release, weights: str, shard: Sharding = ONE_RANK):
+    folder, model = release
+    return load_dsv4_checkpoint(dsv4_config(model), folder, StoredFormat.of(model), torch.float32, CPU, shard,
+                                weights=weights)
+
+
+def dequantized(w, dtype=torch.float32):
+    """A weights dataclass (nested ones, lists included) with every stored weight dequantized."""
+    if isinstance(w, (BlockFP8, PackedFP4)):
+        return w.dequantize(dtype)
+    if isinstance(w, list):
+        return [dequantized(x, dtype) for x in w]
+    if dataclasses.is_dataclass(w):
+        return dataclasses.replace(w, **{f.name: dequantized(getattr(w, f.name), dtype)
+                                         for f in dataclasses.fields(w) if f.init})
+    return w
+
+
+# ------------------------------------------------------------------------------------------------ the type
+def test_quantize_fp4_round_trips_the_e2m1_grid_and_bounds_the_error():
+    g = torch.Generator().manual_seed(0)
+    grid = torch.tensor(E2M1_VALUES)
+    nib = torch.randint(0, 16, (5, 96), generator=g)
+    nib[:, ::32] = 7  # every group holds a 6: its scale is the power of two given below
+    exps = torch.randint(-6, 6, (5, 3), generator=g).float()
+    w = grid[nib] * exps.exp2().repeat_interleave(32, dim=1)
+    q, s = quantize_fp4(w)
+    assert q.dtype == torch.uint8 and q.shape == (5, 48) and s.shape == (5, 3) and torch.equal(s, exps.exp2())
+    assert torch.equal(dequantize_fp4(q, s, torch.float32), w)
+    x = torch.randn(7, 160, generator=g) * 3
+    q, s = quantize_fp4(x)
+    back = dequantize_fp4(q, s, torch.float32)
+    scaled = (x / s.repeat_interleave(32, dim=1)).abs()
+    step = torch.where(scaled <= 2, 0.5, torch.where(scaled <= 4, 1.0, 2.0))
+    assert ((back - x).abs() <= step / 2 * s.repeat_interleave(32, dim=1) + 1e-7).all()
+    assert (scaled <= 6).all() and (s <= x.abs().view(7, 5, 32).amax(-1) / 3).all()
+    ref_q, ref_e = fp4_rows(x)  # the release writer's own quantizer (an argmin over the grid; it writes -0 as +0)
+    assert torch.equal(unpack_fp4(q), unpack_fp4(ref_q)) and torch.equal(s, ref_e.exp2())
+
+
+def test_packed_fp4_indexes_experts_rows_and_whole_groups_only():
+    g = torch.Generator().manual_seed(1)
+    w = PackedFP4.quantize(torch.randn(3, 40, 96, generator=g))
+    full = w.dequantize(torch.float32)
+    assert w.shape == (3, 40, 96) and w.weight.shape == (3, 40, 48) and w.scale.shape == (3, 40, 3)
+    assert torch.equal(w[1].dequantize(torch.float32), full[1])
+    assert torch.equal(w[:, 5:17].dequantize(torch.float32), full[:, 5:17])
+    assert torch.equal(w[2, :, 32:96].dequantize(torch.float32), full[2, :, 32:96])
+    assert w[:, :, 32:64].weight.shape == (3, 40, 16)  # a 32-input group is 16 bytes
+    with pytest.raises(BlockLayoutError, match="fp4 scale group"):
+        w[:, :, 16:48]
+    assert torch.equal(cat_rows([w[:, :7], w[:, 7:]], dim=1).weight, w.weight)
+    assert torch.equal(cat_rows([w[:, :, :32], w[:, :, 32:]], dim=2).dequantize(torch.float32), full)
+    odd = PackedFP4.quantize(torch.randn(4, 80, generator=g))  # a partial last group of 16 inputs
+    with pytest.raises(BlockLayoutError, match="model.weights=dequantize"):
+        cat_rows([odd[:, 64:], odd[:, :64]], dim=1)  # the 16-input part may only come last
+    stack = PackedFP4.empty((3, 40, 96), CPU)
+    for e in range(3):
+        stack[e] = w[e]
+    assert torch.equal(stack_weights([w[e] for e in range(3)]).weight, w.weight) and torch.equal(stack.scale, w.scale)
+    x = torch.randn(4, 96, generator=g)
+    assert torch.equal(linear(x, w[0]), torch.nn.functional.linear(x, full[0]))
+    by = bytes_by_dtype([w, torch.zeros(4)])
+    assert by == {"fp4 e2m1 (packed)": 3 * 40 * 48, "float32 scales": 3 * 40 * 3 * 4, "float32": 16}
+    assert w.nbytes == 3 * 40 * 48 + 3 * 40 * 3 * 4
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+def test_auto_is_stored_for_a_quantized_v4_checkpoint(release):
+    _, model = release
+    assert model["weights"] == "stored"
+    a100 = DeviceInfo("cuda", "cuda", 0, True, (8, 0), "NVIDIA A100")
+    plain = to_plain(compose_config("model=hf", f"model.path={release[0]}", "backend=dsv4", "device=cpu"))
+    assert not weights_problems(plain, DeviceInfo("cpu", "cpu", 0, False, None, "cpu"))  # V4 no longer refused
+    (p,) = weights_problems(plain, a100)
+    assert "8.0" in p.got and p.fix == "model.weights=dequantize"
+    deq = to_plain(compose_config("model=hf", f"model.path={release[0]}", "backend=dsv4", "device=cpu",
+                                  "model.weights=dequantize"))
+    assert deq["model"]["weights"] == "dequantize" and not weights_problems(deq, a100)
+    graphed = to_plain(compose_config("model=hf", f"model.path={release[0]}", "backend=dsv4", "graph=decode"))
+    (p,) = weights_problems(graphed, DeviceInfo("cuda", "cuda", 0, True, (9, 0), "NVIDIA H100"))
+    assert p.what == "graph.enabled=true" and p.fix == "graph=off, or model.weights=dequantize"  # the expert loop
+
+
+def test_stored_weights_keep_the_release_formats(release):
+    stored, deq = _load(release, "stored"), _load(release, "dequantize")
+    a, m = stored.layers[1].attn, stored.layers[1].mlp
+    for w in (a.q_a_proj, a.q_b_proj, a.kv_proj, a.o_a_proj, a.o_b_proj, a.indexer.q_b_proj, m.shared_gate_proj,
+              m.shared_up_proj, m.shared_down_proj):  # fp8 e4m3 in the release
+        assert isinstance(w, BlockFP8) and w.dtype == torch.float8_e4m3fn, w.shape
+    assert isinstance(m.gate_up_proj, PackedFP4) and m.gate_up_proj.shape == (6, 512, 64)  # fp4 experts, stacked
+    assert isinstance(m.down_proj, PackedFP4) and m.down_proj.shape == (6, 64, 256)
+    for w in (a.compressor.kv_proj, a.indexer.weights_proj, m.gate, stored.embed_tokens, stored.lm_head):
+        assert isinstance(w, torch.Tensor) and w.dtype == torch.float32  # bf16 / float32 in the release
+    assert len(dequantized(stored).tensors) == len(deq.tensors)
+    for got, want in zip(dequantized(stored).tensors, deq.tensors):
+        assert torch.equal(got, want)
+    by = stored.bytes_by_dtype()
+    assert {"float8_e4m3fn", "fp4 e2m1 (packed)", "float32 scales", "float32"} <= set(by)
+    assert stored.nbytes == sum(by.values()) < deq.nbytes
+    assert "mlp.gate_up_proj" not in stored.unquantized_bytes() and "mlp.gate_up_proj" in deq.unquantized_bytes()
+
+
+def _serve(release, weights: str):
+    folder = release[0]
+    rt = build(compose_config("model=hf", f"model.path={folder}", "backend=dsv4", "model.dtype=float32",
+                              "backend.compute_dtype=float32", "device=cpu", "check=off", "progress=false",
+                              f"model.weights={weights}", *prompt_overrides(folder, PROMPTS, NEW)))
+    res = rt.engine.run()
+    return [res.outputs[i] for i in range(len(PROMPTS))], rt
+
+
+def test_stored_serves_the_dequantized_tokens(release):
+    """Same checkpoint, same compute dtype (float32): stored and dequantize give the same greedy tokens; the stored
+    one holds fewer bytes (the fp4 experts 1/8 of float32 plus a scale per 32, the fp8 matrices 1/4)."""
+    tokens, rt = _serve(release, "stored")
+    want, rt_deq = _serve(release, "dequantize")
+    assert tokens == want and all(len(t) == NEW for t in tokens)
+    w, w_deq = rt.container.model().weights, rt_deq.container.model().weights
+    assert isinstance(w.layers[0].mlp.down_proj, PackedFP4) and not rt.container.model().grouped_mm
+    assert memory_plan(rt.container)["weights_bytes"] == w.nbytes < 0.5 * w_deq.nbytes
+
+
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_tensor_parallel_cuts_reassemble_to_the_full_weights(release, moe):
+    """Each of two ranks reads its bytes and scale blocks / groups; dequantized and put back together as the
+    sharding cut them, they are the full dequantized load."""
+    cfg = dsv4_config(release[1])
+    full = _load(release, "dequantize")
+    ranks = [_load(release, "stored", Sharding(r, 2, moe)) for r in range(2)]
+    assert isinstance(ranks[1].layers[2].attn.o_a_proj, BlockFP8) and ranks[1].layers[2].attn.o_a_proj.shape == (
+        128, 128)
+    assert isinstance(ranks[1].layers[2].mlp.down_proj, PackedFP4)
+    assert ranks[1].layers[2].mlp.down_proj.shape == ((6, 64, 128) if moe == "tp" else (3, 64, 256))
+    assert_reassembles(full, [dequantized(r) for r in ranks], cfg, moe)
+
+
+# ------------------------------------------------------------------------------------------------ presets
+def test_fp8_preset_generates_the_release_formats_and_serves():
+    rt = build(compose_config("model=deepseek_v4_flash", "backend=dsv4", "device=cpu", "model.dtype=float32",
+                              "model.weights=fp8", "progress=false", "workload.num_requests=2",
+                              "workload.prompt_len.max=12", "workload.output_len.max=4", *TINY))
+    res = rt.engine.run()
+    assert res.lost == 0 and res.finished == 2
+    w = rt.container.model().weights
+    assert isinstance(w.layers[0].mlp.gate_up_proj, PackedFP4) and isinstance(w.layers[0].attn.o_b_proj, BlockFP8)
+    assert isinstance(w.layers[0].attn.compressor.kv_proj, torch.Tensor)
+    cfg = dsv4_config(to_plain(compose_config("model=deepseek_v4_flash", *TINY))["model"])
+    bf16 = random_dsv4_weights(cfg, 0, torch.float32, CPU)
+    fp8 = random_dsv4_weights(cfg, 0, torch.float32, CPU, weights="fp8")
+    ref, got = bf16.layers[1].mlp.down_proj, fp8.layers[1].mlp.down_proj.dequantize(torch.float32)
+    assert 0 < (got - ref).norm() / ref.norm() < 0.15  # the same draws, rounded to e2m1
+    ref, got = bf16.layers[1].attn.q_b_proj, fp8.layers[1].attn.q_b_proj.dequantize(torch.float32)
+    assert 0 < (got - ref).norm() / ref.norm() < 0.05
+
+
+# the tiny preset with dims whose tp=2 cuts keep every fp8 block whole (q_b_proj 256 rows, o_a_proj 256 rows,
+# shared expert 256 wide)
+ALIGNED = (*TINY, "model.v4.head_dim=64", "model.v4.o_lora_rank=128", "model.moe_intermediate_size=256")
+
+
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_fp8_preset_ranks_reassemble(moe):
+    tp2 = ("model=deepseek_v4_flash", "backend=dsv4", "model.weights=fp8", "parallel.tp=2", f"parallel.moe={moe}")
+    assert _problems(*tp2, *TINY) and not _problems(*tp2, *ALIGNED)  # TINY: 64-row cuts of q_b_proj
+    cfg = dsv4_config(to_plain(compose_config("model=deepseek_v4_flash", *ALIGNED))["model"])
+    full = random_dsv4_weights(cfg, 3, torch.float32, CPU, weights="fp8")
+    ranks = [random_dsv4_weights(cfg, 3, torch.float32, CPU, Sharding(r, 2, moe), weights="fp8") for r in range(2)]
+    assert isinstance(ranks[0].layers[0].mlp.down_proj, PackedFP4)
+    assert_reassembles(dequantized(full), [dequantized(r) for r in ranks], cfg, moe)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def _problems(*overrides: str) -> list:
+    return weights_problems(to_plain(compose_config(*overrides)), DeviceInfo("cpu", "cpu", 0, False, None, "cpu"))
+
+
+def test_a_preset_cut_through_an_fp4_group_or_fp8_block_is_refused_with_the_valid_tp():
+    flash = ("model=deepseek_v4_flash", "backend=dsv4", "model.weights=fp8")
+    assert not _problems(*flash, "parallel.tp=8")  # the real shapes cut whole blocks and groups
+    probs = _problems(*flash, "model.moe_intermediate_size=2112", "parallel.tp=2")  # 1056 per rank: 1056 % 32 = 0
+    assert probs and {p.what.split()[0] for p in probs} == {"fp8"}  # the shared expert's 128-blocks only
+    assert all("model.weights=bf16 (parallel.tp in [1])" == p.fix for p in probs)
+    probs = _problems(*flash, "model.moe_intermediate_size=2064", "parallel.tp=2")  # 1032: 1032 % 32 = 8
+    fp4 = [p for p in probs if p.what.startswith("fp4")]
+    assert len(fp4) == 1 and "experts.down_proj" in fp4[0].what and "[1032, 2064) of 2064" in fp4[0].got
+    assert "whole 32-input fp4 scale groups (16 bytes)" in fp4[0].expected
+    assert any("shared_experts.gate_proj" in p.what and "128 x 128 fp8" in p.expected for p in probs)
+    ep = _problems(*flash, "model.moe_intermediate_size=2064", "parallel.tp=2", "parallel.moe=ep")
+    assert ep and not [p for p in ep if p.what.startswith("fp4")]  # ep: whole experts
+
+
+def test_a_checkpoint_cut_through_a_block_is_refused_before_reading(release):
+    with pytest.raises(CheckpointError) as e:
+        _load(release, "stored", Sharding(0, 4, "tp"))  # q_b_proj: 64 rows per rank, o_a_proj: 64 columns
+    msg = str(e.value)
+    assert "whole 128 x 128 fp8 scale blocks" in msg and "model.weights=dequantize (parallel.tp in [1, 2])" in msg
+    assert "self_attn.q_b_proj" in msg and "self_attn.o_a_proj" in msg
