@@ -145,8 +145,72 @@ def _blocks(s: slice, n: int, b: int, what: str, unit: str = "fp8 scale block") 
     return slice(r.start // b, -(-r.stop // b))
 
 
+class _Stored:
+    """What the stored formats share (:class:`BlockFP8`, :class:`PackedFP4`): ``weight`` and ``scale`` tensors and
+    their scale layout (``layout``: the fp8 block, or the fp4 group); indexing through each format's
+    :meth:`index_of`, so an expert, rows or columns are taken with the scales that cover them."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def layout(self):
+        raise NotImplementedError
+
+    def _with(self, weight: torch.Tensor, scale: torch.Tensor):
+        return type(self)(weight, scale, self.layout)
+
+    def scale_unit(self, dim: int) -> int:
+        """Elements per scale along ``dim`` (1 on the expert dims)."""
+        lead = self.weight.dim() - 2
+        return 1 if dim < lead else self.scale_block[dim - lead]
+
+    @property
+    def scale_block(self) -> tuple[int, int]:
+        """(rows, cols) of the weight elements one scale covers."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype (fp8 values, or packed fp4 bytes)."""
+        return self.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight, self.scale]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def dim(self) -> int:
+        return self.weight.dim()
+
+    def __getitem__(self, key):
+        w_idx, s_idx = self.index_of(key)
+        return self._with(self.weight[w_idx], self.scale[s_idx])
+
+    def __setitem__(self, key, value) -> None:
+        w_idx, s_idx = self.index_of(key)
+        if type(value) is not type(self) or value.layout != self.layout:
+            raise BlockLayoutError(f"{type(self).__name__} store: got {type(value).__name__} with scale layout "
+                                   f"{getattr(value, 'layout', None)}; expected {self.layout}")
+        self.weight[w_idx] = value.weight
+        self.scale[s_idx] = value.scale
+
+    def contiguous(self):
+        return self._with(self.weight.contiguous(), self.scale.contiguous())
+
+    def is_contiguous(self) -> bool:
+        return self.weight.is_contiguous() and self.scale.is_contiguous()
+
+
 @dataclass(frozen=True)
-class BlockFP8:
+class BlockFP8(_Stored):
     """A weight as DeepSeek's fp8 releases store it: e4m3 values and a float32 scale per ``block`` of
     (rows, cols) elements; ``value = weight * scale`` of its block. ``weight`` [N, K] (a linear layer, F.linear's
     layout) or [E, N, K] (stacked experts); ``scale`` [..., ceil(N / rows), ceil(K / cols)].
@@ -177,23 +241,12 @@ class BlockFP8:
         return self.weight.shape
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.weight.dtype
+    def layout(self) -> tuple[int, int]:
+        return self.block
 
     @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.weight, self.scale]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def dim(self) -> int:
-        return self.weight.dim()
+    def scale_block(self) -> tuple[int, int]:
+        return tuple(self.block)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight (or stack) in ``dtype``: what ``model.weights=dequantize`` loads."""
@@ -220,26 +273,9 @@ class BlockFP8:
                 s_idx.append(_blocks(k, self.weight.shape[d], b, f"a cut of a {list(self.shape)} fp8 weight"))
         return tuple(w_idx), tuple(s_idx)
 
-    def __getitem__(self, key) -> BlockFP8:
-        w_idx, s_idx = self.index_of(key)
-        return BlockFP8(self.weight[w_idx], self.scale[s_idx], self.block)
-
-    def __setitem__(self, key, value: BlockFP8) -> None:
-        w_idx, s_idx = self.index_of(key)
-        if tuple(value.block) != tuple(self.block):
-            raise BlockLayoutError(f"BlockFP8 store: got a block of {value.block}; expected {self.block}")
-        self.weight[w_idx] = value.weight
-        self.scale[s_idx] = value.scale
-
-    def contiguous(self) -> BlockFP8:
-        return BlockFP8(self.weight.contiguous(), self.scale.contiguous(), self.block)
-
-    def is_contiguous(self) -> bool:
-        return self.weight.is_contiguous() and self.scale.is_contiguous()
-
 
 @dataclass(frozen=True)
-class PackedFP4:
+class PackedFP4(_Stored):
     """A weight as DeepSeek-V4's release stores its routed experts: e2m1 values packed two per byte (low nibble
     first) and a float32 scale (a power of two: ue8m0 as stored, read with :func:`scale_values`) per row and
     ``group`` inputs; ``value = e2m1 * scale``. ``weight`` uint8 [N, K / 2] or [E, N, K / 2] (stacked experts);
@@ -272,24 +308,12 @@ class PackedFP4:
         return torch.Size((*self.weight.shape[:-1], 2 * self.weight.shape[-1]))
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The storage dtype (packed bytes)."""
-        return self.weight.dtype
+    def layout(self) -> int:
+        return self.group
 
     @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.weight, self.scale]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def dim(self) -> int:
-        return self.weight.dim()
+    def scale_block(self) -> tuple[int, int]:
+        return (1, self.group)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight (or stack) in ``dtype``: what ``model.weights=dequantize`` loads."""
@@ -318,23 +342,6 @@ class PackedFP4:
                 s_idx.append(g)
         return tuple(w_idx), tuple(s_idx)
 
-    def __getitem__(self, key) -> PackedFP4:
-        w_idx, s_idx = self.index_of(key)
-        return PackedFP4(self.weight[w_idx], self.scale[s_idx], self.group)
-
-    def __setitem__(self, key, value: PackedFP4) -> None:
-        w_idx, s_idx = self.index_of(key)
-        if value.group != self.group:
-            raise BlockLayoutError(f"PackedFP4 store: got a group of {value.group}; expected {self.group}")
-        self.weight[w_idx] = value.weight
-        self.scale[s_idx] = value.scale
-
-    def contiguous(self) -> PackedFP4:
-        return PackedFP4(self.weight.contiguous(), self.scale.contiguous(), self.group)
-
-    def is_contiguous(self) -> bool:
-        return self.weight.is_contiguous() and self.scale.is_contiguous()
-
 
 #: a weight held as stored (block-fp8 or packed fp4)
 QUANTIZED = (BlockFP8, PackedFP4)
@@ -351,14 +358,6 @@ def stored_weight(kind: StoredKind, block: tuple[int, int], weight: torch.Tensor
     return BlockFP8(weight, scale_values(scale), tuple(block))
 
 
-def _unit(w: BlockFP8 | PackedFP4, dim: int) -> int:
-    """Elements per scale along ``dim`` of a stored weight (1 on the expert dims and fp4 rows)."""
-    lead = w.dim() - 2
-    if dim < lead:
-        return 1
-    return w.block[dim - lead] if isinstance(w, BlockFP8) else (1, w.group)[dim - lead]
-
-
 def cat_rows(parts: list[Weight], dim: int = 0) -> Weight:
     """Weights concatenated along ``dim`` (q_a with kv_a, gate with up): float tensors with ``torch.cat``;
     block-fp8 / packed fp4 ones with their scales, every part but the last a whole number of blocks (fp8) or
@@ -367,14 +366,13 @@ def cat_rows(parts: list[Weight], dim: int = 0) -> Weight:
     if not isinstance(first, QUANTIZED):
         return torch.cat(parts, dim=dim)
     dim = dim % first.dim()
-    b = _unit(first, dim)
+    b = first.scale_unit(dim)
     for p in parts[:-1]:
         if p.shape[dim] % b:
             raise BlockLayoutError(
                 f"fusing stored weights along dim {dim}: got a part of {p.shape[dim]} rows; expected a multiple of the "
                 f"scale block ({b}) for every part but the last. Fix: model.weights=dequantize")
-    return type(first)(torch.cat([p.weight for p in parts], dim=dim), torch.cat([p.scale for p in parts], dim=dim),
-                       first.block if isinstance(first, BlockFP8) else first.group)
+    return first._with(torch.cat([p.weight for p in parts], dim=dim), torch.cat([p.scale for p in parts], dim=dim))
 
 
 def stack_weights(parts: list[Weight]) -> Weight:
@@ -382,8 +380,7 @@ def stack_weights(parts: list[Weight]) -> Weight:
     first = parts[0]
     if not isinstance(first, QUANTIZED):
         return torch.stack(parts)
-    return type(first)(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]),
-                       first.block if isinstance(first, BlockFP8) else first.group)
+    return first._with(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]))
 
 
 def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
