@@ -12,7 +12,7 @@ import torch
 
 from runtime.core.model_spec import ModelSpec
 from runtime.model.deepseek.moe import route, routed_experts
-from runtime.model.deepseek.rope import apply_rope_half, apply_rope_interleaved, inv_freq
+from runtime.model.deepseek.rope import apply_rope_half, apply_rope_interleaved, inv_freq, rope_params
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.indexer import IndexerWeights, indexer_projections
 
@@ -34,7 +34,7 @@ def test_yarn_frequencies_and_scales_by_hand():
         f = base ** (-2 * i / dim)
         ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: keep f, 1: f / factor
         want.append(f / 40 * ramp + f * (1 - ramp))
-    assert torch.allclose(inv_freq(s), torch.tensor(want, dtype=torch.float64), rtol=1e-12)
+    assert torch.allclose(inv_freq(rope_params(s), s.qk_rope_head_dim), torch.tensor(want, dtype=torch.float64), rtol=1e-12)
     m = 0.1 * 0.707 * math.log(40) + 1
     assert s.sm_scale == pytest.approx(m * m / math.sqrt(128 + 64))
     assert s.rope_attention_factor == pytest.approx(1.0)  # mscale / mscale_all_dim

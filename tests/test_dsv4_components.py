@@ -11,10 +11,10 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from backends.kernels.dsv4.dsv4_reference import indexer_topk, sink_attention
 from runtime.core.dsv4_pools import CompressedKVPool, CompressorStatePool
 from runtime.core.dsv4_spec import DSV4AttentionSpec, DSV4LayerType
+from runtime.model.deepseek.rope import apply_rope_tail, cos_sin, inv_freq
 from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.hyper import hc_head, hc_pre
 from runtime.model.dsv4.moe import moe_forward
-from runtime.model.dsv4.rope import apply_rope, cos_sin, inv_freq
 
 S = 19  # crosses 9 CSA windows (rate 2) and 4 HCA windows (rate 4), with a partial window left over
 
@@ -56,8 +56,8 @@ def test_rope_default_and_yarn_frequencies(pair):
     cos, sin = cos_sin(cfg.rope_compress, rd, pos, x.dtype)
     hc, hs = rot(x, position_ids=pos[None], layer_type="compress")
     want = hf.apply_rotary_pos_emb(x[None].transpose(1, 2), hc, hs).transpose(1, 2)[0]
-    _close(apply_rope(x, cos, sin), want, 1e-6)
-    _close(apply_rope(apply_rope(x, cos, sin), cos, -sin), x, 1e-6)
+    _close(apply_rope_tail(x, cos, sin), want, 1e-6)
+    _close(apply_rope_tail(apply_rope_tail(x, cos, sin), cos, -sin), x, 1e-6)
 
 
 @pytest.mark.parametrize("layer_id,pieces", [(0, [19]), (0, [3, 1, 1, 6, 8]), (1, [1] * 19), (1, [5, 2, 12])])
@@ -82,7 +82,7 @@ def test_compressor_matches_reference(pair, layer_id, pieces):
                                    comp.kv_norm, cfg.rms_norm_eps, state, layer_id, 1, start)
         assert first == len(got) and ent.shape[0] == (start + n) // rate - start // rate
         pos = (first + torch.arange(ent.shape[0])) * rate
-        got += list(apply_rope(ent, *cos_sin(cfg.rope_compress, cfg.attention.rope_dim, pos, ent.dtype)))
+        got += list(apply_rope_tail(ent, *cos_sin(cfg.rope_compress, cfg.attention.rope_dim, pos, ent.dtype)))
         start += n
     assert len(got) == S // rate == want.shape[0]
     _close(torch.stack(got), want)
@@ -175,10 +175,10 @@ def test_indexer_topk_matches_reference(pair):
     first, keys = compress_step(F.linear(x, idx.kv_proj), F.linear(x, idx.gate_proj), idx.position_bias, idx.kv_norm,
                                 cfg.rms_norm_eps, state, 1, 0, 0)
     cos, sin = cos_sin(cfg.rope_compress, spec.rope_dim, torch.arange(keys.shape[0]) * spec.csa_rate, keys.dtype)
-    keys = apply_rope(keys, cos, sin)
+    keys = apply_rope_tail(keys, cos, sin)
     hi, di = spec.index_n_heads, spec.index_head_dim
     qc, qs = cos_sin(cfg.rope_compress, spec.rope_dim, pos, x.dtype)
-    iq = apply_rope(F.linear(q_res, idx.q_b_proj).view(S, hi, di), qc, qs)
+    iq = apply_rope_tail(F.linear(q_res, idx.q_b_proj).view(S, hi, di), qc, qs)
     iw = torch.nn.functional.linear(x, idx.weights_proj) * (hi**-0.5 * di**-0.5)
     got = indexer_topk(iq, iw, keys, pos, spec.csa_rate, spec.index_topk)
     # the premise: no near-tie at any query's top-k boundary (else either pick would be right)

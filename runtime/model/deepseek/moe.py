@@ -1,17 +1,8 @@
 """DeepSeek MoE: routing (V2 softmax greedy / group-limited, V3 sigmoid noaux_tc), grouped expert compute, shared
 experts.
 
-Routing (float32, as the reference):
-
-* ``softmax`` (V2): scores = softmax(router logits). ``greedy``: top-k scores. ``group_limited_greedy``: the
-  ``topk_group`` groups with the highest max score survive, the rest are zeroed, then top-k. With
-  ``norm_topk_prob`` and k > 1 the k weights are renormalised (DeepSeek-V2's code; its releases leave it off).
-* ``sigmoid`` (V3, ``noaux_tc``): scores = sigmoid(logits); the *choice* uses scores + e_score_correction_bias:
-  groups ranked by the sum of their top-2 biased scores, the best ``topk_group`` survive, top-k of the biased
-  scores among them; the weights are the unbiased scores of the chosen experts, renormalised (+1e-20) when
-  ``norm_topk_prob``.
-
-Both multiply the weights by ``routed_scaling_factor``.
+Routing (float32, as the reference) is the one every DeepSeek model shares, :mod:`runtime.model.deepseek.routing`:
+V2 softmax scores (greedy or group-limited greedy), V3 sigmoid scores with the bias-corrected ``noaux_tc`` choice.
 
 Expert compute: the T*k (token, expert) pairs are sorted by expert, each active expert runs one GEMM over its
 contiguous rows (``torch._grouped_mm`` does all of them in one launch with device-side offsets on CUDA bf16,
@@ -27,44 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from runtime.core.model_spec import ModelSpec
+from runtime.model.deepseek import routing
 from runtime.model.deepseek.mlp import dense_mlp, swiglu
+from runtime.model.deepseek.routing import spec_router
 from runtime.model.deepseek.weights import MoEWeights
 from runtime.model.quantized import Weight, linear
 
 
 def route(spec: ModelSpec, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-    logits = F.linear(x.float(), w.gate.float())  # [T, E]
-    t, e, k = logits.shape[0], logits.shape[1], spec.num_experts_per_tok
-    g = spec.n_group
-    if spec.scoring_func == "softmax":
-        scores = logits.softmax(dim=-1)
-        if spec.topk_method == "group_limited_greedy":
-            group = scores.view(t, g, e // g).amax(dim=-1)
-            keep = _group_mask(group, spec.topk_group, e)
-            scores = scores.masked_fill(~keep, 0.0)
-        weights, ids = torch.topk(scores, k, dim=-1)
-        if spec.norm_topk_prob and k > 1:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-    else:
-        scores = logits.sigmoid()
-        choice = scores + w.bias if w.bias is not None else scores
-        per = e // g
-        group = choice.view(t, g, per).topk(min(2, per), dim=-1).values.sum(dim=-1)
-        keep = _group_mask(group, spec.topk_group, e)
-        ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if spec.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * spec.routed_scaling_factor, ids
-
-
-def _group_mask(group_scores: torch.Tensor, topk_group: int, num_experts: int) -> torch.Tensor:
-    """[T, G] group scores -> [T, E] bool: experts of the ``topk_group`` best groups."""
-    t, g = group_scores.shape
-    best = torch.topk(group_scores, topk_group, dim=-1).indices
-    mask = torch.zeros(t, g, dtype=torch.bool, device=group_scores.device).scatter_(1, best, True)
-    return mask[:, :, None].expand(t, g, num_experts // g).reshape(t, num_experts)
+    """x [T, D] -> (weights [T, k] float32, expert ids [T, k] int64): the shared routing
+    (:func:`runtime.model.deepseek.routing.route`) over float32 router logits."""
+    return routing.route(spec_router(spec), F.linear(x.float(), w.gate.float()), w.bias)
 
 
 @dataclass(frozen=True)

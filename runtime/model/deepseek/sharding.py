@@ -49,11 +49,17 @@ class Cut:
 FULL = Cut(((ALL,),))
 
 
-def _rows(s: slice) -> Cut:
+#: the vocabulary-parallel tensors of every DeepSeek model: each rank holds the rows of its vocabulary slice
+VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def rows(s: slice) -> Cut:
+    """The rows ``s`` of a weight (column-parallel: output features), every column."""
     return Cut(((s,),))
 
 
-def _cols(s: slice) -> Cut:
+def cols(s: slice) -> Cut:
+    """The input columns ``s`` of a weight (row-parallel), every row."""
     return Cut(((ALL, s),))
 
 
@@ -63,14 +69,14 @@ def tensor_cut(name: str, shape: tuple[int, ...], spec: ModelSpec, shard: Shardi
     if shard.size == 1:
         return FULL
     s, part = spec, shard.part
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return _rows(part(s.vocab_size))
+    if name in VOCAB_PARALLEL:
+        return rows(part(s.vocab_size))
     if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-        return _rows(part(s.num_heads, s.qk_head_dim))
+        return rows(part(s.num_heads, s.qk_head_dim))
     if name.endswith("self_attn.kv_b_proj.weight"):
-        return _rows(part(s.num_heads, s.qk_nope_head_dim + s.v_head_dim))
+        return rows(part(s.num_heads, s.qk_nope_head_dim + s.v_head_dim))
     if name.endswith("self_attn.o_proj.weight"):
-        return _cols(part(s.num_heads, s.v_head_dim))
+        return cols(part(s.num_heads, s.v_head_dim))
     return mlp_cut(name, shape, s.n_routed_experts, shard)
 
 
@@ -84,16 +90,16 @@ def mlp_cut(name: str, shape: tuple[int, ...], n_experts: int, shard: Sharding) 
         return FULL if int(expert.group(1)) in experts_of(n_experts, shard) else None
     if name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused [E, 2I, D]
         if shard.expert_parallel:
-            return _rows(part(n_experts))
+            return rows(part(n_experts))
         i = shape[1] // 2
         own = part(i)
         return Cut(((ALL, own), (ALL, slice(i + own.start, i + own.stop))), dim=1)
     if name.endswith("mlp.experts.down_proj"):  # fused [E, D, I]
-        return _rows(part(n_experts)) if shard.expert_parallel else Cut(((ALL, ALL, part(shape[2])),))
+        return rows(part(n_experts)) if shard.expert_parallel else Cut(((ALL, ALL, part(shape[2])),))
     if name.endswith(("gate_proj.weight", "up_proj.weight")):  # dense MLP, shared experts, routed experts (tp)
-        return _rows(part(shape[0]))
+        return rows(part(shape[0]))
     if name.endswith("down_proj.weight"):
-        return _cols(part(shape[1]))
+        return cols(part(shape[1]))
     return FULL
 
 

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass
 
 from runtime.core.dsv4_spec import DSV4AttentionSpec
+from runtime.model.deepseek.rope import RopeParams
+from runtime.model.deepseek.routing import ScoringFunc
 
 
 class MlpType(str, enum.Enum):
@@ -13,48 +15,20 @@ class MlpType(str, enum.Enum):
     moe = "moe"  # experts chosen by top-k of the (bias-corrected) router scores
 
 
-class ScoringFunc(str, enum.Enum):
-    sqrtsoftplus = "sqrtsoftplus"
-    softmax = "softmax"
-    sigmoid = "sigmoid"
-
-
-@dataclass(frozen=True)
-class RopeParams:
-    """One RoPE flavour of V4: ``main`` (sliding-only layers) or ``compress`` (CSA/HCA layers, their
-    compressors and indexer).
-
-    Attributes
-    ----------
-    theta : float
-    rope_type : str
-        "default" or "yarn".
-    factor, original_max_position_embeddings, beta_fast, beta_slow : YaRN parameters (unused for default).
-    attention_factor : float
-        cos/sin multiplier (V4 forces 1.0 for YaRN: the reference does not apply YaRN's mscale).
-    """
-
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float = 1.0
-
-    @classmethod
-    def from_hf(cls, d: dict) -> RopeParams:
-        kind = d.get("rope_type", d.get("type", "default"))
-        if kind not in ("default", "yarn"):
-            raise ValueError(f"DeepSeek-V4 rope_type: got {kind!r}; expected 'default' or 'yarn'. Fix: use a V4 "
-                             "config.json (compress rope is YaRN, main rope is default).")
-        if kind == "default":
-            return cls(theta=float(d["rope_theta"]))
-        att = d.get("attention_factor")
-        return cls(theta=float(d["rope_theta"]), rope_type="yarn", factor=float(d["factor"]),
-                   original_max_position_embeddings=int(d["original_max_position_embeddings"]),
-                   beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
-                   attention_factor=1.0 if att is None else float(att))
+def rope_from_hf(d: dict) -> RopeParams:
+    """One of V4's ``rope_parameters`` (``main`` or ``compress``) as :class:`RopeParams` (YaRN's correction range
+    always truncated, as the V4 reference computes it)."""
+    kind = d.get("rope_type", d.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"DeepSeek-V4 rope_type: got {kind!r}; expected 'default' or 'yarn'. Fix: use a V4 "
+                         "config.json (compress rope is YaRN, main rope is default).")
+    if kind == "default":
+        return RopeParams(theta=float(d["rope_theta"]))
+    att = d.get("attention_factor")
+    return RopeParams(theta=float(d["rope_theta"]), rope_type="yarn", factor=float(d["factor"]),
+                      original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+                      beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+                      attention_factor=1.0 if att is None else float(att))
 
 
 @dataclass(frozen=True)
@@ -110,6 +84,6 @@ class DSV4Config:
             routed_scaling_factor=float(cfg["routed_scaling_factor"]),
             swiglu_limit=float(cfg["swiglu_limit"]),
             mlp_types=tuple(MlpType(t) for t in mlp[:n]),
-            rope_main=RopeParams.from_hf(rp["main"]),
-            rope_compress=RopeParams.from_hf(rp["compress"]),
+            rope_main=rope_from_hf(rp["main"]),
+            rope_compress=rope_from_hf(rp["compress"]),
         )

@@ -29,12 +29,12 @@ from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.dsv4_pools import CompressorStatePool, DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.parallel import SingleRank, TPGroup
+from runtime.model.deepseek.rope import apply_rope_tail, cos_sin
 from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_post, hc_pre
 from runtime.model.dsv4.moe import moe_forward
 from runtime.model.dsv4.norms import rms_norm, unweighted_rms_norm
-from runtime.model.dsv4.rope import apply_rope, cos_sin
 from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, LayerWeights
 from runtime.model.quantized import Weight, dense, linear
 
@@ -67,7 +67,7 @@ class DSV4Attention:
             ent = compress_decode(kv, gate, comp.position_bias, comp.kv_norm, eps, state, self.layer_id,
                                   batch.req_pool_indices.long(), batch.positions)
             cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions // state.rate * state.rate, ent.dtype)
-            self.backend.store_decode_entries(self.layer_id, name, batch, apply_rope(ent, cos, sin))
+            self.backend.store_decode_entries(self.layer_id, name, batch, apply_rope_tail(ent, cos, sin))
             return
         qo, prefix = batch.qo_indptr_cpu.tolist(), batch.prefix_lens_cpu.tolist()
         for b, row in enumerate(batch.req_pool_indices_cpu.tolist()):
@@ -77,7 +77,7 @@ class DSV4Attention:
             if ent.shape[0]:
                 pos = (first + torch.arange(ent.shape[0], device=x.device)) * state.rate
                 cos, sin = cos_sin(self.rope, spec.rope_dim, pos, ent.dtype)
-                self.backend.store_entries(self.layer_id, name, row, first, apply_rope(ent, cos, sin))
+                self.backend.store_entries(self.layer_id, name, row, first, apply_rope_tail(ent, cos, sin))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] (normalized layer input) -> [T, hidden]."""
@@ -86,8 +86,8 @@ class DSV4Attention:
         cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions, x.dtype)
         q_res = rms_norm(linear(x, w.q_a_proj), w.q_a_norm, eps)
         q = unweighted_rms_norm(linear(q_res, w.q_b_proj).view(t, spec.num_heads, spec.head_dim), eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(rms_norm(linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
+        q = apply_rope_tail(q, cos, sin)
+        kv = apply_rope_tail(rms_norm(linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
         topk = None
         if self.kind == DSV4LayerType.hca:
             self._compress(w.compressor, self.pools.hca_state, "kv", x, batch)
@@ -95,12 +95,12 @@ class DSV4Attention:
             self._compress(w.compressor, self.pools.csa_state, "kv", x, batch)
             self._compress(w.indexer, self.pools.csa_index_state, "index", x, batch)
             hi, di = spec.index_n_heads, spec.index_head_dim
-            index_q = apply_rope(linear(q_res, w.indexer.q_b_proj).view(t, hi, di), cos, sin)
+            index_q = apply_rope_tail(linear(q_res, w.indexer.q_b_proj).view(t, hi, di), cos, sin)
             index_w = linear(x, w.indexer.weights_proj) * (hi**-0.5 * di**-0.5)
             topk = self.backend.select_topk(index_q, index_w, self.layer_id, batch)
         attend = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
         o = attend(q, kv, w.sinks, topk, self.layer_id, batch)
-        o = apply_rope(o, cos, -sin)
+        o = apply_rope_tail(o, cos, -sin)
         return grouped_output(o, w.o_a_proj, w.o_b_proj, cfg.o_groups)
 
 

@@ -1,5 +1,6 @@
-"""V4 MoE: a router (hash table or bias-corrected top-k over sqrtsoftplus / softmax / sigmoid scores), routed
-SwiGLU experts and one shared SwiGLU expert, both with ``swiglu_limit`` clamps (gate <= limit, |up| <= limit).
+"""V4 MoE: a router (hash table or bias-corrected top-k over sqrtsoftplus / softmax / sigmoid scores: the routing
+every DeepSeek model shares, :mod:`runtime.model.deepseek.routing`), routed SwiGLU experts and one shared SwiGLU
+expert, both with ``swiglu_limit`` clamps (gate <= limit, |up| <= limit): the clamps are V4's own.
 
 Routing weights are the selected experts' scores, normalized to sum 1 (the reference always normalizes,
 whatever ``norm_topk_prob`` says), times ``routed_scaling_factor``. A hash row may name an expert twice; both
@@ -22,38 +23,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.model.deepseek import routing
 from runtime.model.deepseek.moe import routed_expert_sum
-from runtime.model.dsv4.config import DSV4Config, ScoringFunc
+from runtime.model.deepseek.routing import Router
+from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.weights import MoEWeights
 from runtime.model.quantized import linear
 
 
-def router_scores(logits: torch.Tensor, fn: ScoringFunc) -> torch.Tensor:
-    if fn == ScoringFunc.sqrtsoftplus:
-        return F.softplus(logits).sqrt()
-    if fn == ScoringFunc.softmax:
-        return torch.softmax(logits, dim=-1)
-    return torch.sigmoid(logits)
+def v4_router(cfg: DSV4Config) -> Router:
+    """V4's routing rule: its scores, top-k of the bias-corrected scores in torch's unsorted order (as the
+    reference), no expert groups, weights always renormalised (+1e-20) and scaled."""
+    return Router(cfg.scoring_func, cfg.num_experts_per_tok, cfg.routed_scaling_factor, normalize=True,
+                  norm_eps=1e-20, sorted=False)
 
 
 def route(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, hidden] -> (expert ids [T, k] int64, weights [T, k] in x's dtype)."""
-    scores = router_scores(F.linear(x, w.gate), cfg.scoring_func)
-    if w.tid2eid is not None:
-        if input_ids is None:
-            raise ValueError("hash MoE layer: got input_ids=None; expected the token ids [T]. Fix: pass the "
-                             "step's token ids to the model forward.")
-        ids = w.tid2eid[input_ids].long()
-    else:
-        biased = scores + w.e_score_correction_bias.to(scores.dtype)
-        ids = torch.topk(biased, cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
-    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights * cfg.routed_scaling_factor
+    """x [T, hidden] -> (expert ids [T, k] int64, weights [T, k] in x's dtype): the shared routing
+    (:func:`runtime.model.deepseek.routing.route`) over logits in x's dtype, by the hash table on hash layers."""
+    weights, ids = routing.route(v4_router(cfg), F.linear(x, w.gate), w.e_score_correction_bias, w.tid2eid,
+                                 input_ids)
+    return ids, weights
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """V4's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit), in the inputs' dtype."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from runtime.core.parallel import Sharding
-from runtime.model.deepseek.sharding import ALL, FULL, Cut, mlp_cut
+from runtime.model.deepseek.sharding import ALL, FULL, VOCAB_PARALLEL, Cut, mlp_cut, rows
 from runtime.model.dsv4.config import DSV4Config
 
 
@@ -36,15 +36,15 @@ def dsv4_tensor_cut(name: str, shape: tuple[int, ...], cfg: DSV4Config, shard: S
     if shard.size == 1:
         return FULL
     part, a = shard.part, cfg.attention
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return Cut(((part(cfg.vocab_size),),))
+    if name in VOCAB_PARALLEL:
+        return rows(part(cfg.vocab_size))
     if name.endswith("self_attn.q_b_proj.weight"):
-        return Cut(((part(a.num_heads, a.head_dim),),))
+        return rows(part(a.num_heads, a.head_dim))
     if name.endswith("self_attn.sinks"):
-        return Cut(((part(a.num_heads),),))
+        return rows(part(a.num_heads))
     if name.endswith("self_attn.o_a_proj.weight"):
-        rows, cols = output_slices(cfg, shard)
-        return Cut(((rows, cols),))
+        out_rows, in_cols = output_slices(cfg, shard)
+        return Cut(((out_rows, in_cols),))
     if name.endswith("self_attn.o_b_proj.weight"):
         return Cut(((ALL, output_slices(cfg, shard)[0]),))
     if ".mlp." in name:  # the compressors' gate_proj is attention's (replicated), not an MLP's
