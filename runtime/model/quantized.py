@@ -198,7 +198,7 @@ class _Stored:
         w_idx, s_idx = self.index_of(key)
         if type(value) is not type(self) or value.layout != self.layout:
             raise BlockLayoutError(f"{type(self).__name__} store: got {type(value).__name__} with scale layout "
-                                   f"{getattr(value, 'layout', None)}; expected {self.layout}")
+                                   f"{value.layout if isinstance(value, _Stored) else None}; expected {self.layout}")
         self.weight[w_idx] = value.weight
         self.scale[s_idx] = value.scale
 
