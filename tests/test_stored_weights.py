@@ -159,7 +159,7 @@ def test_a_cut_through_a_block_is_refused_with_the_valid_tp_values():
 def test_a_checkpoint_cut_through_a_block_is_refused_before_reading(fp8_folder):
     spec = ModelSpec.from_config(to_plain(compose_config("model=hf", f"model.path={fp8_folder}",
                                                          "model.dtype=float32", "device=cpu"))["model"])
-    with pytest.raises(CheckpointError, match="whole 128 x 128 scale blocks"):
+    with pytest.raises(CheckpointError, match="whole 128 x 128 fp8 scale blocks"):
         load_checkpoint(spec, CPU, Sharding(0, 4, "tp"))
 
 

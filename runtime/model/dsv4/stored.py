@@ -32,6 +32,7 @@ from runtime.core.config import DSV4ExpertDtype
 from runtime.core.errors import Problem
 from runtime.core.parallel import Sharding
 from runtime.model.deepseek.checkpoint import TensorInfo
+from runtime.model.deepseek.stored import layout_problems
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.sharding import dsv4_tensor_cut
 from runtime.model.quantized import FP4_GROUP, ScaledTensor, StoredKind
@@ -159,38 +160,9 @@ def release_kind(name: str, expert_dtype: str | None) -> StoredKind | None:
     return StoredKind.fp8 if RELEASE_FP8.search(name) else None
 
 
-def _splits(cfg: DSV4Config, size: int, moe: str, stored: dict[str, tuple[tuple[int, ...], tuple[int, int]]]
-            ) -> dict[str, tuple[str, tuple[int, int], list[str]]]:
-    """Kind of stored tensor -> (an example name, its scale block, what splits a block / group) when ``size``
-    ranks cut it (every rank checked; one tensor per kind and shape: the layers repeat them)."""
-    kinds: dict[tuple[str, tuple[int, ...]], tuple[str, tuple[int, int]]] = {}
-    for name, (shape, block) in stored.items():
-        kinds.setdefault((re.sub(r"\.\d+(?=\.)", "", name), shape), (name, block))
-    out: dict[str, tuple[str, tuple[int, int], list[str]]] = {}
-    for (kind, shape), (name, block) in kinds.items():
-        last = len(shape) - 2  # the row dim; the column dim follows
-        bad: list[str] = []
-        for rank in range(size):
-            cut = dsv4_tensor_cut(name, shape, cfg, Sharding(rank, size, moe))
-            if cut is None:
-                continue
-            for piece in cut.pieces:
-                for d in (last, last + 1):
-                    r = range(shape[d])[piece[d] if d < len(piece) else slice(None)]
-                    b = block[d - last]
-                    if r.start % b or (r.stop % b and r.stop != shape[d]):
-                        bad.append(f"rank {rank}: dim {d} cut at [{r.start}, {r.stop}) of {shape[d]}")
-            if len(cut.pieces) > 1 and cut.dim >= last:  # transformers' fused gate_up: gate rows, then up rows
-                rows = len(range(shape[cut.dim])[cut.pieces[0][cut.dim]])
-                if rows % block[cut.dim - last]:
-                    bad.append(f"rank {rank}: {rows} gate rows fused with the up rows")
-            elif ROUTED_EXPERT.search(name) and name.endswith("gate_proj.weight"):  # the loader fuses gate with up
-                rows = len(range(shape[0])[cut.pieces[0][0]])
-                if rows % block[0]:
-                    bad.append(f"rank {rank}: {rows} gate rows fused with the up rows")
-        if bad:
-            out.setdefault(kind, (name, block, bad))
-    return out
+def _expert_gate(name: str) -> bool:
+    """A routed expert's gate rows, which the loader fuses with its up rows."""
+    return bool(ROUTED_EXPERT.search(name)) and name.endswith("gate_proj.weight")
 
 
 def stored_layout_problems(cfg: DSV4Config, shard: Sharding,
@@ -198,24 +170,12 @@ def stored_layout_problems(cfg: DSV4Config, shard: Sharding,
                            ) -> list[Problem]:
     """Every kind of stored V4 tensor (``stored``: transformers name -> (full unpacked shape, scale block: fp8
     (128, 128), fp4 (1, 32))) whose tensor-parallel cut (:mod:`runtime.model.dsv4.sharding`) or load-time fusion
-    would split an fp8 scale block or an fp4 scale group: one problem per kind, with the ``parallel.tp`` values
-    that keep them whole as the fix. ``cfg``: the full model's."""
-    bad = _splits(cfg, shard.size, shard.moe, stored)
-    if not bad:
-        return []
+    would split an fp8 scale block or an fp4 scale group (:func:`runtime.model.deepseek.stored.layout_problems`).
+    ``cfg``: the full model's."""
     heads, groups = cfg.attention.num_heads, cfg.o_groups
     im, experts = cfg.moe_intermediate_size, cfg.n_routed_experts
-    ok = [tp for tp in (1, 2, 4, 8, 16) if tp != shard.size and not heads % tp and not (groups % tp and tp % groups)
-          and not cfg.vocab_size % tp and not im % tp and not (shard.moe == "ep" and experts % tp)
-          and not _splits(cfg, tp, shard.moe, stored)]
-    other = f"parallel.tp in {ok}" if ok else "no parallel.tp keeps every block whole"
-    fix = f"model.weights={'dequantize' if checkpoint else 'bf16'} ({other})"
-    out = []
-    for name, block, why in bad.values():
-        fp4 = block[0] == 1
-        unit = (f"whole {block[1]}-input fp4 scale groups ({block[1] // 2} bytes)" if fp4
-                else f"whole {block[0]} x {block[1]} fp8 scale blocks")
-        out.append(Problem(f"{'fp4' if fp4 else 'fp8'} weight {name} (and its kind in every layer)",
-                           "; ".join(why[:4]) + (f"; {len(why) - 4} more" if len(why) > 4 else ""),
-                           f"cuts and fusions on {unit} (parallel.tp={shard.size}, parallel.moe={shard.moe})", fix))
-    return out
+    return layout_problems(
+        stored, shard, lambda n, shape, sh: dsv4_tensor_cut(n, shape, cfg, sh), _expert_gate,
+        lambda tp: (not heads % tp and not (groups % tp and tp % groups) and not cfg.vocab_size % tp
+                    and not im % tp and not (shard.moe == "ep" and experts % tp)),
+        "dequantize" if checkpoint else "bf16")
