@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
            "kernels_per_layer": ".1f"}
     title = (f"decode roofline: {args.preset}{''.join(' ' + o for o in args.set)}, {layers} layers, prompt "
              f"{args.prompt}, {args.out_len} steps, CUDA graphs; roofline = bytes / copy bandwidth")
-    tables = [Table(b, f"kernels of the decode window: weights={r['weights']} fused={r['fused']} gemv_rows={r['gemv_rows']} pdl={r['pdl']} "
+    tables = [Table(b, f"kernels of the decode window: weights={r['weights']} fused={r['fused']} "
+                       f"gemv_rows={r['gemv_rows']} pdl={r['pdl']} "
                        f"overlap={r['overlap']} bs={r['bs']}, "
                        f"{layers} layers", ["kernel", "per_step", "per_layer", "us_per_step", "share"],
                     {"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"}, name="kernels")

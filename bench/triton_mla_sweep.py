@@ -141,7 +141,7 @@ def flashinfer_decode_ms(prob: DecodeProblem):
 
 def decode_configs(row, quick, sms):
     """Configs tried per decode row (the first is the launcher's default: TMA loads, one program per SM).
-    Earlier sweeps (tiles x warps x stages, plans) are summarized in bench/TRITON_NOTES.md; these are the
+    Earlier sweeps (tiles x warps x stages, plans) are summarized in docs/kernels.md; these are the
     contenders."""
     base = {}
     ptr = dict(use_tma=False)  # pointer loads: 107 registers, 2 programs per SM

@@ -23,7 +23,7 @@ SMALL = ["workload=smoke", "workload.num_requests=12", "workload.max_running_req
          "workload.output_len.max=24", "kv.num_pages=256", "graph.batch_sizes=[1,2,4,8]", "model.max_context=4096",
          # the attention backends under graphs: attention-only layers (padded graph replays of real-width layers
          # are not bit-equal to eager steps once 9+ rows are padded, MoE layers more so: see the MoE and
-         # exactness note in the README)
+         # exactness note in docs/testing.md)
          "model.mlp=none"]
 SPEC = ["speculative=eagle_chain", "speculative.baseline=false", "model.num_layers=4"]
 PRESETS = {"trtllm_mla": "b200_trtllm_tp8", "tokenspeed_mla": "b200_tokenspeed_tp8"}

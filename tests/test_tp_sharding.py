@@ -82,8 +82,8 @@ def test_checkpoint_slices_are_the_full_loads_slices(fp8, moe, tmp_path):
     spec = spec_of("model.dtype=float32")
     folder = tmp_path / "ckpt"
     write_checkpoint(spec, random_weights(spec, CPU), folder, fp8=fp8)
-    spec = ModelSpec.from_config({**to_plain(compose_config("model=hf", f"model.path={folder}",
-                                                            "model.dtype=float32", "model.weights=dequantize"))["model"]})
+    spec = ModelSpec.from_config({**to_plain(compose_config(
+        "model=hf", f"model.path={folder}", "model.dtype=float32", "model.weights=dequantize"))["model"]})
     full = load_checkpoint(spec, CPU)
     ranks = [load_checkpoint(spec, CPU, Sharding(r, 2, moe)) for r in range(2)]
     assert_reassembles(full, ranks, spec, moe)

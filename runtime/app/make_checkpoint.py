@@ -4,8 +4,8 @@ layout of the official DeepSeek releases (per-expert tensors), readable by our l
     python -m runtime.app.make_checkpoint model=deepseek_v3 model.num_layers=4 out=DIR [device=cuda] [fp8=true]
 
 ``out=DIR`` (required) and ``fp8=true`` (linear weights as fp8 e4m3 with 128 x 128 block scales, as the official
-V3/V3.2 release; ``model.weights=fp8`` writes the preset's fp8 blocks as generated) are this command's own; every other argument is a Hydra override of
-the runtime's config. The model type follows the preset: sparse layers -> deepseek_v32, a softmax router ->
+V3/V3.2 release; ``model.weights=fp8`` writes the preset's fp8 blocks as generated) are this command's own; every
+other argument is a Hydra override of the runtime's config. The model type follows the preset: sparse layers -> deepseek_v32, a softmax router ->
 deepseek_v2, else deepseek_v3. Shards of at most 4 GiB with ``model.safetensors.index.json`` when there are several.
 """
 

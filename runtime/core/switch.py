@@ -5,8 +5,9 @@ before the structured-config schema sees them (so does YAML, and YAML 1.1 also r
 ``True`` / ``False``), while OmegaConf's enum nodes refuse every boolean. A :class:`Switch` takes ``True`` (or the
 string ``true``) as its ``on`` member and ``False`` (``false``) as its ``off`` member, where it has one, on the
 command line, in YAML and in Python (``OverlapMode(True)``); a switch's other values are unchanged, and anything
-else still fails at compose time with the valid list. Importing this module (the schemas in :mod:`runtime.core.config` do) teaches OmegaConf's enum
-conversion that rule for :class:`Switch` subclasses only; every other enum converts as before.
+else still fails at compose time with the valid list. Importing this module (the schemas in
+:mod:`runtime.core.config` do) teaches OmegaConf's enum conversion that rule for :class:`Switch` subclasses only;
+every other enum converts as before.
 """
 
 from __future__ import annotations

@@ -200,7 +200,8 @@ def quantize_rows_fp8(x: torch.Tensor, eps: float = 1e-10, limit: torch.Tensor |
         block_m = 16
         k._quantize_groups_kernel[(triton.cdiv(m, block_m), s.shape[1])](
             x, q, s, limit if limit is not None else s, m, kd, x.stride(0), q.stride(0), s.stride(0), float(eps),
-            BLOCK_M=block_m, HAS_LIMIT=limit is not None, ROUND_FIRST=interpreted(k._quantize_groups_kernel), num_warps=4)
+            BLOCK_M=block_m, HAS_LIMIT=limit is not None, ROUND_FIRST=interpreted(k._quantize_groups_kernel),
+            num_warps=4)
     return q, s
 
 

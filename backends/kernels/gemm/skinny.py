@@ -27,7 +27,7 @@ DOT_DTYPES = (torch.bfloat16, torch.float16)
 class TileConfig:
     """A launch: output columns per program (``block_n``), reduction step (``block_k``), warps, pipeline stages.
     (TMA weight loads were measured on an H100 and dropped: no faster at any TP8 shape, qkv_a 17.8 against
-    15.9 us; ``bench/TRITON_NOTES.md``.)"""
+    15.9 us; ``docs/kernels.md``.)"""
 
     block_n: int
     block_k: int
@@ -161,7 +161,7 @@ class ExpertConfig:
     """:func:`moe_experts` launches: gate/up rows and reduction step per program of the first kernel, output
     columns and hidden step per program of the second. Defaults from an H100 at DeepSeek-V3's TP8 shapes (256 experts,
     intermediate 256, top-8 + one shared expert), timed in CUDA graphs over routings L2 does not hold
-    (README, "Latest measured figures"): at one token both kernels took 42.3 us (78% of copy) with
+    (docs/performance.md): at one token both kernels took 42.3 us (78% of copy) with
     32-row up blocks and 4 stages, against 50.4 us with 16 rows and 3; the down kernel alone 15.3 us with 64 x 128
     tiles and 4 stages, against 16.3 us with 32 x 128 and 3 (17.9 us before its loop over experts was flattened)."""
 

@@ -95,7 +95,7 @@ def programs_per_sm(block_h: int, use_tma: bool = False) -> int:
 
 def default_decode_config(heads: int, dtype: torch.dtype, kv_fp8: bool = False) -> dict:
     """Default kernel parameters for ``heads`` query heads (see bench/triton_mla_kernels_gpu.py and
-    bench/TRITON_NOTES.md to retune). ``use_tma``: TMA tile loads where the cache allows them (Hopper,
+    docs/kernels.md to retune). ``use_tma``: TMA tile loads where the cache allows them (Hopper,
     bf16/fp16, page_size % block_n == 0); the launcher falls back to pointer loads otherwise. ``dtype``: the
     products' dtype; ``kv_fp8``: the cache is fp8 (half the bytes per tile, so 16 heads keep 3 tiles in flight:
     891.6 against 966.5 us with 2 at 64x32768 on an H100, ``python -m bench.mla_decode_grid --heads 16

@@ -16,7 +16,7 @@ program (a pass over ``seq_lens``). The wgmma path computes it once, in ``num_pr
 
 Measured on an H100 (128 heads; the merge's programs read their request's row instead of recomputing the plan):
 the merge went from 21.7 to 7.9 us at 64 x 4096 tokens and from 41.4 to 14.3 us at 128 x 8192, for a 2.5 us plan
-kernel (bench/TRITON_NOTES.md).
+kernel (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ No stage is held back for prefetching: 72 KiB of q + 2 x 72 KiB of tiles, 216 Ki
 The plan (which requests and token ranges a program handles) and the outputs (finished requests to ``out``, split
 pieces to workspace slots) are the 64-head kernel's; every split request is left to the merge kernel.
 
-Measured on an H100 (CUDA-graph replays, plan reused; bench/TRITON_NOTES.md): 128 heads 64 x 4096 151.7 us (fa3
+Measured on an H100 (CUDA-graph replays, plan reused; docs/kernels.md): 128 heads 64 x 4096 151.7 us (fa3
 145.0), 64 x 32768 1053.6 (fa3 1189.3), 128 x varied 8192 632.3 (fa3 777.7); the lock-step kernel took 199.5,
 1531.6 and 771.2 in an earlier call; slower at 64 heads (see ``SEESAW_MIN_HEADS`` in
 :mod:`backends.kernels.mla_decode.mla_decode_wgmma`). 255 registers, no spills, 222,572 bytes of shared memory. The

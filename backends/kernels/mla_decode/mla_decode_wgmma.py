@@ -41,7 +41,7 @@ TOKENS_WARPS = 4
 TOKENS_STAGES = 2
 #: The fp8 kernel: fp8 TMA stages (36 KiB each), widened buffers and, by heads per program, the parts a tile is
 #: widened in (a buffer holds 64 / parts rows of the fp16 latent: 64 KiB / parts). 32 heads (two multipliers, 36 KiB of
-#: split q) fit two stages and two half-tile buffers (177 KiB). H100, 32 heads, 64 x 32768 (bench/TRITON_NOTES.md):
+#: split q) fit two stages and two half-tile buffers (177 KiB). H100, 32 heads, 64 x 32768 (docs/kernels.md):
 #: 621.9 us against 639.2 with one whole-tile buffer, 632.0 with three half-tile buffers, 631.7 with three stages;
 #: 16 heads: 455.4 against 457.1 with four half-tile buffers, 455.5 with three stages and two half-tile buffers.
 FP8_STAGES = 2
@@ -56,7 +56,7 @@ FP8_CHAIN = {16: 128, 32: 256}
 #: heads). H100, graph replays, us two multipliers -> roles: 64 x 32768 630.5 -> 497-512, 128 x varied 8192 345.4 ->
 #: 280-287, 64 x 4096 126.5 -> 118-119, 32 x 2048 62.8 -> 62.9, 32 x 4096 80.3 -> 80.4; below 32 requests 1-1.5 us
 #: slower where a program has few tiles (8 x 2048 30.3 -> 31.7, 16 x 4096 48.2 -> 49.4) though faster at long contexts
-#: (8 x 32768 101.1 -> 92.3), which the launcher cannot see (bench/TRITON_NOTES.md). Its fp8 stages, widened buffers
+#: (8 x 32768 101.1 -> 92.3), which the launcher cannot see (docs/kernels.md). Its fp8 stages, widened buffers
 #: (of 64 / FP8_PARTS[32] rows) and ``P^T`` slots: 217 KiB.
 FP8_ROLES_MIN_BATCH = 32
 FP8_ROLES_STAGES = 3
@@ -65,7 +65,7 @@ FP8_ROLES_PB = 2
 #: 64-head blocks over an fp8 cache: the warp-specialized kernel with fp8 score products
 #: (:mod:`backends.kernels.mla_decode.mla_decode_wgmma_fp8_heads_kernels`) when True, else the lock-step kernel widening
 #: each tile itself (fp16 products). H100, 64 heads 64 x 32768 872.2 -> 722.5 us, 128 heads 1712.0 -> 1364.1
-#: (bench/TRITON_NOTES.md). Like the 16 / 32-head fp8 kernel, its scores carry the fp8 accumulation's error, up to
+#: (docs/kernels.md). Like the 16 / 32-head fp8 kernel, its scores carry the fp8 accumulation's error, up to
 #: 6e-4 of the largest score: for heads whose scores reach the thousands with near-tied maxima the output can be off
 #: by percents (16% on one such problem of 64 heads; 8 random problems: at most 4.5e-3 here, 1.6e-2 for the 16-head
 #: kernel), where fp16 products stay under 1e-3; False keeps those. Its fp8 stages and widened tiles (one: two do not
@@ -89,7 +89,7 @@ def wgmma_block_h(heads: int, kv_dtype: torch.dtype) -> int:
 
 #: Over a bf16 / fp16 cache, split requests of at most this many pieces are merged by the stage 1 itself (the program
 #: that finishes the last piece reads the others' partials back from L2; one round trip per piece, so more pieces
-#: are left to the merge kernel, which spreads them over the GPU). H100, bench/TRITON_NOTES.md: 16 heads 64 x 4096
+#: are left to the merge kernel, which spreads them over the GPU). H100, docs/kernels.md: 16 heads 64 x 4096
 #: 137.5 -> 128.2 us, 64 heads 189.9 -> 147.9; with no merge kernel at all 125.2, but a request of 70000 tokens
 #: among short ones took 123.6 us against 67.9. The fp8 kernel keeps the merge kernel (6% slower at 64 x 32768
 #: with the merge in it).
@@ -104,7 +104,7 @@ MERGE_MAX_PIECES = 4
 SEESAW_MIN_HEADS = 128
 SEESAW_MIN_BATCH = 64
 #: Where each kernel is the default: H100, ``bench.mla_decode_grid --graph --no-fi --variants
-#: triton.pdl,wgmma.pdl.reuse`` (the plan reused, as by a decode step's later layers; bench/TRITON_NOTES.md), us
+#: triton.pdl,wgmma.pdl.reuse`` (the plan reused, as by a decode step's later layers; docs/kernels.md), us
 #: Triton -> wgmma stage 1:
 #: - 16-head blocks, bf16: faster at every batch measured but one: 1 x 1024 18.6 -> 13.6, 1 x 4096 20.4 -> 17.4,
 #:   2 x 2048 20.7 -> 16.4, 4 x 4096 28.7 -> 24.9, 8 x 2048 30.9 -> 28.9 (slower at 16 x 1024, 31.1 -> 35.9). The

@@ -22,7 +22,7 @@ Shared memory: 72 KiB of split q + 2 x 36 KiB of fp8 stages + 64 KiB of one wide
 to hand ``P`` between layouts: 217,148 bytes. Registers: the multiplier 224 per thread (44 bytes spilled, in a
 piece's setup, none in the tile loop), the widener 56.
 
-Measured on an H100 (CUDA-graph replays, plan reused, bench/TRITON_NOTES.md), us, lock-step -> this kernel (bf16
+Measured on an H100 (CUDA-graph replays, plan reused, docs/kernels.md), us, lock-step -> this kernel (bf16
 cache): 64 heads 64 x 32768 872.2 -> 722.5 (868.7), 64 x 4096 142.4 -> 125.2 (140.7), 128 x varied 8192 455.0 ->
 398.7; 128 heads 64 x 32768 1712.0 -> 1364.1, 64 x 4096 239.1 -> 198.6 (151.8), 128 x varied 8192 881.8 -> 725.7;
 error against float32 1.9-2.2e-3 (lock-step: 1.7e-3). Two tiles of widened latent (or two half tiles) do not fit

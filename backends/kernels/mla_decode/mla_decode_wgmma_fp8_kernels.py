@@ -24,13 +24,13 @@ the scores (never-written pool memory may hold NaN bit patterns) and zeroed in t
 16 heads: 2 x 36 KiB of fp8 stages + 2 x 64 KiB of widened latent + 18 KiB of split q + 2 KiB of ``P^T`` (220 KiB);
 32 heads: 2 x 36 + 2 x 32 (half tiles) + 2 x 18 + 2 x 2 (177 KiB).
 
-Measured on an H100 (CUDA-graph replays, plan reused, bench/TRITON_NOTES.md), us: 16 heads 64 x 32768 455.4 (1.80x
+Measured on an H100 (CUDA-graph replays, plan reused, docs/kernels.md), us: 16 heads 64 x 32768 455.4 (1.80x
 the bf16 cache's 820.8), 128 x varied 8192 246.2; 32 heads 64 x 32768 621.9 (1.36x the bf16 cache's 847.5; the
 kernel before, the tile loaded into the widener's registers and fp16 scores: 729.4), 128 x varied 8192 342.6
 (396.0), 64 x 4096 128.8 (142.7); error against float32 1.7-1.8e-3 at 16 heads (five score chains), 1.9-2.1e-3 at
 32 heads (three; bf16: 1.7e-3). At 32 heads a tile takes about 4400 cycles per SM against 3200: the two
 multipliers' own work per tile (more widener warps did not help; splitting the latent columns instead of the heads
-between them was slower, bench/TRITON_NOTES.md). From ``FP8_ROLES_MIN_BATCH`` requests 32 heads run the roles
+between them was slower, docs/kernels.md). From ``FP8_ROLES_MIN_BATCH`` requests 32 heads run the roles
 kernel instead (:mod:`backends.kernels.mla_decode.mla_decode_wgmma_fp8_roles_kernels`: 502 us at 64 x 32768), which
 shares this kernel's widener.
 """

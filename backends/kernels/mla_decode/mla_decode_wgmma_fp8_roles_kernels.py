@@ -26,7 +26,7 @@ All three walk the same plan rows and pieces, so they count the same tiles. Shar
 ``STAGES`` x 36 KiB of fp8 stages + ``WIDENED`` x 64 / ``PARTS`` KiB of widened latent + ``PB`` x 4 KiB of ``P^T``
 (3 stages, 2 half-tile buffers, 2 slots: 217 KiB).
 
-H100, graph replays, fp8 at 32 heads (bench/TRITON_NOTES.md), us against the fp8 kernel's two multipliers: 64 x
+H100, graph replays, fp8 at 32 heads (docs/kernels.md), us against the fp8 kernel's two multipliers: 64 x
 32768 497-512 against 630.5 (1.66-1.71x the bf16 cache's 848.4), 128 x varied 8192 280-287 against 345.4, 64 x
 4096 118-119 against 126.5, 16 x 16384 93.8 against 103.2, 8 x 32768 92.3 against 101.1; 1-1.5 us slower where a
 program has few tiles (8 x 2048 31.7 against 30.3, 16 x 4096 49.4 against 48.2): the default from

@@ -3,7 +3,7 @@
 Why a separate kernel: with 64 heads per program the per-token work is a real matrix product, and Triton's
 ``tl.dot`` (Triton 3.6) lays the score product ``Q K^T`` out so that both warpgroups compute the same
 ``[64 heads, 64 tokens]`` score tile (``warpsPerCTA [8, 1]``, because the ``P @ V`` product sits in its forward
-slice): 1.5x the tensor work, at about 30% of the matmul peak (bench/TRITON_NOTES.md). Gluon states the layouts
+slice): 1.5x the tensor work, at about 30% of the matmul peak (docs/kernels.md). Gluon states the layouts
 explicitly, so here each warpgroup computes the scores of its own 32 tokens of the tile (``warps_per_cta [4,
 2]``: the token dimension split between the warpgroups), the softmax row statistics are combined across the two
 warpgroups, and each warpgroup then accumulates half of the 512 output columns of both latent halves from the
@@ -37,7 +37,7 @@ The score products read q (and, over fp8, the widened tile) at an index the comp
 across it, and the registers spilled (bf16 136 bytes; fp8 616 bytes, 1486.6 against 1059.9 us at 64 heads 64 x
 32768).
 
-Measured on an H100 (bench/TRITON_NOTES.md): 1.5-1.9x the Triton stage 1's speed at 64 and 128 heads (bf16), 231
+Measured on an H100 (docs/kernels.md): 1.5-1.9x the Triton stage 1's speed at 64 and 128 heads (bf16), 231
 registers and no spills, 225,296 bytes of shared memory. Issuing each tile's P @ V and the next tile's scores
 back to back (one wait, the next tile's load then issued later) measured the same or up to 2% slower, so the
 loop keeps the simple order.

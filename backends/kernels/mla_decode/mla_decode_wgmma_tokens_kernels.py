@@ -17,7 +17,7 @@ The products' helpers (scores, softmax down the tokens, the output write) are sh
 (:mod:`backends.kernels.mla_decode.mla_decode_wgmma_fp8_kernels`), which widens each fp8 tile to fp16 in warps of its
 own. Shared memory at 16 heads: 18 KiB of q + 2 x 72 KiB of KV tiles.
 
-Measured on an H100 (bench/TRITON_NOTES.md, "Tokens as the matrix rows"): bf16 at 16 / 32 heads 1.07-1.22x the
+Measured on an H100 (docs/kernels.md, "Tokens as the matrix rows"): bf16 at 16 / 32 heads 1.07-1.22x the
 Triton stage 1's speed, 93-97% of copy bandwidth at long contexts (173 registers at 16 heads, no spills).
 """
 

@@ -38,7 +38,7 @@ __all__ = [
 #: Key positions scored per program of the scoring kernel (the query stays in registers across them).
 KEYS_PER_PROGRAM = 1024
 #: The top-k used by default: torch.topk measured faster at decode shapes (B 32 x 32k, k 2048, H100: 94 us vs
-#: 135-184 us for the Triton radix select, whose one program per row leaves most SMs idle; bench/DSA_NOTES.md).
+#: 135-184 us for the Triton radix select, whose one program per row leaves most SMs idle; docs/hisparse.md).
 DEFAULT_TOPK_IMPL = "torch"
 #: The Triton top-k sorts its k candidates in registers: up to this many.
 MAX_TRITON_TOPK = 4096

@@ -210,8 +210,9 @@ def load_dsv4_checkpoint(cfg: DSV4Config, folder: str | Path, fmt: StoredFormat,
     for i in range(cfg.attention.num_layers):  # the release layout: one tensor per expert
         p = f"model.layers.{i}.mlp.experts."
         if p + f"{experts.start}.gate_proj.weight" in state:
-            state[p + "gate_up_proj"] = stack_weights([cat_rows([state.pop(f"{p}{x}.gate_proj.weight"),
-                                                                 state.pop(f"{p}{x}.up_proj.weight")]) for x in experts])
+            state[p + "gate_up_proj"] = stack_weights([
+                cat_rows([state.pop(f"{p}{x}.gate_proj.weight"), state.pop(f"{p}{x}.up_proj.weight")])
+                for x in experts])
             state[p + "down_proj"] = stack_weights([state.pop(f"{p}{x}.down_proj.weight") for x in experts])
     weights = ModelWeights.load(state, cfg=cfg, first_expert=experts.start,
                                 vocab_start=shard.part(cfg.vocab_size).start)

@@ -9,8 +9,8 @@ picks count.
 The routed experts run as V3's do: the (token, slot) pairs sorted by expert without a host sync, then, where
 ``torch._grouped_mm`` serves (CUDA bf16, SM90+: ``grouped_mm``), two grouped GEMMs for all experts; elsewhere one
 GEMM pair per active expert (one host sync; the only path for experts held as stored, BlockFP8 / PackedFP4:
-each expert dequantized as it runs, see :func:`runtime.model.deepseek.moe.routed_expert_sum`). The k outputs of a token are weighted and summed in float32 (float64
-for a float64 model).
+each expert dequantized as it runs, see :func:`runtime.model.deepseek.moe.routed_expert_sum`). The k outputs of a
+token are weighted and summed in float32 (float64 for a float64 model).
 
 Tensor parallelism (the caller all-reduces the output): with moe=tp every expert and the shared expert hold a
 slice of their intermediate dim (the clamps and SwiGLU are per channel, so each rank's down projection gives a
