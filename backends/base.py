@@ -240,6 +240,18 @@ class SparseDecode(Protocol):
         q_pe [B, H, rope], index_q [B, Hi, Di], index_weights [B, Hi] float32 -> [B, H, kv_lora] in q's dtype."""
         ...
 
+    def forward_sparse_extend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, index_q: torch.Tensor,
+                              index_weights: torch.Tensor, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
+        """Prefill / chunked prefill (EXTEND): each token's indexer top-k over its causal prefix (cached prefix and
+        the chunk's tokens up to itself), then attention over those tokens only: q_nope [T, H, kv_lora], q_pe
+        [T, H, rope], index_q [T, Hi, Di], index_weights [T, Hi] float32 -> [T, H, kv_lora] in q's dtype."""
+        ...
+
+    def prefill_stats(self) -> dict:
+        """Key rows the sparse layers' prefill read so far, per layer: ``tokens``, ``sparse`` (rows read),
+        ``dense`` (rows a dense prefill of the same steps reads), ``top_k``."""
+        ...
+
 
 # ------------------------------------------------------------------ which hooks a backend serves (capabilities)
 

@@ -1,13 +1,20 @@
-"""DeepSeek sparse attention (DSA, DeepSeek-V3.2): dense prefill, indexer top-k and sparse absorbed-MLA decode.
+"""DeepSeek sparse attention (DSA, DeepSeek-V3.2): indexer top-k and sparse absorbed MLA, in prefill and decode.
 
-Prefill (EXTEND) is dense absorbed MLA over the paged KV pool. A DECODE step of a sparse layer picks each
-query's ``index_topk`` tokens with the indexer (keys stored per token by :meth:`DSABackend.store_sparse_tokens`)
-and attends only to those:
+Every query token of a sparse layer, in prefill / chunked prefill (EXTEND) as in DECODE, attends only to the
+``index_topk`` tokens the indexer picks from its causal prefix (the cached prefix, the chunk's earlier tokens and
+itself; all of them while the prefix is shorter than top-k), as DeepSeek-V3.2 computes it. The indexer keys are
+stored per token by :meth:`DSABackend.store_sparse_tokens` before attention runs, so a chunk's tokens see each
+other's keys. Then:
 
 * without HiSparse the selected positions map to paged-pool slots through the request table;
 * with HiSparse (a :class:`runtime.core.sparse.SparseKVCoordinator`, built by the container before this backend
-  and passed to the constructor) the coordinator swaps the selected tokens into its device buffer and returns
-  their locations there; indexer keys are stored by host slot.
+  and passed to the constructor) a DECODE step has the coordinator swap the selected tokens into its device
+  buffer and attends there; an EXTEND step reads each token's selection through the coordinator: ``impl=torch``
+  gathers it from the host pool (``read_rows``, as the V4 backend's extend does: the prompt's write-through is
+  what is read), ``impl=triton`` from the device pages the coordinator holds for the request until its first
+  decode step (the same rows). Indexer keys are stored by host slot.
+
+Full (non-sparse) MLA layers of a mixed model prefill and decode densely (:meth:`DSABackend.forward_extend`).
 
 ``impl``: ``torch`` runs the references of ``backends/kernels`` (float32 math; the CPU path and the parity
 oracle); ``triton`` runs the Triton indexer, sparse decode and extend kernels (CUDA, or the CPU interpreter
@@ -26,6 +33,13 @@ import torch
 
 from backends import mla_math
 from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.kernels.sparse.sparse_mla_extend import (
+    REF_TOKENS_PER_STEP,
+    rows_read,
+    sparse_attention_rows,
+    token_rows,
+    topk_locations,
+)
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.errors import Problem
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
@@ -81,7 +95,7 @@ class DSABackend:
     ----------
     req_to_token_pool : ReqToTokenPool
     kv_pool : MLAKVPool
-        The paged latent KV (dense prefill; sparse decode reads it too when there is no coordinator).
+        The paged latent KV (prefill reads it; sparse decode too when there is no coordinator).
     index_keys : IndexKeyCache
         Indexer keys of the sparse layers, by device slot (by host slot with a coordinator).
     coordinator : SparseKVCoordinator or None
@@ -160,27 +174,41 @@ class DSABackend:
         if self.impl == "triton":
             from backends.kernels.mla_extend.mla_extend import mla_extend
             from backends.kernels.sparse.indexer import indexer_topk
+            from backends.kernels.sparse.indexer_extend import indexer_topk_extend
             from backends.kernels.sparse.sparse_mla_decode import sparse_mla_decode
+            from backends.kernels.sparse.sparse_mla_extend import sparse_mla_extend
 
             self._indexer, self._sparse, self._extend = indexer_topk, sparse_mla_decode, mla_extend
+            self._indexer_extend, self._sparse_extend = indexer_topk_extend, sparse_mla_extend
         else:
             from backends.kernels.sparse.indexer import indexer_topk_reference
             from backends.kernels.sparse.sparse_mla_decode import sparse_mla_decode_reference
+            from backends.kernels.sparse.sparse_mla_extend import sparse_mla_extend_reference
 
             self._indexer, self._sparse, self._extend = indexer_topk_reference, sparse_mla_decode_reference, None
+            self._indexer_extend, self._sparse_extend = indexer_topk_reference, sparse_mla_extend_reference
         self.max_len = req_to_token_pool.max_context  # columns the Triton indexer scores (set per step)
         self.page_table = torch.empty(0, 0, dtype=torch.int32)
         self._graph_page_table = torch.empty(0, 0, dtype=torch.int32)
         self._kv_slots: list[torch.Tensor] = []
+        self._token_rows = torch.empty(0, dtype=torch.int64)
+        self.prefill_rows = {"tokens": 0, "sparse": 0, "dense": 0}  # key rows per sparse layer (the report)
 
     # ------------------------------------------------------------------------------- planning
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """HiSparse bookkeeping, the indexer's column count, and the dense path's KV indices (prefill, and
-        decode of full layers)."""
+        """HiSparse bookkeeping, the indexer's column count, each extend token's request row (and the key rows
+        prefill reads, for the report), and the dense path's KV indices (full layers of a mixed model)."""
         if self.coordinator is not None:
             self.coordinator.begin_step(batch)
         self.max_len = max(1, batch.max_seq_len)
-        if batch.mode == ForwardMode.EXTEND or self.dense_decode:
+        if batch.mode == ForwardMode.EXTEND:
+            self._token_rows = token_rows(batch.req_pool_indices, batch.qo_indptr, batch.num_tokens)
+            for p, n in zip(batch.prefix_lens_cpu.tolist(), batch.extend_lens_cpu.tolist()):
+                sparse, dense = rows_read(p, n, self.top_k)
+                self.prefill_rows["tokens"] += n
+                self.prefill_rows["sparse"] += sparse
+                self.prefill_rows["dense"] += dense
+        if self.dense_decode:  # the full layers of a mixed model attend densely (sparse layers need no table)
             if self.impl == "triton":
                 self.page_table = self._gather_page_table(batch, -(-batch.max_seq_len // self.page_size))
             else:
@@ -236,6 +264,12 @@ class DSABackend:
         return out
 
     def forward_extend(self, q_nope, q_pe, layer_id, batch):
+        """Dense extend, for the full (non-sparse) layers of a mixed model (sparse layers:
+        :meth:`forward_sparse_extend`)."""
+        if not self.dense_decode:
+            raise RuntimeError(f"DSABackend.forward_extend (dense) for layer {layer_id}: got a model whose attention "
+                               "layers are all sparse; expected a full (non-sparse) MLA layer. Fix: call "
+                               "forward_sparse_extend for sparse layers (the model does)")
         return self._dense(q_nope, q_pe, layer_id, batch)
 
     def forward_decode(self, q_nope, q_pe, layer_id, batch):
@@ -273,3 +307,43 @@ class DSABackend:
             return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, scratch=self.decode_workspace,
                                 kv_scale=self.kv_pool.scale)
         return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, kv_scale=self.kv_pool.scale)
+
+    def forward_sparse_extend(self, q_nope, q_pe, index_q, index_weights, layer_id, batch):
+        """Prefill / chunked prefill of a sparse layer: each token's top-k over its causal prefix (cached prefix +
+        the chunk's tokens up to itself), then attention over those rows only.
+
+        q_nope [T, H, kv_lora] (absorbed), q_pe [T, H, rope], index_q [T, Hi, Di], index_weights [T, Hi] float32
+        -> [T, H, kv_lora] in q's dtype. The torch impl scores every token at once (float32, bounded tiles); the
+        Triton impl scores tiles of tokens in the indexer workspace (:mod:`backends.kernels.sparse.indexer_extend`)
+        and attends with the sparse kernel (:mod:`backends.kernels.sparse.sparse_mla_extend`).
+        """
+        c = self.coordinator
+        table = c.host_table if c is not None else self.req_to_token_pool.req_to_token
+        args = (index_q, index_weights, self.index_keys.buffer(layer_id), table, batch.req_pool_indices,
+                batch.positions, batch.qo_indptr, self.top_k)
+        sm = self.model.sm_scale
+        if self.impl == "triton":
+            topk_pos, _ = self._indexer_extend(*args, max_len=self.max_len, scratch=self.indexer_workspace)
+            locs = topk_locations(topk_pos, self.req_to_token_pool.req_to_token, self._token_rows)
+            return self._sparse_extend(q_nope, q_pe, self.kv_pool.flat(layer_id), locs, sm,
+                                       scratch=self.decode_workspace, kv_scale=self.kv_pool.scale)
+        topk_pos, _ = self._indexer_extend(*args)
+        if c is None:
+            locs = topk_locations(topk_pos, self.req_to_token_pool.req_to_token, self._token_rows)
+            return self._sparse_extend(q_nope, q_pe, self.kv_pool.flat(layer_id), locs, sm,
+                                       kv_scale=self.kv_pool.scale)
+        # HiSparse, torch impl: every token's selection read from the host pool through the coordinator
+        out = torch.empty_like(q_nope)
+        qo = batch.qo_indptr_cpu.tolist()
+        for b, row in enumerate(batch.req_pool_indices_cpu.tolist()):
+            for s in range(qo[b], qo[b + 1], REF_TOKENS_PER_STEP):
+                e = min(s + REF_TOKENS_PER_STEP, qo[b + 1])
+                picked = topk_pos[s:e].long()
+                rows = c.read_rows(layer_id, row, picked)
+                out[s:e] = sparse_attention_rows(q_nope[s:e], q_pe[s:e], rows, picked >= 0, sm).to(out.dtype)
+        return out
+
+    def prefill_stats(self) -> dict:
+        """Key rows the sparse layers' prefill read so far, per layer: ``tokens`` prefilled, ``sparse`` rows read
+        (each token min(top_k, position + 1)), ``dense`` rows a dense prefill of the same steps reads."""
+        return dict(self.prefill_rows, top_k=self.top_k)

@@ -105,21 +105,28 @@ def test_contexts_shorter_than_top_k_attend_to_everything():
     assert rel_err(out, ref) < 1e-5
 
 
-def test_dense_prefill_equals_the_oracle():
+def test_sparse_prefill_with_top_k_past_every_context_equals_the_dense_oracle():
+    """Prefill is sparse (issue 48; tests/test_dsa_sparse_prefill.py); while every token's prefix fits in top-k it
+    attends to everything, so it equals dense causal attention."""
     gen = torch.Generator().manual_seed(3)
-    h, spec, keys, backend = make_backend("torch", 8)
+    h, spec, keys, backend = make_backend("torch", 32)
     batch, slots = random_batch(h, [0, 5, 16], [7, 1, 9], gen)
+    for s in slots:
+        keys.buffer(0)[s] = torch.randn(len(s), DI, generator=gen)
     q_nope, q_pe = random_q(batch, spec.num_heads, gen, h.device, torch.float32)
+    iq, iw = torch.randn(batch.num_tokens, HI, DI, generator=gen), torch.rand(batch.num_tokens, HI, generator=gen)
     backend.init_forward_metadata(batch)
-    out = backend.forward_extend(q_nope, q_pe, 0, batch)
+    out = backend.forward_sparse_extend(q_nope, q_pe, iq, iw, 0, batch)
     assert rel_err(out, oracle_absorbed(h, batch, slots, q_nope, q_pe, spec.sm_scale)) < 1e-5
+    with pytest.raises(RuntimeError, match="all sparse"):  # no dense extend for a sparse layer
+        backend.forward_extend(q_nope, q_pe, 0, batch)
 
 
 # --------------------------------------------------------------------------------------------- container
 def test_coordinator_is_built_before_the_backend():
     rt = containers.build(compose_config("+deploy=cpu_dsa_hisparse"))
     order = rt.build_order
-    assert order[:8] == ["tp_group", "device", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool",
+    assert order[:9] == ["tp_group", "device", "memory_plan", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool",
                          "index_key_pool", "hisparse_coordinator"]
     assert order.index("hisparse_coordinator") < order.index("backend:dsa") < order.index("model")
     assert rt.container.backend().coordinator is rt.container.hisparse_coordinator()
@@ -130,7 +137,8 @@ def test_coordinator_is_built_before_the_backend():
 class RecordingCoordinator:
     """A coordinator the test hands to the container: it records every call and delegates to a real one."""
 
-    BACKEND_API = {"begin_step", "new_token_slots", "store_new_tokens", "swap_in", "device_rows", "host_table"}
+    BACKEND_API = {"begin_step", "new_token_slots", "store_new_tokens", "swap_in", "device_rows", "host_table",
+                   "read_rows"}  # read_rows: the torch impl's sparse prefill reads each token's selection from the host
     ENGINE_API = {"open", "pages", "pages_needed", "reserve_many", "release", "page_size", "req_to_token_pool"}
 
     def __init__(self, real: HiSparseCoordinator):
@@ -160,6 +168,7 @@ def test_backend_uses_the_coordinator_it_was_given():
     assert set(fake.calls) <= RecordingCoordinator.BACKEND_API | RecordingCoordinator.ENGINE_API, set(fake.calls)
     decode_steps = sum(1 for s in res.steps if s.mode.value == "decode")
     assert fake.calls.count("swap_in") == decode_steps * len(rt.container.model_spec().sparse_layers) > 0
+    assert fake.calls.count("read_rows") > 0  # sparse prefill (issue 48) reads its selections through it
     assert real.stats()["swap_ins"] > 0  # the fake's (delegated) buffer served every selection
     assert res.outputs == containers.build(compose_config("+deploy=cpu_dsa_hisparse", "check=off")).engine.run().outputs
 

@@ -45,7 +45,7 @@ class Requests:
         c.begin_step(batch)
         for layer in LAYERS:
             new = torch.cat(self.rows[layer])
-            kv.flat(layer)[batch.out_cache_loc] = new  # the model's dense-prefill write
+            kv.flat(layer)[batch.out_cache_loc] = new  # the model's prefill write
             c.store_new_tokens(layer, batch, new, c.new_token_slots(batch))
 
     def decode_step(self, pick, freed_pages_to_nan: bool = True):
@@ -194,8 +194,7 @@ def test_finish_and_retraction_return_every_host_and_device_slot():
         assert res.retracted > 0 and res.lost == 0 and res.finished == rt.config["workload"]["num_requests"]
         assert c.free_counts() == {"host_pages": c.host_allocator.capacity, "rows": rt.config["kv"]["max_requests"],
                                    "device_pages": c.kv_allocator.pages.capacity, "buffer_slots_held": 0}
-    # With top-k >= every context, sparse attention is dense attention, so a retracted request's recomputed
-    # (dense) prefill reproduces what its decode steps computed: same tokens as a run that never retracts.
-    # (With a smaller top-k it need not: decode attended to a subset, the recomputation to everything.)
+    # A retracted request's recomputed (sparse) prefill selects what its decode steps selected: same tokens as a
+    # run that never retracts (at top-k 80 >= every context here; tests/test_dsa_sparse_prefill.py checks top-k 8).
     _, roomy = _run("workload.max_running_requests=6", *topk)
     assert roomy.retracted == 0 and roomy.outputs == res.outputs

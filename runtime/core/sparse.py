@@ -35,7 +35,7 @@ class OffloadedRows:
         Host page size in rows: ``ceil(kv.page_size / tokens_per_row)``, so a request never needs more host
         pages than token pages.
     release_prefill_pages : bool
-        V3.2: the device latent pages are read by the dense prefill only, so at the first decode step they
+        V3.2: the device latent pages are read by prefill only, so at the first decode step they
         return to the allocator. V4: the token pages carry the HCA entries and the CSA indexer keys, read at
         every step, so they stay until the request ends.
     """

@@ -4,7 +4,7 @@ of the tokens its indexer selected recently.
 Lifecycle of a request (every step is host-side bookkeeping plus device work queued on the current stream):
 
 * **admission / prefill**: the engine reserves token slots through the coordinator, which hands out device
-  pages (``kv_allocator``, the dense prefill reads them) and, page for page, host pages; ``host_table`` maps
+  pages (``kv_allocator``, the sparse prefill reads them) and, page for page, host pages; ``host_table`` maps
   each token position to its host slot. Each prefill chunk's latent rows are written through to the host pool
   as they are computed (``store_new_tokens``: a kernel writing pinned memory, asynchronous), so when prefill
   ends the host already holds the whole prompt.

@@ -74,17 +74,18 @@ class MLAAttention:
         if lw.indexer is not None:  # sparse layer: the backend keeps its indexer keys (and, with HiSparse, its KV)
             index = indexer_projections(lw.indexer, s, xn, q_in, cos, sin, ops.linear)
             self.sparse.store_sparse_tokens(torch.cat([ckv, kpe], dim=-1), index[1], layer_id, batch)
-        sparse_decode = index is not None and batch.mode == ForwardMode.DECODE
+        decode = batch.mode == ForwardMode.DECODE
 
         if use_mha:
             o = self._mha_prefill(layer_id, lw, q_nope, q_pe, ckv, kpe, batch)
         else:
-            fwd = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
-            if sparse_decode:
-                o_lat = self.sparse.forward_sparse_decode(q_abs, q_pe, index[0], index[2], layer_id, batch)
+            if index is not None:  # sparse layer: every query token attends to its own indexer top-k
+                fwd = self.sparse.forward_sparse_decode if decode else self.sparse.forward_sparse_extend
+                o_lat = fwd(q_abs, q_pe, index[0], index[2], layer_id, batch)
             else:
+                fwd = self.backend.forward_decode if decode else self.backend.forward_extend
                 o_lat = fwd(q_abs, q_pe, layer_id, batch)
-            if not sparse_decode and layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
+            if index is None and layer_id == self.dump_layer and self.dumper.wants(batch.mode.value):
                 self.dumper.save_absorbed(layer_id, batch, self.kv_pool, q_abs, q_pe, o_lat, s.kv_lora_rank, s.sm_scale)
             o = ops.head_linear(o_lat, lw.w_uv)  # [T, H, v_head]
         return ops.linear(o.reshape(t, h * s.v_head_dim), lw.o)
