@@ -132,11 +132,9 @@ def _try(fn, ref, copies, label):
 
 
 def _sweep(fp8_gemm, path, m, n, kd, copies):
-    from backends.kernels.gemm.skinny import TileConfig
-
-    if path == "few":
-        cfgs = [TileConfig(bn, bk, wp, st) for bn in (16, 32, 64) for bk in (256, 512, 1024)
-                for wp in (4, 8) for st in (3, 4) if bn * bk <= 65536]
+    if path == "few":  # split_k 1 is the kernel without split-K; the default's split is printed beside
+        cfgs = [fp8_gemm.FewConfig(bn, bk, wp, st, sp) for bn in (32, 64) for bk in (256, 512, 1024)
+                for wp, st in ((4, 3), (4, 4), (8, 4)) for sp in (1, 2, 4, 8)]
     else:
         G = fp8_gemm.GemmConfig
         bks = (128,) if path == "w8a8" else (64, 128)
@@ -152,7 +150,8 @@ def _sweep(fp8_gemm, path, m, n, kd, copies):
             print(f"  sweep {cfg}: {type(e).__name__}"[:120])
             continue
         best = min(best, (t, cfg), key=lambda b: b[0])
-    print(f"  sweep {path} M={m} N={n} K={kd}: best {best[0] * 1e3:.2f} us with {best[1]}", flush=True)
+    print(f"  sweep {path} M={m} N={n} K={kd}: best {best[0] * 1e3:.2f} us with {best[1]}"
+          + (f" (default {fp8_gemm.few_config(n, kd, copies[0][0].device)})" if path == "few" else ""), flush=True)
     return best
 
 

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from triton_env import DEV, capture_graph, needs_gpu, rel_err
 
 from backends.kernels.gemm import fp8_gemm
-from backends.kernels.gemm.skinny import TileConfig
 from runtime.model.quantized import dequantize_fp8, quantize_fp8
 
 TOL_W8A16 = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -93,7 +92,7 @@ def test_few_rows_are_independent_of_m():
     torch.manual_seed(2)
     w, s, _ = make_weight(200, 320)
     x = strided_x(16, 320, torch.float16)
-    for cfg in (None, TileConfig(16, 64), TileConfig(32, 256)):
+    for cfg in (None, fp8_gemm.FewConfig(16, 64), fp8_gemm.FewConfig(32, 256), fp8_gemm.FewConfig(16, 64, 4, 3, 3)):
         full = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg)
         for m in (1, 3, 7, 15):
             assert torch.equal(fp8_gemm.fp8_linear(x[:m], w, s, config=cfg), full[:m]), (cfg, m)
@@ -105,8 +104,13 @@ def test_tile_configs_agree():
     w, s, wd = make_weight(130, 300)
     x = torch.randn(5, 300, dtype=torch.float16, device=DEV)
     ref = x.double() @ wd.T
-    for cfg in (TileConfig(16, 16), TileConfig(16, 512), TileConfig(64, 128, 4, 2)):
+    for cfg in (fp8_gemm.FewConfig(16, 16), fp8_gemm.FewConfig(16, 512), fp8_gemm.FewConfig(64, 128, 4, 2)):
         assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg), ref) <= 2e-3
+    # split-K: 5 steps of 64 in 3 splits (2 / 2 / 1 steps), more splits than steps (one step each), the
+    # partials summed in order: within the same bound
+    for cfg in (fp8_gemm.FewConfig(16, 64, 4, 3, 3), fp8_gemm.FewConfig(32, 128, 4, 3, 8),
+                fp8_gemm.FewConfig(16, 16, 4, 3, 7)):
+        assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg), ref) <= 2e-3, cfg
     for cfg in (fp8_gemm.GemmConfig(16, 32, 32), fp8_gemm.GemmConfig(32, 64, 128, 2)):
         assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="w8a16", config=cfg), ref) <= 2e-3
         assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=cfg), ref) <= TOL_W8A8
@@ -148,8 +152,9 @@ def test_refuses_what_it_cannot_take():
         ((x, w, s), {"block": 128}, r"block = \(bn, bk\)"),
         ((x, w, s), {"path": "fp8"}, "path one of"),
         ((torch.randn(17, 64, dtype=torch.float16), w, s), {"path": "few"}, "M <= 16"),
-        ((x, w, s), {"config": fp8_gemm.GemmConfig(16, 16, 32), "path": "few"}, "TileConfig"),
-        ((x, w, s), {"config": TileConfig(16, 32), "path": "w8a8"}, "GemmConfig"),
+        ((x, w, s), {"config": fp8_gemm.GemmConfig(16, 16, 32), "path": "few"}, "FewConfig"),
+        ((x, w, s), {"config": fp8_gemm.FewConfig(16, 32), "path": "w8a8"}, "GemmConfig"),
+        ((x, w, s), {"config": fp8_gemm.FewConfig(16, 32, 4, 3, 0), "path": "few"}, "split_k a positive int"),
         ((x, w, s), {"config": fp8_gemm.GemmConfig(16, 16, 16), "path": "w8a8"}, "block_k a power of two >= 32"),
     ]
     for args, kw, msg in cases:
@@ -166,9 +171,9 @@ def test_refuses_what_it_cannot_take():
 
 def test_configs_by_rule():
     cpu = torch.device("cpu")  # counted as an H100's 132 SMs
-    assert fp8_gemm.few_config(2112, 7168, cpu) == TileConfig(32, 512, 4, 4)
-    assert fp8_gemm.few_config(7168, 2048, cpu) == TileConfig(64, 256, 4, 4)
-    assert fp8_gemm.few_config(40000, 100, cpu) == TileConfig(64, 128, 4, 4)
+    assert fp8_gemm.few_config(2112, 7168, cpu) == fp8_gemm.FewConfig(32, 512, 4, 4)
+    assert fp8_gemm.few_config(7168, 2048, cpu) == fp8_gemm.FewConfig(64, 256, 4, 4)
+    assert fp8_gemm.few_config(40000, 100, cpu) == fp8_gemm.FewConfig(64, 128, 4, 4)
     assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 4)
     assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 4)
     assert fp8_gemm.gemm_config(20, 512, 7168, 128, False, cpu) == fp8_gemm.GemmConfig(32, 64, 64, 8, 4, 4)
@@ -200,6 +205,10 @@ def test_tp8_shapes_bf16_gpu(name, n, kd):
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
             tol = TOL_W8A8 if path == "w8a8" else TOL_W8A16[torch.bfloat16]
             assert rel_err(y, ref) <= tol, (name, m, path, rel_err(y, ref))
+        if m <= 16:  # split-K (partials summed in order by a second kernel): the same bound
+            for cfg in (fp8_gemm.FewConfig(64, 256, 4, 4, 4), fp8_gemm.FewConfig(32, 512, 4, 3, 3)):
+                y = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg)
+                assert rel_err(y, ref) <= TOL_W8A16[torch.bfloat16], (name, m, cfg, rel_err(y, ref))
         if m == 16:  # our few-row kernel: a row's bits whatever the rows
             full = fp8_gemm.fp8_linear(x, w, s, path="few")
             for r in (1, 3, 8):

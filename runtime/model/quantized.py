@@ -15,7 +15,8 @@ checkpoint) keeps each fp8 matrix as a :class:`BlockFP8`: the e4m3 values and fl
 as shipped; :func:`linear` is its torch product (per-weight dequantize, then the matmul: exactly the dequantize
 path's numbers), the fused ops run the block-fp8 kernels of :mod:`backends.kernels.gemm.fp8_gemm` on the GPU.
 DeepSeek-V4's fp4 routed experts stay packed as a :class:`PackedFP4` (e2m1 bytes and float32 scales per row and
-32 inputs); their product is the torch one everywhere (no fp4 kernel: dequantize per weight, then the matmul).
+32 inputs); on the CPU their product is the torch one (dequantize per weight, then the matmul), on CUDA in bf16 /
+fp16 the routed experts take the fp4 expert kernels of :mod:`backends.kernels.gemm.fp4_moe` (not yet run on a GPU).
 """
 
 from __future__ import annotations

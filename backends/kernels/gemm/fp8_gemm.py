@@ -57,13 +57,32 @@ class GemmConfig:
     num_stages: int = 4
 
 
-def few_config(n: int, k_dim: int, device: torch.device | str) -> TileConfig:
+@dataclass(frozen=True)
+class FewConfig(TileConfig):
+    """A launch of the few-row kernel: the tiles of :class:`~backends.kernels.gemm.skinny.TileConfig` and
+    ``split_k``, the programs that share each block of output columns, each over a run of whole ``block_k`` steps
+    (> 1: float32 partials summed in order by a second kernel). Split-K is meant for shapes whose column blocks
+    leave SMs idle (gate_up of a TP8 rank: 72 blocks of 64 columns on 132 SMs, each fp8 tile half a bf16 tile's
+    bytes in flight); it is checked on the CPU (Triton's interpreter) and compiles for sm_90a, but has NOT run on
+    a GPU yet, so :func:`few_config` keeps 1 until ``python -m bench.fp8_gemm_bench --sweep`` measures it."""
+
+    split_k: int = 1
+
+
+def few_config(n: int, k_dim: int, device: torch.device | str) -> FewConfig:
     """Tiles of the few-row kernel, the bf16 few-row kernel's rule
     (:func:`backends.kernels.gemm.skinny.default_config`): 64 weight rows x 256 inputs per step when that still gives
-    half the SMs a program, else 32 x 512, at most K rounded up to a power of two; 4 warps, 4 stages."""
+    half the SMs a program, else 32 x 512, at most K rounded up to a power of two; 4 warps, 4 stages; no split-K
+    (see :class:`FewConfig`)."""
     sms = sm_count(device, CPU_SM_COUNT)
     block_n, block_k = (64, 256) if triton.cdiv(n, 64) * 2 >= sms else (32, 512)
-    return TileConfig(block_n, min(block_k, triton.next_power_of_2(max(k_dim, 16))), 4, 4)
+    return FewConfig(block_n, min(block_k, triton.next_power_of_2(max(k_dim, 16))), 4, 4)
+
+
+def _splits(k_dim: int, block_k: int, split: int) -> int:
+    """The split count that whole-step runs of ``ceil(steps / split)`` steps give (no empty split)."""
+    steps = triton.cdiv(max(k_dim, 1), block_k)
+    return triton.cdiv(steps, triton.cdiv(steps, max(1, split)))
 
 
 def gemm_config(m: int, n: int, k_dim: int, bk: int, a_fp8: bool, device: torch.device | str) -> GemmConfig:
@@ -85,7 +104,7 @@ def gemm_config(m: int, n: int, k_dim: int, bk: int, a_fp8: bool, device: torch.
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
                pdl: bool = False, path: str | None = None,
-               config: TileConfig | GemmConfig | None = None) -> torch.Tensor:
+               config: FewConfig | GemmConfig | None = None) -> torch.Tensor:
     """``x @ dequantize(w, scale).T`` with float32 accumulation.
 
     Parameters
@@ -104,8 +123,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         None: :func:`choose_path` (``"few"`` for M <= 16; above, FlashInfer's SM90 block-scale GEMM where it
         serves, else ``"w8a8"``, or ``"w8a16"`` on a GPU without fp8 tensor cores or bk < 32). A forced path
         that cannot run raises ValueError saying why.
-    config : TileConfig or GemmConfig, optional
-        Tiles: :class:`~backends.kernels.gemm.skinny.TileConfig` for ``"few"`` (default :func:`few_config`),
+    config : FewConfig or GemmConfig, optional
+        Tiles: :class:`FewConfig` for ``"few"`` (default :func:`few_config`),
         :class:`GemmConfig` for the others (default :func:`gemm_config`).
 
     Returns
@@ -123,17 +142,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     if kd == 0:
         return y.zero_()
     if chosen == "few":
-        require(config is None or isinstance(config, TileConfig),
-                f"config a skinny.TileConfig for the few-row path; got {type(config).__name__}")
+        require(config is None or isinstance(config, FewConfig),
+                f"config a fp8_gemm.FewConfig for the few-row path; got {type(config).__name__}")
         cfg = config or few_config(n, kd, x.device)
         _check_pow2("config.block_k", cfg.block_k, 16)
         require(cfg.block_n >= 16, f"config.block_n >= 16 (one tensor-core tile); got {cfg.block_n}")
-        p = use_pdl(pdl, k._few_w8a16_kernel, x.device)
-        k._few_w8a16_kernel[(triton.cdiv(n, cfg.block_n),)](
-            x, w, scale, y, m, n, kd, x.stride(0), w.stride(0), scale.stride(0), scale.stride(1), y.stride(0), bn,
-            BK_S=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=bn % cfg.block_n == 0, PDL=p,
-            launch_pdl=p, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+        _few(x, w, scale, y, bn, bk, cfg, pdl)
         return y
     require(config is None or isinstance(config, GemmConfig),
             f"config a fp8_gemm.GemmConfig for the {chosen} path; got {type(config).__name__}")
@@ -153,6 +167,26 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=kd % cfg.block_k == 0, PDL=p,
         launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
+
+def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool) -> None:
+    """The few-row kernel into ``y``; with ``cfg.split_k > 1`` (whole ``block_k`` steps per split) its float32
+    partials go to a ``[split, 16, N]`` temporary that :func:`k._sum_splits_kernel` sums in order."""
+    split = cfg.split_k
+    require(isinstance(split, int) and split >= 1, f"config.split_k a positive int; got {split!r}")
+    m, kd = x.shape
+    n = w.shape[0]
+    split = _splits(kd, cfg.block_k, split)
+    k_split = triton.cdiv(triton.cdiv(kd, cfg.block_k), split) * cfg.block_k
+    part = torch.empty(split, 16, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    p = use_pdl(pdl, k._few_w8a16_kernel, x.device)
+    k._few_w8a16_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, w, scale, y, part, m, n, kd, k_split, x.stride(0), w.stride(0), scale.stride(0), scale.stride(1),
+        y.stride(0), bn, BK_S=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=bn % cfg.block_n == 0,
+        PARTIAL=split > 1, PDL=p, launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, y.stride(0), SPLIT=split, BLOCK=1024, PDL=p,
+                                                         launch_pdl=p, num_warps=4)
 
 
 def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,22 @@ def _shape(t: torch.Tensor | None) -> object:
     return None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
+def check_few_tokens(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, grouped: str) -> tuple[int, int, int]:
+    """The few-token expert kernels' routing inputs: x [T <= MAX_TOKENS, D] 16-bit with a contiguous last dim, ids
+    [T, k] int64 and weights [T, k] float32, contiguous (``grouped``: the launcher to use for more tokens).
+    Returns (T, D, k)."""
+    t, d = x.shape
+    top_k = ids.shape[1]
+    require(t <= MAX_TOKENS and x.dtype in DOT_DTYPES and x.stride(-1) == 1,
+            f"x [T <= {MAX_TOKENS}, D] bfloat16 / float16, last dim contiguous; got {_shape(x)}, strides "
+            f"{x.stride()}. Fix: more tokens take {grouped}")
+    require(ids.shape == (t, top_k) and ids.dtype == torch.int64 and ids.is_contiguous()
+            and weights.shape == (t, top_k) and weights.dtype == torch.float32 and weights.is_contiguous(),
+            f"ids [T, k] int64 and weights [T, k] float32, contiguous, T = {t}; got ids {_shape(ids)}, weights "
+            f"{_shape(weights)}. Fix: .contiguous(), weights.float()")
+    return t, d, top_k
+
+
 def _check_fp8(name: str, w: torch.Tensor, scale: torch.Tensor, lead: tuple[int, ...], rows: int,
                cols: int) -> None:
     """w [*lead, rows, cols] e4m3 contiguous, scale [*lead, cdiv(rows, 128), cdiv(cols, 128)] float32 with
@@ -118,17 +134,9 @@ def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     require(x.dim() == 2 and ids.dim() == 2 and weights.dim() == 2 and gate_up.dim() == 3,
             f"x [T, D], ids / weights [T, k], gate_up [E, 2 I, D]; got x {_shape(x)}, ids {_shape(ids)}, weights "
             f"{_shape(weights)}, gate_up {_shape(gate_up)}")
-    t, d = x.shape
-    top_k = ids.shape[1]
+    t, d, top_k = check_few_tokens(x, ids, weights, "fp8_grouped_expert_mlp")
     n_local, two_i = gate_up.shape[:2]
     inter = two_i // 2
-    require(t <= MAX_TOKENS and x.dtype in DOT_DTYPES and x.stride(-1) == 1,
-            f"x [T <= {MAX_TOKENS}, D] bfloat16 / float16, last dim contiguous; got {_shape(x)}, strides "
-            f"{x.stride()}. Fix: more tokens take fp8_grouped_expert_mlp")
-    require(ids.shape == (t, top_k) and ids.dtype == torch.int64 and ids.is_contiguous()
-            and weights.shape == (t, top_k) and weights.dtype == torch.float32 and weights.is_contiguous(),
-            f"ids [T, k] int64 and weights [T, k] float32, contiguous, T = {t}; got ids {_shape(ids)}, weights "
-            f"{_shape(weights)}. Fix: .contiguous(), weights.float()")
     _check_inter("routed experts'", inter)
     _check_fp8("gate_up", gate_up, gate_up_scale, (n_local,), two_i, d)
     _check_fp8("down", down, down_scale, (n_local,), d, inter)

@@ -8,6 +8,10 @@ Expert compute: the T*k (token, expert) pairs are sorted by expert, each active 
 contiguous rows (``torch._grouped_mm`` does all of them in one launch with device-side offsets on CUDA bf16,
 no host sync, so decode can be graphed; elsewhere a loop over the active experts only), the outputs are
 weighted and summed back per token in float32 in a fixed order (graph replays equal eager runs bit for bit).
+Experts held as packed fp4 (:class:`runtime.model.quantized.PackedFP4`, DeepSeek-V4's release) on a CUDA device,
+with 16-bit activations and a :class:`GatedAct`, take the fp4 expert kernels (:mod:`backends.kernels.gemm.fp4_moe`:
+packed bytes widened in registers; few tokens: two kernels, no sort; more: two grouped GEMMs), no host sync; on
+the CPU they stay the torch loop (each active expert dequantized), the reference.
 """
 
 from __future__ import annotations
@@ -19,10 +23,41 @@ import torch.nn.functional as F
 
 from runtime.core.model_spec import ModelSpec
 from runtime.model.deepseek import routing
-from runtime.model.deepseek.mlp import dense_mlp, swiglu
+from runtime.model.deepseek.mlp import dense_mlp
 from runtime.model.deepseek.routing import spec_router
 from runtime.model.deepseek.weights import MoEWeights
-from runtime.model.quantized import Weight, linear
+from runtime.model.quantized import PackedFP4, Weight, linear
+
+
+@dataclass(frozen=True)
+class GatedAct:
+    """The experts' gate/up -> hidden op, callable ([n, 2 I] -> [n, I], torch ops, in h's dtype) and as data for
+    the kernels that fuse it: ``limit`` None is silu(gate) * up (V2 / V3, :func:`runtime.model.deepseek.mlp.swiglu`),
+    a float V4's clamped SwiGLU silu(min(gate, limit)) * clamp(up, -limit, limit)
+    (:func:`runtime.model.dsv4.moe.swiglu`); the same ops as those, so the same bits."""
+
+    limit: float | None = None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        if self.limit is None:
+            return F.silu(gate) * up
+        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+
+#: devices whose packed fp4 experts take the fp4 kernels (the CPU keeps the torch loop: the reference; the tests add
+#: "cpu" to run the kernels in Triton's interpreter through this module)
+FP4_KERNEL_DEVICES = ("cuda",)
+
+
+def fp4_kernels_serve(x: torch.Tensor, gate_up: Weight, down: Weight, act) -> bool:
+    """Whether :func:`routed_expert_sum` computes these experts with the fp4 kernels: both stacks packed fp4 in
+    32-input groups, x bfloat16 / float16 on a device of :data:`FP4_KERNEL_DEVICES`, ``act`` a :class:`GatedAct`
+    (a positive limit, or none). The sum is then float32 (``acc``; a float64 model keeps the torch loop)."""
+    return (isinstance(gate_up, PackedFP4) and isinstance(down, PackedFP4) and isinstance(act, GatedAct)
+            and (act.limit is None or act.limit > 0) and gate_up.group == down.group == 32
+            and x.device.type in FP4_KERNEL_DEVICES
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def route(spec: ModelSpec, w: MoEWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +135,7 @@ def routed_experts(w: MoEWeights, x: torch.Tensor, weights: torch.Tensor, ids: t
     all experts, possibly cut to a slice of their intermediate dim, or with expert parallelism experts
     ``w.first_expert ...`` whole; the other pairs contribute 0 here and are summed in by the caller's all-reduce).
     x [T, D]; weights [T, k] float32; ids [T, k] global expert ids -> [T, D] float32."""
-    return routed_expert_sum(x, weights, ids, w.gate_up, w.down, w.first_expert, w.gate.shape[0], swiglu,
+    return routed_expert_sum(x, weights, ids, w.gate_up, w.down, w.first_expert, w.gate.shape[0], GatedAct(),
                              grouped_mm, torch.float32)
 
 
@@ -112,14 +147,27 @@ def routed_expert_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     then back to (token, slot) order and summed with the routing ``weights`` in ``acc`` (a fixed-order sum,
     deterministic: no atomics). gate_up [E_local, 2 I, D], down [E_local, D, I] hold experts ``first_expert ..``
     of ``n_experts`` (other ranks' pairs add 0 here; block-fp8 stacks take the per-expert loop, each expert
-    dequantized as it runs); ``act``: [n, 2 I] -> [n, I]. -> [T, D] in ``acc``."""
+    dequantized as it runs; packed fp4 stacks the fp4 kernels where :func:`fp4_kernels_serve`, no host sync: few
+    tokens the decode kernels without a sort, more the grouped GEMMs); ``act``: [n, 2 I] -> [n, I]. -> [T, D] in
+    ``acc``."""
     t, k = ids.shape
     n_local = gate_up.shape[0]
     local, mine = local_ids(ids, first_expert, n_local, n_experts)
+    fp4 = fp4_kernels_serve(x, gate_up, down, act) and acc == torch.float32
+    if fp4:
+        from backends.kernels.gemm import fp4_moe  # imports triton: only where the kernels run
+
+        if t <= fp4_moe.MAX_TOKENS:  # every (token, slot) pair streams its expert; other ranks' (id n_local) add 0
+            return fp4_moe.fp4_moe_experts(x.contiguous(), local.contiguous(), weights.float().contiguous(),
+                                           gate_up.weight, gate_up.scale, down.weight, down.scale, act.limit,
+                                           out_dtype=acc)
     order, counts = sort_by_expert(local.reshape(-1), n_local + 1)  # other ranks' pairs: one last group, dropped
     counts = counts[:n_local]
     xs = x[order // k]  # [T * k, D], grouped by expert
-    if grouped_mm:
+    if fp4:  # rows past the last offset (other ranks' pairs) are left unwritten: masked below
+        y = fp4_moe.fp4_grouped_expert_mlp(xs, gate_up.weight, gate_up.scale, down.weight, down.scale,
+                                           counts.cumsum(0).to(torch.int32), limit=act.limit)
+    elif grouped_mm:
         y = grouped_expert_mlp(xs, gate_up, down, counts.cumsum(0).to(torch.int32), act)
     else:
         y = torch.zeros_like(xs)

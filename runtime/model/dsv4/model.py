@@ -59,8 +59,8 @@ class DSV4Model:
         self.device = weights.embed_tokens.device
         down = weights.layers[0].mlp.down_proj
         dims = (cfg.hidden_size, down.shape[2])  # the expert width this rank holds
-        # torch._grouped_mm multiplies float experts (bf16 ones on SM90); stored ones (fp8 / packed fp4 bytes)
-        # take the per-expert loop, each expert dequantized as it runs: see moe.py
+        # torch._grouped_mm multiplies float experts (bf16 ones on SM90); stored ones take the fp4 expert kernels
+        # (packed fp4 on CUDA) or the per-expert loop, each expert dequantized as it runs: see deepseek/moe.py
         self.grouped_mm = GROUPED_MM.usable(self.device, down.dtype, dims)
         self.layers = [DSV4DecoderLayer(cfg, i, lw, pools, backend, self.group, self.grouped_mm)
                        for i, lw in enumerate(weights.layers)]

@@ -7,10 +7,12 @@ whatever ``norm_topk_prob`` says), times ``routed_scaling_factor``. A hash row m
 picks count.
 
 The routed experts run as V3's do: the (token, slot) pairs sorted by expert without a host sync, then, where
-``torch._grouped_mm`` serves (CUDA bf16, SM90+: ``grouped_mm``), two grouped GEMMs for all experts; elsewhere one
-GEMM pair per active expert (one host sync; the only path for experts held as stored, BlockFP8 / PackedFP4:
-each expert dequantized as it runs, see :func:`runtime.model.deepseek.moe.routed_expert_sum`). The k outputs of a
-token are weighted and summed in float32 (float64 for a float64 model).
+``torch._grouped_mm`` serves (CUDA bf16, SM90+: ``grouped_mm``), two grouped GEMMs for all experts; packed fp4
+experts (the release's) on a CUDA device in bf16 / fp16 the fp4 expert kernels (:mod:`backends.kernels.gemm.fp4_moe`,
+the clamped SwiGLU fused, no host sync); elsewhere one GEMM pair per active expert (one host sync; BlockFP8 experts,
+and the CPU's reference for PackedFP4: each expert dequantized as it runs, see
+:func:`runtime.model.deepseek.moe.routed_expert_sum`). The k outputs of a token are weighted and summed in float32
+(float64 for a float64 model).
 
 Tensor parallelism (the caller all-reduces the output): with moe=tp every expert and the shared expert hold a
 slice of their intermediate dim (the clamps and SwiGLU are per channel, so each rank's down projection gives a
@@ -24,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.model.deepseek import routing
-from runtime.model.deepseek.moe import routed_expert_sum
+from runtime.model.deepseek.moe import GatedAct, routed_expert_sum
 from runtime.model.deepseek.routing import Router
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.weights import MoEWeights
@@ -61,6 +63,6 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, 
     limit = cfg.swiglu_limit
     acc = torch.promote_types(x.dtype, torch.float32)
     routed = routed_expert_sum(x, weights, ids, w.gate_up_proj, w.down_proj, w.first_expert, cfg.n_routed_experts,
-                               lambda h: swiglu(*h.chunk(2, dim=-1), limit), grouped_mm, acc)
+                               GatedAct(limit), grouped_mm, acc)
     shared = swiglu(linear(x, w.shared_gate_proj), linear(x, w.shared_up_proj), limit)
     return (routed + linear(shared, w.shared_down_proj).to(acc)).to(x.dtype)

@@ -1,0 +1,256 @@
+"""Triton kernels for DeepSeek-V4's fp4 routed experts, launchers in :mod:`backends.kernels.gemm.fp4_moe`.
+
+Weights are e2m1 values packed two per byte (low nibble first: input column 2 j is byte j's low nibble, 2 j + 1
+its high one) with one float32 power-of-two scale per row and 32 inputs (``dequantized = e2m1 * scale``, the
+layout of ``runtime.model.quantized.PackedFP4``). Hopper has no fp4 tensor-core product, so every kernel reads
+the packed bytes and widens them in registers (:func:`_widen`: the e2m1 value built from its bits as a float32,
+times its group's scale, cast to the activation dtype). The widening is exact: every e2m1 value times a power of
+two is a bf16 / fp16 value (within their exponent ranges), so the products are those of the dequantized weights
+up to float32 summation order.
+
+A byte tile is read as [rows, groups, 16] (16 bytes = one 32-input scale group), so a group's one scale
+broadcasts over its 16 bytes without a gather. The two nibbles of a byte are two input columns:
+
+* **Few tokens** (decode, T <= 16): :func:`_fp4_moe_up_kernel` and :func:`_fp4_moe_down_kernel` (the design of
+  ``fp8_moe_kernels._fp8_moe_up_kernel`` / ``_down_kernel``: every (token, slot) pair streams its expert's bytes
+  once and multiplies on the tensor cores with the token's row as row 0 of a 16-row tile). The low nibbles
+  multiply the activation's even columns and the high nibbles its odd columns (two products per step, no
+  interleave of the widened tile: the activation row is what is read strided, and it is tiny).
+* **Many tokens** (prefill): :func:`_fp4_grouped_gemm_kernel`, a W4A16 grouped GEMM over rows sorted by expert
+  (16-bit activations read contiguously, the widened nibbles interleaved back into column order with
+  ``tl.join``), optionally with the gated activation fused (gate and up columns in one program, the product of
+  the activation written).
+
+Activations (``ACT``): 0 none (the plain product), 1 V3's silu(gate) * up, 2 V4's clamped SwiGLU
+silu(min(gate, limit)) * clamp(up, -limit, limit). Each GEMM output is rounded to the activation dtype, SiLU
+rounded, the product rounded (the torch path's rounding points).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from backends.kernels.pdl import pdl_enter
+
+#: inputs per scale (one scale group: 16 packed bytes)
+GROUP: tl.constexpr = tl.constexpr(32)
+GROUP_BYTES: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def _e2m1(nib):
+    """uint32 nibbles (0..15: sign bit 3, exponent bits 2..1, mantissa bit 0) -> their e2m1 values as float32,
+    from the bits: magnitude codes 2..7 are (1 + m / 2) 2^(e - 1), whose float32 bits are (code + 252) << 22;
+    code 1 is 0.5 (126 << 23), code 0 is 0."""
+    code = nib & 7
+    bits = tl.where(code > 1, (code + 252) << 22, code * (126 << 23))
+    bits = bits | ((nib & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _widen(packed, scale, DT: tl.constexpr):
+    """packed [R, G, 16] uint8 and scale [R, G] float32 -> (low nibbles, high nibbles) [R, G, 16] of ``DT``, each
+    times its group's scale (exact)."""
+    b = packed.to(tl.uint32)
+    s = scale[:, :, None]
+    return (_e2m1(b & 15) * s).to(DT), (_e2m1(b >> 4) * s).to(DT)
+
+
+@triton.jit
+def _act(g, u, limit, ACT: tl.constexpr, DT: tl.constexpr):
+    """float32 gate and up (already rounded to DT) -> the gated activation rounded to DT: silu rounded, the
+    product rounded; ACT 2 clamps first (gate <= limit, |up| <= limit)."""
+    if ACT == 2:  # rounded to DT as torch's clamp of a DT tensor by a float limit
+        g = tl.minimum(g, limit).to(DT).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit).to(DT).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+    return (s * u).to(DT)
+
+
+@triton.jit
+def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, stride_ge, stride_gn, stride_gse,
+                       stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ACT: tl.constexpr, PDL: tl.constexpr):
+    """Program (p, i-block): pair p is (token p // TOPK, expert IDS[p]) over GU[e] [2 I, K / 2] packed bytes with
+    scales GUS[e] [2 I, cdiv(K, 32)]. H[p, i] = act(gate, up) (see :func:`_act`), each GEMM output rounded to H's
+    dtype. Other ranks' experts (IDS[p] >= n_local) compute nothing (their rows of H are written, unused). Each
+    loop step reads BLOCK_K inputs (BLOCK_K / 32 groups of 16 bytes) of BLOCK_I gate and BLOCK_I up rows."""
+    pdl_enter(PDL)
+    p = tl.program_id(0)
+    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    DT: tl.constexpr = H.dtype.element_ty
+    G: tl.constexpr = BLOCK_K // GROUP
+    HALF: tl.constexpr = BLOCK_K // 2
+    e = tl.load(IDS + p, mask=p >= 0, other=0).to(tl.int64)  # masked: the interpreter fails an unmasked scalar load
+    t = p // TOPK
+    live = ri < tl.where(e < n_local, inter, 0)  # (not an &: the interpreter makes that int32)
+    ri64 = ri.to(tl.int64)
+    g_rows = GU + e * stride_ge + ri64[:, None, None] * stride_gn
+    u_rows = GU + e * stride_ge + (ri64 + inter)[:, None, None] * stride_gn
+    gs_rows = GUS + e * stride_gse + ri64[:, None] * stride_gsn
+    us_rows = GUS + e * stride_gse + (ri64 + inter)[:, None] * stride_gsn
+    gi = tl.arange(0, G)
+    bj = tl.arange(0, GROUP_BYTES)
+    r16 = tl.arange(0, 16)
+    jj = tl.arange(0, HALF)
+    x_row = X + t * stride_x
+    row0 = (r16 == 0)[:, None]
+    n_bytes = K // 2
+    n_groups = tl.cdiv(K, GROUP)
+    acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        grp = k0 // GROUP + gi
+        byte = grp[:, None] * GROUP_BYTES + bj[None, :]  # [G, 16]
+        m3 = live[:, None, None] & (byte < n_bytes)[None, :, :]
+        ms = live[:, None] & (grp < n_groups)[None, :]
+        wg = tl.load(g_rows + byte[None, :, :], mask=m3, other=0)
+        wu = tl.load(u_rows + byte[None, :, :], mask=m3, other=0)
+        sg = tl.load(gs_rows + grp[None, :], mask=ms, other=0.0)
+        su = tl.load(us_rows + grp[None, :], mask=ms, other=0.0)
+        glo, ghi = _widen(wg, sg, DT)
+        ulo, uhi = _widen(wu, su, DT)
+        col = k0 + 2 * jj
+        x_ev = tl.where(row0, tl.load(x_row + col, mask=col < K, other=0.0)[None, :], 0.0).to(DT)  # token row 0
+        x_od = tl.where(row0, tl.load(x_row + col + 1, mask=col < K, other=0.0)[None, :], 0.0).to(DT)
+        acc_g = tl.dot(tl.reshape(glo, [BLOCK_I, HALF]), tl.trans(x_ev), acc_g)
+        acc_g = tl.dot(tl.reshape(ghi, [BLOCK_I, HALF]), tl.trans(x_od), acc_g)
+        acc_u = tl.dot(tl.reshape(ulo, [BLOCK_I, HALF]), tl.trans(x_ev), acc_u)
+        acc_u = tl.dot(tl.reshape(uhi, [BLOCK_I, HALF]), tl.trans(x_od), acc_u)
+    g = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
+    u = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
+    tl.store(H + p * stride_h + ri, _act(g, u, limit, ACT, DT), mask=ri < inter)
+
+
+@triton.jit
+def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h, stride_de, stride_dd, stride_dse,
+                         stride_dsd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_I: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, d-block): OUT[t] = sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j]) in float32, j in order
+    (other ranks' experts add 0), stored in OUT's dtype. DN [E, D, I / 2] packed bytes with scales
+    DNS [E, D, cdiv(I, 32)]; the product of each slot rounded to H's dtype.
+
+    One loop over (slot, BLOCK_I-wide chunk of the hidden dim), so the weight loads stay pipelined across experts
+    (as ``fp8_moe_kernels._fp8_moe_down_kernel``); at a slot's last chunk its product is rounded and folded in."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = rd < D
+    DT: tl.constexpr = H.dtype.element_ty
+    G: tl.constexpr = BLOCK_I // GROUP
+    HALF: tl.constexpr = BLOCK_I // 2
+    n_chunks = tl.cdiv(inter, BLOCK_I)
+    row0 = (tl.arange(0, 16) == 0)[:, None]
+    gi = tl.arange(0, G)
+    bj = tl.arange(0, GROUP_BYTES)
+    jj = tl.arange(0, HALF)
+    slots = tl.arange(0, TOPK_P2)
+    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
+    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    rd64 = rd.to(tl.int64)
+    out = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D, 16], dtype=tl.float32)
+    for it in range(0, TOPK * n_chunks):
+        j = it // n_chunks
+        c = it % n_chunks
+        p = t * TOPK + j
+        e = tl.sum(tl.where(slots == j, ids, 0))
+        width = tl.where(e < n_local, inter, 0)  # other ranks' experts: nothing
+        grp = c * G + gi
+        byte = grp[:, None] * GROUP_BYTES + bj[None, :]
+        w = tl.load(DN + e * stride_de + rd64[:, None, None] * stride_dd + byte[None, :, :],
+                    mask=dmask[:, None, None] & (byte < width // 2)[None, :, :], other=0)
+        sc = tl.load(DNS + e * stride_dse + rd64[:, None] * stride_dsd + grp[None, :],
+                     mask=dmask[:, None] & (grp * GROUP < width)[None, :], other=0.0)
+        lo, hi = _widen(w, sc, DT)
+        col = c * BLOCK_I + 2 * jj
+        h_row = H + p * stride_h + col
+        h_ev = tl.where(row0, tl.load(h_row, mask=col < width, other=0.0)[None, :], 0.0).to(DT)  # the pair's row 0
+        h_od = tl.where(row0, tl.load(h_row + 1, mask=col < width, other=0.0)[None, :], 0.0).to(DT)
+        acc = tl.dot(tl.reshape(lo, [BLOCK_D, HALF]), tl.trans(h_ev), acc)
+        acc = tl.dot(tl.reshape(hi, [BLOCK_D, HALF]), tl.trans(h_od), acc)
+        if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
+            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
+            out += y * tl.sum(tl.where(slots == j, wts, 0.0))
+            acc = tl.zeros_like(acc)
+    tl.store(OUT + t * stride_o + rd, out.to(OUT.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _fp4_tile(B, BS, e64, rows64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse, stride_bsn,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
+    """Rows ``rows64`` of expert e's packed weight, inputs k0 .. k0 + BLOCK_K, widened: [BLOCK_N, BLOCK_K] of DT
+    in column order (the nibbles joined back: low, high, low, high ...)."""
+    G: tl.constexpr = BLOCK_K // GROUP
+    grp = k0 // GROUP + tl.arange(0, G)
+    byte = grp[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES)[None, :]
+    w = tl.load(B + e64 * stride_be + rows64[:, None, None] * stride_bn + byte[None, :, :],
+                mask=nmask[:, None, None] & (byte < n_bytes)[None, :, :], other=0)
+    s = tl.load(BS + e64 * stride_bse + rows64[:, None] * stride_bsn + grp[None, :],
+                mask=nmask[:, None] & (grp < n_groups)[None, :], other=0.0)
+    lo, hi = _widen(w, s, DT)
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _fp4_grouped_gemm_kernel(A, B, BS, C, OFFS, n_experts, N, K, n_out, limit, stride_a, stride_be, stride_bn,
+                             stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr):
+    """C[rows of e] = A[rows of e] @ W[e].T for every expert e (ACT 0: n_out = N columns, rounded to C's dtype),
+    or with the activation fused (ACT 1, 2: n_out = N / 2; W[e]'s rows are gate, then up; C = act(gate, up)).
+
+    A [rows, K] of 16 bits grouped by expert; B [E, N, K / 2] packed e2m1, BS [E, N, cdiv(K, 32)] float32; OFFS [E]
+    int32, the inclusive cumulative row counts. Rows past OFFS[E - 1] are not written.
+
+    Program id -> (tile slot, n-block), GROUP_M tile slots per n-block sweep (one expert's tiles share its weight
+    bytes in L2). Each program reads the offsets (E_P2 >= E lanes), counts the row tiles of BLOCK_M per expert and
+    finds its tile's expert by a cumulative sum (no host sync); slots past the last tile return."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(n_out, BLOCK_N)
+    per_group = GROUP_M * n_tiles_n
+    group = pid // per_group
+    slot = group * GROUP_M + (pid % per_group) % GROUP_M
+    pid_n = (pid % per_group) // GROUP_M
+    ei = tl.arange(0, E_P2)
+    ends = tl.load(OFFS + ei, mask=ei < n_experts, other=0)
+    starts = tl.load(OFFS + ei - 1, mask=(ei > 0) & (ei < n_experts), other=0)
+    counts = tl.where(ei < n_experts, ends - starts, 0)
+    tiles = (tl.maximum(counts, 0) + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, 0)
+    if slot >= tl.sum(tiles):
+        return
+    e = tl.sum((cum <= slot).to(tl.int32))
+    sel = ei == e
+    row0 = tl.sum(tl.where(sel, starts, 0)) + (slot - tl.sum(tl.where(sel, cum - tiles, 0))) * BLOCK_M
+    row_end = tl.sum(tl.where(sel, ends, 0))
+    DT: tl.constexpr = A.dtype.element_ty
+    rm = row0 + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < row_end
+    nmask = rn < n_out
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    e64 = e.to(tl.int64)
+    a_rows = A + rm64[:, None] * stride_a
+    n_bytes = K // 2
+    n_groups = tl.cdiv(K, GROUP)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+        w = _fp4_tile(B, BS, e64, rn64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse, stride_bsn,
+                      BLOCK_N, BLOCK_K, DT)
+        acc = tl.dot(a, tl.trans(w), acc)
+        if ACT != 0:  # the up rows of the same columns
+            wu = _fp4_tile(B, BS, e64, rn64 + n_out, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse,
+                           stride_bsn, BLOCK_N, BLOCK_K, DT)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+    if ACT != 0:
+        res = _act(acc.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32), limit, ACT, DT)
+    else:
+        res = acc
+    tl.store(C + rm64[:, None] * stride_c + rn[None, :], res.to(C.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
