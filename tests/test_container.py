@@ -26,8 +26,8 @@ def test_selector_and_validation_registry_agree():
 def test_build_order_reads_top_to_bottom():
     rt = containers.build(compose_config("device=cpu"))
     assert rt.build_order == [
-        "tp_group", "device", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "workspace_ledger",
-        "backend:torch_mla", "weights:random", "model", "graph_runner", "workload", "engine",
+        "tp_group", "device", "memory_plan", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool",
+        "workspace_ledger", "backend:torch_mla", "weights:random", "model", "graph_runner", "workload", "engine",
     ]
 
 

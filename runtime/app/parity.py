@@ -65,7 +65,9 @@ def reference_config(plain: dict) -> dict:
     elif "sparse" in [str(k) for k in plain["model"]["layer_pattern"]]:
         ref["backend"] = {"name": "dsa", "impl": "torch", "max_splits": 1}
         if plain["hisparse"]["enabled"]:  # the reference keeps everything in its device pool: as many pages
-            ref["kv"]["num_pages"] = host_page_count(plain["kv"]["num_pages"], plain["hisparse"]["host_to_device_ratio"])
+            pages = plain["kv"]["num_pages"]  # (auto: its own memory plan sizes it)
+            ref["kv"]["num_pages"] = pages if pages == "auto" else host_page_count(
+                pages, plain["hisparse"]["host_to_device_ratio"])
             ref["hisparse"]["enabled"] = False
     else:
         ref["backend"] = {"name": "torch_mla", "compute_dtype": "float32"}
@@ -131,8 +133,8 @@ def compare(candidate: RunResult, reference: RunResult, dtype: str,
     budget = routing_flip_budget(generated, dtype, discrete_routing)
     mismatches = near_ties = 0
     max_rel = 0.0
-    for rid, tokens in candidate.outputs.items():
-        for pos, (tok, ref_tok) in enumerate(zip(tokens, reference.argmax[rid])):
+    for rid in candidate.outputs:  # its own greedy choices: its tokens, unless the request sampled
+        for pos, (tok, ref_tok) in enumerate(zip(candidate.argmax[rid], reference.argmax[rid])):
             if tok != ref_tok:
                 mismatches += 1
                 near_ties += reference.margins[rid][pos] <= tie

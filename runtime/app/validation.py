@@ -472,10 +472,14 @@ def _workload_problems(work, kv, model, lookahead: int = 0, specs: list[RequestS
                         f"lower workload.prompt_len.max, or raise model.max_context to {longest}"))
     else:  # each line's length against max_context is checked with the file
         longest = max((len(s.prompt) + s.max_new_tokens for s in specs), default=0) + lookahead
-    for key in ("page_size", "num_pages", "max_requests"):
+    for key in ("page_size", "max_requests"):
         if kv[key] < 1:
             add(Problem(f"kv.{key}", str(kv[key]), ">= 1", f"set kv.{key} to a positive value"))
-    if kv["page_size"] >= 1 and kv["num_pages"] >= 1:
+    fixed = isinstance(kv["num_pages"], int) and not isinstance(kv["num_pages"], bool)  # auto: the memory plan's
+    if not fixed and kv["num_pages"] != "auto" or fixed and kv["num_pages"] < 1:
+        add(Problem("kv.num_pages", repr(kv["num_pages"]), "auto or an integer >= 1",
+                    "set kv.num_pages=auto (sized from the device's free memory), or a page count"))
+    elif fixed and kv["page_size"] >= 1:
         usable = (kv["num_pages"] - 1) * kv["page_size"]  # page 0 is the padding page
         need = -(-longest // kv["page_size"]) * kv["page_size"]
         if usable < need:
