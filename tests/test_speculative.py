@@ -114,6 +114,11 @@ def test_report_has_acceptance_phase_times_and_baseline(tmp_path):
     assert all(sp["phases"][p]["steps"] > 0 for p in ("draft_decode", "target_verify", "draft_extend"))
     assert set(rep["graphs"]) == {"draft_decode", "target_verify", "draft_extend"}
     assert rep["parity"]["ok"] and rep["parity"]["tokens_equal"]
+    # the plain run fed the speculative tokens: the same choices everywhere, each mode's error within tolerance
+    vb = sp["vs_baseline"]
+    assert vb["tokens"]["equal"] == vb["tokens"]["positions"] > 0 and vb["tokens"]["by_source"]["accepted"]["equal"]
+    assert set(vb["hidden_err"]) == {"target_verify", "decode"}
+    assert all(v["max_rel_err"] <= rep["parity"]["tolerance"] for by in vb["hidden_err"].values() for v in by.values())
     assert rep["memory"]["draft_kv_pool_bytes"] > 0
     assert rep["build_order"].index("draft_model") > rep["build_order"].index("model")
 

@@ -84,14 +84,17 @@ class SpecStats:
 @dataclass
 class RoundResult:
     """Host values of one round, per request: the emitted tokens (greedy choices), their top-2 logit
-    margins, (if recorded) the hidden-state rows that produced them, and whether the request emitted an EOS
-    id (its tokens then end with it)."""
+    margins, (if recorded) the hidden-state rows that produced them, whether the request emitted an EOS
+    id (its tokens then end with it), and each token's source: ``accepted`` (a draft the target confirmed),
+    ``bonus`` (the position after k accepted drafts) or ``correction`` (the target's choice where a draft was
+    rejected)."""
 
     tokens: list[list[int]]
     margins: list[list[float]]
     hidden: torch.Tensor | None  # [B, k + 1, hidden] host, or None
     accepted: list[int]
     stopped: list[bool]
+    sources: list[list[str]]
 
 
 class SpeculativeDriver:
@@ -196,7 +199,7 @@ class SpeculativeDriver:
         with ``remaining`` 0 (released while the round ran) gets nothing and is left out of the statistics."""
         greedy, accepted, margins, hidden = host
         g, n_acc, m = greedy.tolist(), accepted.tolist(), margins.tolist()
-        tokens, marg, stopped = [], [], []
+        tokens, marg, stopped, sources = [], [], [], []
         st = self.stats
         st.rounds += 1
         for i, n in enumerate(n_acc):
@@ -204,6 +207,7 @@ class SpeculativeDriver:
                 tokens.append([])
                 marg.append([])
                 stopped.append(False)
+                sources.append([])
                 continue
             emit = min(n + 1, remaining[i])
             eos = next((j for j, t in enumerate(g[i][:emit]) if t in eos_ids), None)
@@ -212,9 +216,10 @@ class SpeculativeDriver:
                 emit = eos + 1
             tokens.append(g[i][:emit])
             marg.append(m[i][:emit])
+            sources.append((["accepted"] * n + ["bonus" if n == self.k else "correction"])[:emit])
             st.request_rounds += 1
             st.drafted += self.k
             st.accepted += n
             st.emitted += emit
             st.accept_hist[n] += 1
-        return RoundResult(tokens, marg, hidden, n_acc, stopped)
+        return RoundResult(tokens, marg, hidden, n_acc, stopped, sources)
