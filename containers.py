@@ -42,6 +42,7 @@ from backends.torch_mla import TorchMLABackend
 from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
 from backends.trtllm_mla import TrtllmMLABackend
 from backends.trtllm_mla import load_kernel as load_trtllm_kernel
+from runtime.app.memory_checks import agree_problems, memory_problems, plan_memory
 from runtime.app.parallel_checks import parallel_problems, rank_view
 from runtime.app.validation import validate
 from runtime.app.weights_checks import weights_problems
@@ -51,6 +52,7 @@ from runtime.core.dsv4_slots import DSV4TokenSlots
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.errors import ConfigError
 from runtime.core.kv_pool import MLAKVPool, PageAllocator, ReqToTokenPool, TokenSlots
+from runtime.core.memory_plan import DeviceMemory
 from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import LaunchEnv, Sharding, device_for, make_group
 from runtime.core.sparse import OffloadedRows
@@ -66,7 +68,9 @@ from runtime.engine.graph_runner import (
     speculative_mode_graphs,
 )
 from runtime.engine.hisparse import HiSparseCoordinator, host_page_count
+from runtime.engine.oom import OOMGuard
 from runtime.engine.prompts import load_workload
+from runtime.engine.sampling import Sampler
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
 from runtime.model.deepseek.checkpoint import load_checkpoint, scan_checkpoint
 from runtime.model.deepseek.hf_config import resolve_model_config
@@ -226,6 +230,11 @@ class Container(containers.DeclarativeContainer):
     # the full model (what checkpoints hold) and what this rank computes with (its share of the heads)
     full_model_spec = providers.Singleton(ModelSpec.from_config, config.model)
     model_spec = providers.Singleton(_rank_spec, full_model_spec, tp_group)
+    # the memory plan (docs/memory.md): the injectable reader (tests: FixedMemory), then the budget line by line and
+    # the page count (kv.num_pages=auto: what memory.fraction of the memory left holds); build() refuses what cannot fit
+    memory_reader = providers.Singleton(DeviceMemory)
+    memory_budget = _step(build_log, "memory_plan", providers.Singleton(
+        plan_memory, config, device_info, memory_reader, tp_group))
 
     # 2. pools ---------------------------------------------------------------------------------------
     req_to_token_pool = _step(build_log, "req_to_token_pool", providers.Factory(
@@ -497,7 +506,9 @@ class Container(containers.DeclarativeContainer):
             config.speculative.num_steps, config.kv.max_requests, device)))
     engine = _step(build_log, "engine", providers.Factory(
         Engine, model, attention, mha_prefill, graph_runner, engine_token_slots, request_states, config.workload,
-        workload, device, speculative, overlap, dumper, tp_group))
+        workload, device, speculative, overlap, dumper, tp_group,
+        oom=providers.Factory(OOMGuard, memory_budget, tp_group, memory_reader, device),
+        sampler=providers.Factory(Sampler, device)))  # per-request sampling (runtime/engine/sampling.py)
 
 
 # The stages `build` walks, in order. Workspaces are absent on purpose: a workspace is built only when the
@@ -564,6 +575,12 @@ def build(cfg: DictConfig | dict, container: Container | None = None) -> Runtime
     if problems:
         raise ConfigError(problems)
     container.config.from_dict(plain)
+    plan = container.memory_budget()  # the tp group, the device and the plan: nothing large is allocated yet
+    problems = agree_problems(memory_problems(plan, plain), container.tp_group())
+    if problems:
+        raise ConfigError(problems)
+    plain["kv"] = {**plain["kv"], "num_pages": plan.num_pages}  # auto resolved: every pool reads this count
+    container.config.kv.num_pages.from_value(plan.num_pages)
     for stage in BUILD_STAGES:  # top to bottom; each stage builds what it depends on first
         getattr(container, stage)()
     return Runtime(container=container, config=plain, device=info)

@@ -42,6 +42,9 @@ BENCHES: dict[str, list[str]] = {
     "tp_decode": ["--quick"],  # tp=1 here; tensor parallelism needs torchrun (scripts/tp_device.sh)
     "fp8_gemm_bench": ["--quick"],  # block-fp8 linear layers (model.weights=stored / fp8)
     "fp8_moe_bench": ["--quick"],  # block-fp8 experts
+    "fp4_moe_bench": ["--quick"],  # V4's packed fp4 experts
+    "dsa_prefill_bench": ["--quick"],  # V3.2 sparse prefill vs dense, one layer (issue 48)
+    "serving": ["--quick"],  # the OpenAI server under Poisson arrivals against the offline engine
 }
 
 

@@ -12,7 +12,7 @@ def _runs(n_tokens: int, flips: int, margin: float = 1.0):
     out = {0: list(range(n_tokens))}
     ref_argmax = {0: [t + 1 if i < flips else t for i, t in enumerate(out[0])]}
     hidden = torch.ones(n_tokens, 4)
-    cand = SimpleNamespace(outputs=out, hidden={0: hidden}, lost=0)
+    cand = SimpleNamespace(outputs=out, argmax=out, hidden={0: hidden}, lost=0)  # greedy: its tokens are its choices
     ref = SimpleNamespace(argmax=ref_argmax, margins={0: [margin] * n_tokens}, hidden={0: hidden.clone()})
     return cand, ref
 

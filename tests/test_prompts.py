@@ -220,7 +220,7 @@ def _refused(*overrides: str) -> str:
 BAD_LINES = [
     ('{"prompt_ids": [1, 2], "max_new_tokens": 4}\n{"prompt_ids": [1, 2,\n', ["line 2", "not JSON", "column"]),
     ('[1, 2, 3]\n', ["line 1", "a JSON list", "JSON object"]),
-    ('{"prompt_ids": [1], "temperature": 0.7}\n', ["line 1", "unknown key", "temperature", "max_new_tokens"]),
+    ('{"prompt_ids": [1], "temprature": 0.7}\n', ["line 1", "unknown key", "temprature", "max_new_tokens"]),
     ('{"prompt_ids": [1], "prompt": "hi"}\n', ["both 'prompt' and 'prompt_ids'", "exactly one"]),
     ('{"max_new_tokens": 3}\n', ["neither 'prompt' nor 'prompt_ids'"]),
     ('{"prompt": "hello there"}\n', ["line 1 prompt", "no tokenizer", "workload.tokenizer", "prompt_ids"]),

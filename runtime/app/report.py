@@ -10,6 +10,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from runtime.app.spec_compare import summary_line
 from runtime.engine.engine import RunResult
 
 
@@ -31,7 +32,10 @@ def memory_plan(container) -> dict:
         "draft_kv_pool_bytes": container.draft_kv_pool().nbytes if container.config.speculative.enabled() else 0,
     }
     weights = container.model().weights
-    return {**sizes, "workspaces": ledger.report(), "workspace_consumers": ledger.consumers(),
+    plan = container.memory_budget()  # what was predicted before anything was allocated (docs/memory.md)
+    measured = container.memory_reader().peak(container.device())
+    return {**sizes, "plan": {**plan.as_dict(), "measured_peak_bytes": measured},
+            "workspaces": ledger.report(), "workspace_consumers": ledger.consumers(),
             "weights_by_dtype": weights.bytes_by_dtype(), "total_bytes": sum(sizes.values()) + ledger.total_bytes}
 
 
@@ -150,6 +154,18 @@ def _hisparse(container) -> dict | None:
             "device_over_dense": device / dense if dense else 0.0}
 
 
+def sparse_prefill_section(container) -> dict | None:
+    """A sparse model's prefill (DeepSeek-V3.2, issue 48): key rows its sparse layers read per layer (each prompt
+    token its own indexer top-k, min(top_k, position + 1) rows) against a dense prefill of the same steps; None
+    for a model without a sparse backend."""
+    sparse = container.sparse_decode()
+    if sparse is None:
+        return None
+    st = sparse.prefill_stats()
+    return {"top_k": st["top_k"], "tokens": st["tokens"], "rows_read": st["sparse"], "dense_rows": st["dense"],
+            "fraction_of_dense": st["sparse"] / st["dense"] if st["dense"] else 0.0}
+
+
 def _kv_cache(container) -> dict:
     """Storage dtype and scale of the latent cache, bytes per token (all cached layers) and the tokens the
     pool holds, and (fp8) how many written values clipped at +-448 x scale: the device counters, read once."""
@@ -221,8 +237,10 @@ def make_report(runtime, res: RunResult, parity: dict | None, dumps: dict[str, s
         "graphs": _graphs(runtime.container.graph_runner()),
         "speculative": speculative,
         "hisparse": _hisparse(runtime.container),
+        "sparse_prefill": sparse_prefill_section(runtime.container),
         "kv_cache": _kv_cache(runtime.container),
         "parity": parity if parity is not None else {"reference": None, "ok": None},
+        "oom_events": [e.as_dict() for e in res.oom_events],  # steps that ran out of memory and were retracted
         "dumps": dumps,
     }
 
@@ -307,6 +325,14 @@ def print_report(report: dict, console: Console | None = None) -> None:
     t.add_row("memory", f"kv pool {_mib(mem['kv_pool_bytes'])}, {draft}request states {_mib(mem['request_state_bytes'])}, "
               f"weights {_mib(mem['weights_bytes'])}, "
               + ", ".join(f"{k} {_mib(v)}" for k, v in mem["workspaces"].items()))
+    plan = mem["plan"]
+    measured = f"; measured allocator peak {_mib(plan['measured_peak_bytes'])}" if plan["measured_peak_bytes"] else ""
+    t.add_row("memory plan", f"{plan['num_pages']} pages ({'auto' if plan['auto'] else 'kv.num_pages'}) = "
+              f"{plan['tokens']} tokens; predicted peak {_mib(plan['peak_bytes'])} of {_mib(plan['free'])} free"
+              + measured)
+    for e in report.get("oom_events", []):
+        t.add_row("out of memory", f"[yellow]step {e['step']} ({e['mode']}, {e['batch_size']} requests, {e['tokens']} "
+                  f"tokens): retracted {e['retracted']}, limits now {e['limits']}[/yellow]")
     kvc = report.get("kv_cache")
     if kvc and "dsv4_pools" in kvc:
         t.add_row("dsv4 pools", ", ".join(f"{k.removeprefix('dsv4_')} {_mib(v)}" for k, v in kvc["dsv4_pools"].items()))
@@ -325,6 +351,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"verify {ph['target_verify']['mean_step_ms']:.3f} "
                   f"extend {ph['draft_extend']['mean_step_ms']:.3f}; decode {sp['decode_tokens_per_s']:.1f} tok/s"
                   + base)
+        if sp.get("vs_baseline"):
+            t.add_row("speculative vs plain", summary_line(sp["vs_baseline"]))
         kv = sp.get("shared_kv_indices")
         if kv:
             t.add_row("shared kv-indices pass", f"{kv['runs']} runs, {kv['skipped']} skipped (mode {kv['mode']}: "
@@ -338,6 +366,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"buffers {_mib(hs['device_buffer_bytes'])}) vs host KV {_mib(hs['host_kv_bytes'])}; "
                   f"{hs['device_over_dense']:.2f}x of dense; {hs['swap_ins']} swap-ins, hit rate "
                   f"{hs['hit_rate']:.1%}, {hs['bytes_copied_per_decode_step'] / 1024:.1f} KiB copied per decode step")
+    spf = report.get("sparse_prefill")
+    if spf and spf["tokens"]:
+        t.add_row("sparse prefill", f"{spf['tokens']} prompt tokens read {spf['rows_read']} key rows per sparse layer "
+                  f"(top-{spf['top_k']} each) vs {spf['dense_rows']} dense: {spf['fraction_of_dense']:.1%}")
     pl = report.get("parallel")
     if pl and pl["tp"] > 1:
         t.add_row("tensor parallel", _parallel_line(pl))
@@ -354,5 +386,5 @@ def print_report(report: dict, console: Console | None = None) -> None:
             t.add_row("fp8 vs unquantized", f"token agreement {q['token_agreement']:.1%} of {q['positions']}, "
                       f"logit max rel err {q['logit_max_rel_err']:.2e}, max abs {q['logit_max_abs_err']:.3f}")
     else:
-        t.add_row("parity", "off")
+        t.add_row("parity", f"[yellow]skipped: {par['skipped']}[/yellow]" if par.get("skipped") else "off")
     console.print(t)

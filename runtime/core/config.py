@@ -189,7 +189,7 @@ class DSV4BackendConfig(BackendConfig):
 
 @dataclass
 class DSAConfig(BackendConfig):
-    """DeepSeek sparse attention: dense prefill, indexer top-k + sparse decode (optionally over HiSparse)."""
+    """DeepSeek sparse attention: indexer top-k + sparse prefill and decode (optionally over HiSparse)."""
 
     name: str = "dsa"
     impl: str = "auto"  # auto (triton on CUDA, torch on the CPU) | torch | triton
@@ -356,10 +356,20 @@ class WorkspaceConfig:
 @dataclass
 class KVCacheConfig:
     page_size: int = 16
-    num_pages: int = 1024
+    # "auto" (the default): on CUDA the pages the memory plan leaves (runtime/core/memory_plan.py, docs/memory.md);
+    # on the CPU a fixed 1024 (memory_plan.CPU_NUM_PAGES). An int: exactly that many pages (page 0 is the padding page)
+    num_pages: Any = "auto"
     max_requests: int = 64  # rows of the request -> token table
     dtype: KVDType = KVDType.auto  # storage of the latent cache: writes quantize, kernels dequantize on read
     scale: float = 1.0  # fp8: stored = clamp(value / scale, -448, 448); read = stored * scale
+
+
+@dataclass
+class MemoryConfig:
+    """How the memory plan sizes the KV pools with ``kv.num_pages=auto`` (docs/memory.md)."""
+
+    fraction: float = 0.9  # of the device memory left after weights, workspaces, graphs and the activation peak
+    activation_bytes: int | None = None  # null: the plan's estimate; a measured peak (the report's) to pin it
 
 
 @dataclass
@@ -440,6 +450,17 @@ class EngineConfig:
     overlap: OverlapMode = OverlapMode.auto
 
 
+@dataclass
+class ServeConfig:
+    """`python -m runtime.serve`: the OpenAI-compatible HTTP server (runtime/app/serve/, docs/serving.md)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queued_requests: int = 256  # requests waiting for the engine; more get 503 with Retry-After
+    api_key: str | None = None  # set: every request needs `Authorization: Bearer KEY` (401 otherwise)
+    served_model_name: str | None = None  # the model id of /v1/models and responses; null: model.name
+
+
 class MoEParallel(str, enum.Enum):
     tp = "tp"  # every routed expert's intermediate dim split over the ranks
     ep = "ep"  # expert parallelism: each rank owns n_routed_experts / tp whole experts
@@ -472,7 +493,9 @@ class Config:
     workload: WorkloadConfig = MISSING
     device: DeviceConfig = MISSING
     parallel: ParallelConfig = MISSING
+    serve: ServeConfig = MISSING
     kv: KVCacheConfig = field(default_factory=KVCacheConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     check: CheckMode = CheckMode.reference
@@ -499,6 +522,7 @@ _GROUP_SCHEMAS: dict[str, Any] = {
     "workload": WorkloadConfig,
     "device": DeviceConfig,
     "parallel": ParallelConfig,
+    "serve": ServeConfig,
 }
 
 

@@ -22,7 +22,9 @@ from runtime.core.kv_pool import TokenSlots
 from runtime.core.parallel import CollectiveSample, SingleRank, TPGroup
 from runtime.core.prefix_chunks import plan_prefix_chunks
 from runtime.engine.graph_runner import GraphRunner
+from runtime.engine.oom import OOMGuard
 from runtime.engine.progress import Progress
+from runtime.engine.sampling import Sampler
 from runtime.engine.speculative import SpeculativeDriver
 from runtime.engine.step_outputs import PENDING, PendingStep, StepClock, StepOutputs
 from runtime.engine.workload import Request, Workload
@@ -72,6 +74,9 @@ class RunResult:
     margins: dict[int, list[float]] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     hidden_rows: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)  # (step rows, row)
+    # speculative runs: each generated token's source (prefill | accepted | bonus | correction), up to the last
+    # round's tokens (runtime/app/spec_compare.py)
+    sources: dict[int, list[str]] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
     prompt_tokens: int = 0
     finished: int = 0
@@ -79,6 +84,7 @@ class RunResult:
     queued_for_memory: int = 0
     lost: int = 0
     gpu_marks: bool = False
+    oom_events: list = field(default_factory=list)  # steps that ran out of device memory (runtime/engine/oom.py)
 
 
 class StalledError(RuntimeError):
@@ -115,6 +121,11 @@ class Engine:
         dump holds that step's values (a replay would not run the dump's Python code).
     group : SingleRank or TPGroup
         The tensor-parallel group; each step record takes the collectives it issued (or replayed).
+    oom : OOMGuard or None
+        A step raising ``torch.OutOfMemoryError`` is reported through it and its requests retracted; None: raised.
+    sampler : Sampler or None
+        Draws the tokens of requests that sample (``Request.sampling``); None: one for ``device``. Greedy
+        requests take the top-1 choice without it.
 
     Tensor parallelism: every rank runs this same loop on the same workload and schedules the same steps (the
     schedule is a function of the config, the workload and the sampled tokens, and the tokens are the same on
@@ -136,9 +147,12 @@ class Engine:
         overlap: bool = False,
         dumper: AttentionDumper | None = None,
         group: SingleRank | TPGroup | None = None,
+        sampler: Sampler | None = None,
+        oom: OOMGuard | None = None,
     ):
         self.model, self.backend, self.mha_prefill, self.graphs = model, backend, mha_prefill, graphs
-        self.slots, self.workload, self.requests, self.device = token_slots, workload, requests, device
+        self.slots, self.workload, self.requests, self.device = token_slots, dict(workload), requests, device
+        self.oom = oom  # an out-of-memory step halves this engine's copy of the scheduler limits
         self.request_states = request_states
         self.spec = spec
         self._lookahead = spec.lookahead if spec is not None else 0
@@ -146,6 +160,9 @@ class Engine:
         self.overlap, self.dumper = overlap, dumper
         self.group = group if group is not None else SingleRank(device)
         self._fence = None  # event after the previous step's metadata copies (see _forward)
+        self.sampler = sampler if sampler is not None else Sampler(device)
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admitted, in admission order
 
     # -------------------------------------------------------------------------------------------- run
     def run(self, forced: dict[int, list[int]] | None = None, progress: bool = False,
@@ -173,58 +190,111 @@ class Engine:
         if forced is not None:
             for r in requests:
                 r.max_new_tokens = len(forced[r.rid])
-        res = RunResult(prompt_tokens=sum(len(r.prompt) for r in requests), gpu_marks=self.clock.cuda)
-        for r in requests:
-            res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
-        waiting: deque[Request] = deque(requests)
-        running: list[Request] = []  # admitted, in admission order
+        self.begin(requests, forced, record_hidden)
+        with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
+            while self.step(bar):
+                pass
+        return self.end(requests)
+
+    # ------------------------------------------------------------------------------------ step-wise
+    def begin(self, requests: list[Request], forced: dict[int, list[int]] | None = None,
+              record_hidden: bool = True) -> RunResult:
+        """Start a run with ``requests`` waiting in order; :meth:`step` advances it, :meth:`admit` adds requests
+        (a server's arrivals), :meth:`abort` drops one. Returns the RunResult the steps fill."""
         if forced is not None and self.spec is not None:
             raise ValueError("Engine.run(forced=...) replays given tokens through plain greedy decoding; this engine "
                              "speculates. Fix: build the replay engine with speculative.enabled=false.")
+        self._res = RunResult(gpu_marks=self.clock.cuda)
+        self._waiting, self._running, self._forced = deque(), [], forced
         self._outputs = StepOutputs(self.clock, record_hidden, self.requests.eos_ids)
-        self._res = res
         self._timed: list[tuple[StepRecord, object, object]] = []  # speculative phases awaiting their times
+        self.admit(requests)
         self.graphs.capture()
         self.group.stats.take()  # graph warm-ups are no step's
-        with Progress(sum(r.max_new_tokens for r in requests), enabled=progress) as bar:
-            while waiting or running:
-                if self.overlap:  # an EOS is learned one step late, never later
-                    self._outputs.resolve_older(res, keep=1)
-                    self._release_stopped(running, res)
-                    if not (waiting or running):
-                        break
-                step = self._prefill_step(waiting, running, res)
-                if step is None and self.spec is not None:
-                    decoding, locs = self._reserve_decoding(waiting, running, res, self.spec.round_span)
-                    if decoding:
-                        self._spec_round(decoding, locs, running, res, bar)
-                        continue
-                    step = self._unblock(waiting, running, res)
-                elif step is None:
-                    step = self._decode_step(waiting, running, res)
-                if step is None:
-                    raise StalledError(self._stall_message(waiting, running))
-                reqs, batch, ids, sample_rows, req_rows = step
-                phase = "prefill" if batch.mode == ForwardMode.EXTEND else "decode"
-                record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0, phase=phase)
-                res.steps.append(record)
-                start = self.clock.mark()
-                h, record.graphed = self._forward(ids, batch)
-                sel = h if sample_rows is None else h[sample_rows]
-                pending = self._sample(reqs, req_rows, sel, forced, record, start)
-                record.collectives = self.group.stats.take()
-                if self.spec is not None and batch.mode == ForwardMode.EXTEND:
-                    starting = [r for r in reqs if len(r.output) + 1 < r.max_new_tokens]
-                    self.spec.after_prefill(ids, batch, [r.row for r in starting], [r.cached for r in starting],
-                                            self.slots.req_to_token_pool.last_token, self._spec_forward)
-                self._finish_step(reqs, running, res)
-                self._outputs.push(pending, res)
-                if not self.overlap:
-                    self._outputs.resolve_all(res)
-                self._release_stopped(running, res)
-                bar.advance(len(reqs))
-        self._outputs.resolve_all(res)
+        return self._res
+
+    def admit(self, requests: list[Request]) -> None:
+        """Queue ``requests`` (after those waiting); they join a batch at a coming step."""
+        res = self._res
+        for r in requests:
+            res.prompt_tokens += len(r.prompt)
+            res.argmax[r.rid], res.margins[r.rid], res.hidden_rows[r.rid] = [], [], []
+            self._waiting.append(r)
+
+    def abort(self, r: Request) -> None:
+        """Drop ``r``: out of the queue, or its KV pages and request row returned now; it ends as stopped.
+        Results of steps already enqueued for it are dropped when they resolve."""
+        if r in self._waiting:
+            self._waiting.remove(r)
+        elif r.row is not None:
+            self.slots.release(r.row)
+            self._running.remove(r)
+            r.row = None
+        r.stopped = True
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) requests."""
+        return len(self._waiting), len(self._running)
+
+    def step(self, bar: Progress | None = None) -> bool:
+        """One scheduler iteration: a prefill or decode step (or a speculative round). False when no request
+        was waiting or running (nothing ran)."""
+        waiting, running, res, forced = self._waiting, self._running, self._res, self._forced
+        bar = bar if bar is not None else Progress(0, enabled=False)
+        if self.overlap:  # an EOS is learned one step late, never later
+            self._outputs.resolve_older(res, keep=1)
+            self._release_stopped(running, res)
+        if not (waiting or running):
+            return False
+        step = self._prefill_step(waiting, running, res)
+        if step is None and self.spec is not None:
+            decoding, locs = self._reserve_decoding(waiting, running, res, self.spec.round_span)
+            if decoding:
+                try:
+                    self._spec_round(decoding, locs, running, res, bar)
+                except torch.OutOfMemoryError as e:
+                    return self._out_of_memory(e, decoding, None)
+                return True
+            step = self._unblock(waiting, running, res)
+        elif step is None:
+            step = self._decode_step(waiting, running, res)
+        if step is None:
+            raise StalledError(self._stall_message(waiting, running))
+        reqs, batch, ids, sample_rows, req_rows = step
+        phase = "prefill" if batch.mode == ForwardMode.EXTEND else "decode"
+        record = StepRecord(batch.mode, batch.batch_size, batch.num_tokens, 0.0, phase=phase)
+        res.steps.append(record)
+        start = self.clock.mark()
+        try:
+            h, record.graphed = self._forward(ids, batch)
+            sel = h if sample_rows is None else h[sample_rows]
+            pending = self._sample(reqs, req_rows, sel, forced, record, start)
+        except torch.OutOfMemoryError as e:  # a corner the memory plan missed: retract the step, back off
+            res.steps.pop()
+            return self._out_of_memory(e, [r for r in running if r.row in batch.req_pool_indices_cpu.tolist()], batch)
+        record.collectives = self.group.stats.take()
+        if self.spec is not None and batch.mode == ForwardMode.EXTEND:
+            starting = [r for r in reqs if len(r.output) + 1 < r.max_new_tokens]
+            self.spec.after_prefill(ids, batch, [r.row for r in starting], [r.cached for r in starting],
+                                    self.slots.req_to_token_pool.last_token, self._spec_forward)
+        self._finish_step(reqs, running, res)
+        self._outputs.push(pending, res)
+        if not self.overlap:
+            self._outputs.resolve_all(res)
         self._release_stopped(running, res)
+        bar.advance(len(reqs))
+        return True
+
+    def flush(self) -> None:
+        """Resolve every pending step (outputs complete; stopped requests released)."""
+        self._outputs.resolve_all(self._res)
+        self._release_stopped(self._running, self._res)
+
+    def end(self, requests: list[Request]) -> RunResult:
+        """Resolve what is pending and finish the RunResult of ``requests`` (outputs, reasons, hidden states)."""
+        res = self._res
+        self.flush()
         self._resolve_times(wait=True)
         hidden_dim = self.model.spec.hidden_size
         res.hidden = {rid: (torch.stack([t[i] for t, i in v]) if v else torch.empty(0, hidden_dim))
@@ -239,21 +309,29 @@ class Engine:
                 start) -> PendingStep:
         """Greedy choice for each sampling request (``sel`` [n, hidden], ``req_rows`` [n] their request rows
         on the device); the fed token goes to the last-token table on the device."""
-        top2 = torch.topk(self.model.logits(sel), 2, dim=-1)
+        logits = self.model.logits(sel)
+        top2 = torch.topk(logits, 2, dim=-1)
         choices = top2.indices[:, 0]
-        tokens = choices
+        tokens, drawn = choices, None
         if forced is not None:
             tokens = torch.tensor([forced[r.rid][len(r.output)] for r in reqs], dtype=torch.int64)
             tokens = to_device(tokens, self.device)
+        elif self.sampler.needed([r.sampling for r in reqs]):  # sampled tokens, logprobs (sampling.py)
+            drawn = self.sampler.sample(logits, [r.sampling for r in reqs], [len(r.output) for r in reqs], choices)
+            tokens = drawn.tokens
         if reqs:
             self.slots.req_to_token_pool.last_token[req_rows] = tokens
         slots = [len(r.output) for r in reqs]
         host = self.clock.to_host
         hidden = host(sel.float()) if self._outputs.record_hidden else None
         choices_host = host(choices)  # unforced: the fed tokens are the choices (one copy serves both)
-        tokens_host = choices_host if forced is None else host(tokens)
+        tokens_host = choices_host if tokens is choices else host(tokens)
+        logprobs = None
+        if drawn is not None and drawn.logprob is not None:
+            top = (None, None) if drawn.top_ids is None else (host(drawn.top_ids), host(drawn.top_logprobs))
+            logprobs = (host(drawn.logprob), *top, drawn.wanted)
         return PendingStep(reqs, slots, tokens_host, choices_host, host(top2.values.float()), hidden, record,
-                           start, self.clock.mark())
+                           start, self.clock.mark(), logprobs)
 
     def _forward(self, ids: torch.Tensor, batch) -> tuple[torch.Tensor, bool]:
         """A prefill or plain decode step of the target model (the MHA chunked-prefix plan for EXTEND);
@@ -322,6 +400,8 @@ class Engine:
                 continue
             r.stopped = rr.stopped[i]
             r.output.extend(toks)
+            src = res.sources.setdefault(r.rid, [])  # tokens resolved since the last round came from prefill steps
+            src += ["prefill"] * (len(res.argmax[r.rid]) - len(src)) + rr.sources[i]
             res.argmax[r.rid].extend(toks)
             res.margins[r.rid].extend(margins)
             if rr.hidden is not None:
@@ -457,6 +537,16 @@ class Engine:
         r.retractions += 1
         res.retracted += 1
         waiting.appendleft(r)
+
+    def _out_of_memory(self, error, reqs: list[Request], batch) -> bool:
+        """Report the failed step through the guard (it raises when retracting cannot help), retract its requests
+        (the earliest started ends first in the queue) and go on (runtime/engine/oom.py)."""
+        if self.oom is None:
+            raise error
+        self._res.oom_events.append(self.oom.handle(error, len(self._res.steps), batch, self.workload, len(reqs)))
+        for r in reversed(reqs):
+            self._retract(r, self._waiting, self._running, self._res)
+        return True
 
     def _finish_step(self, reqs: list[Request], running: list[Request], res: RunResult) -> None:
         """Host bookkeeping that needs no token value: a placeholder output per sampled request, and the

@@ -5,6 +5,9 @@ The file (``workload=prompts workload.path=FILE``) holds one JSON object per lin
     {"prompt_ids": [0, 17, 943], "max_new_tokens": 16}
     {"prompt": "The capital of France is", "max_new_tokens": 8}    # text: needs a tokenizer
     {"prompt_ids": [0, 5]}                                          # max_new_tokens: workload.max_new_tokens
+    {"prompt": "Once", "temperature": 0.8, "top_p": 0.9, "seed": 7, "stop": ["."], "logprobs": 2}
+
+A line may carry the sampling parameters of runtime/engine/sampling.py (``temperature`` 0, the default, is greedy).
 
 Text is encoded with the tokenizer ``workload.tokenizer`` (a ``tokenizer.json``, or a folder holding one), else
 ``model.path/tokenizer.json`` when the model folder has one. Stop ids: ``workload.eos_token_ids`` when set,
@@ -25,9 +28,10 @@ from tokenizers import Tokenizer
 
 from runtime.core.config import WorkloadKind
 from runtime.core.errors import ConfigError, Problem
+from runtime.engine.sampling import PARAM_KEYS, parse_params
 from runtime.engine.workload import RequestSpec, Workload, synthetic_specs
 
-PROMPT_KEYS = ("prompt", "prompt_ids", "max_new_tokens")
+PROMPT_KEYS = ("prompt", "prompt_ids", "max_new_tokens", *PARAM_KEYS)
 TOKENIZER_FILE = "tokenizer.json"
 EOS_FILES = ("generation_config.json", "config.json")  # the first that names eos_token_id wins (as in HF)
 MAX_LISTED = 20  # problems listed one by one; the rest are counted
@@ -205,9 +209,20 @@ def _line_request(obj: Any, where: str, tokenizer, tokenizer_hint: str, limits: 
                    f"shorten the prompt to at most {limits.max_context - limits.lookahead - 1} tokens")
             add(Problem(where, f"prompt {len(prompt)} + max_new_tokens {max_new}{la} = {total} tokens",
                         f"<= model.max_context ({limits.max_context})", fix))
+    sampling, p = parse_params(obj, f"{where} ", limits.vocab_size)
+    out += p
+    if sampling is not None and sampling.stop and tokenizer is None:
+        add(Problem(f"{where} stop", f"{list(sampling.stop)} but no tokenizer " + tokenizer_hint,
+                    "a tokenizer to match stop strings on the decoded text",
+                    "set workload.tokenizer=PATH/tokenizer.json (or model.path), or use stop_token_ids"))
+    if sampling is not None and not sampling.greedy and limits.lookahead:
+        add(Problem(f"{where} temperature", f"{sampling.temperature} with speculative decoding",
+                    "temperature 0 (speculative rounds accept greedily)",
+                    "drop temperature on this line, or set speculative=off"))
     if out:
         return None, out
-    return RequestSpec(tuple(int(t) for t in prompt), int(max_new)), []
+    has_params = any(obj.get(k) is not None for k in PARAM_KEYS)
+    return RequestSpec(tuple(int(t) for t in prompt), int(max_new), sampling if has_params else None), []
 
 
 def read_prompt_file(path: str | None, tokenizer, tokenizer_hint: str, limits: Limits,

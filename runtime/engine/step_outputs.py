@@ -68,6 +68,8 @@ class PendingStep:
     top2 : [n, 2] float32 host (likewise): logits of the two best tokens
     hidden : [n, hidden] host (likewise) final-normed hidden states, or None when not recorded
     record : the StepRecord whose ``seconds`` is filled in when resolved; start/end: StepClock marks
+    logprobs : with a request that asked for logprobs: host (likewise) ([n] logprob of each fed token,
+        [n, N] top ids or None, [n, N] top logprobs or None, each row's wanted N or None)
     """
 
     reqs: list
@@ -79,6 +81,7 @@ class PendingStep:
     record: object
     start: object
     end: object
+    logprobs: tuple | None = None
 
 
 class StepOutputs:
@@ -124,11 +127,14 @@ class StepOutputs:
         tokens, choices = s.tokens.tolist(), s.choices.tolist()
         margins = (s.top2[:, 0] - s.top2[:, 1]).tolist()
         hidden = s.hidden
+        lp = _logprob_rows(s.logprobs)
         for i, (r, slot) in enumerate(zip(s.reqs, s.slots)):
             if slot >= len(r.output):  # generated after the request's EOS, by a step enqueued before it was seen
                 continue
             r.output[slot] = tokens[i]
-            if tokens[i] in self.eos_ids:
+            if lp is not None and lp[i] is not None:
+                r.logprobs.append(lp[i])
+            if r.stop_rule.hit(tokens[i]) if r.stop_rule is not None else tokens[i] in self.eos_ids:
                 r.stopped = True
                 del r.output[slot + 1 :]
                 self._stopped.append(r)
@@ -136,3 +142,15 @@ class StepOutputs:
             sink.margins[r.rid].append(margins[i])
             if hidden is not None:
                 sink.hidden_rows[r.rid].append((hidden, i))  # rows are gathered once, after the run
+
+
+def _logprob_rows(logprobs: tuple | None) -> list | None:
+    """Per row: (logprob of the fed token, [(id, logprob), ...] of the top N), or None where not asked for."""
+    if logprobs is None:
+        return None
+    chosen, top_ids, top_lps, wanted = logprobs
+    chosen = chosen.tolist()
+    ids = top_ids.tolist() if top_ids is not None else None
+    lps = top_lps.tolist() if top_lps is not None else None
+    return [None if n is None else (chosen[i], list(zip(ids[i][:n], lps[i][:n])) if n and ids is not None else [])
+            for i, n in enumerate(wanted)]

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from runtime.core.config import LengthDist
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.stops import StopRule
 
 
 def sample_lengths(dist: dict, n: int, rng: np.random.Generator) -> list[int]:
@@ -40,6 +42,9 @@ class Request:
     decoding: bool = False  # prefill done: each step feeds the newest token
     retractions: int = 0
     stopped: bool = False  # emitted a stop (EOS) token: ``output`` ends with it
+    sampling: SamplingParams | None = None  # None: greedy (runtime/engine/sampling.py)
+    stop_rule: StopRule | None = None  # None: the workload's EOS ids stop it (runtime/engine/stops.py)
+    logprobs: list = field(default_factory=list)  # with sampling.logprobs: (logprob, [(id, logprob), ...]) per token
 
     @property
     def tokens(self) -> list[int]:
@@ -52,10 +57,11 @@ class Request:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request as given: prompt token ids and the most tokens to generate."""
+    """One request as given: prompt token ids, the most tokens to generate, and how it samples and stops."""
 
     prompt: tuple[int, ...]
     max_new_tokens: int
+    sampling: SamplingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,18 @@ class Workload:
     tokenizer: Any = None
 
     def requests(self) -> list[Request]:
-        """Fresh engine requests (every run starts from these)."""
-        return [Request(rid=i, prompt=list(s.prompt), max_new_tokens=s.max_new_tokens) for i, s in enumerate(self.specs)]
+        """Fresh engine requests (every run starts from these). A request with sampling parameters gets its stop
+        rule; a sampled one without a seed gets seed ``i`` (so every run, and every tensor-parallel rank, draws
+        the same tokens)."""
+        out = []
+        for i, s in enumerate(self.specs):
+            r = Request(rid=i, prompt=list(s.prompt), max_new_tokens=s.max_new_tokens)
+            if s.sampling is not None:
+                p = s.sampling
+                r.sampling = p if p.seed is not None or p.greedy else SamplingParams(**{**p.__dict__, "seed": i})
+                r.stop_rule = StopRule(p, self.eos_ids, self.tokenizer)
+            out.append(r)
+        return out
 
     def decode(self, ids: list[int]) -> str | None:
         """The text of ``ids`` (special tokens dropped), or None without a tokenizer."""

@@ -1,0 +1,279 @@
+"""Serving benchmark (what ``sglang.bench_serving`` does): Poisson arrivals against the OpenAI API, streamed.
+
+For each ``--request-rate`` (requests/s; ``inf``: all at once) the same requests are sent with exponential gaps,
+each streamed (``/v1/completions``, token-id prompts, ``ignore_eos`` so every request generates exactly its
+output length); it prints per rate: TTFT (arrival to first token), inter-token latency (the gap between two
+streamed chunks, spread over the tokens they carry) and end-to-end latency p50 / p90 / p99 in ms, request
+throughput and output tokens/s. Requests: random input / output lengths (``--input-len`` / ``--output-len`` with
+``--range-ratio``), or a prompts file (the JSON lines of ``workload=prompts``: ``prompt_ids`` or ``prompt``,
+``max_new_tokens``).
+
+Against a running server: ``python -m bench.serving --url http://127.0.0.1:8000 --request-rate 1 4 16 inf``.
+Self-hosted (the server in this process, on a free port; overrides as for ``python -m runtime.serve``):
+``python -m bench.serving --serve device=cpu --num-prompts 16 --request-rate 8 inf``. With ``--offline`` a
+self-hosted run first serves the same requests with the offline engine (``Engine.run``, all at once) and prints
+its output tokens/s and prefill / decode step times, the figures the server is compared with (docs/serving.md).
+``--plot FILE.png`` plots the latencies and throughput against the rate (the ``plot`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.harness import Ceilings, Table, json_line
+
+
+@dataclass
+class Job:
+    prompt: list[int] | str
+    output_len: int
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    ttft: float = math.nan
+    itl: list[float] = field(default_factory=list)
+    e2e: float = math.nan
+    tokens: int = 0
+    error: str = ""
+
+
+def random_jobs(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int, seed: int) -> list[Job]:
+    """``n`` requests: lengths uniform in [len * range_ratio, len], prompt ids uniform in [1, vocab)."""
+    rng = np.random.default_rng(seed)
+    ins = rng.integers(max(1, int(input_len * range_ratio)), input_len + 1, size=n)
+    outs = rng.integers(max(1, int(output_len * range_ratio)), output_len + 1, size=n)
+    return [Job([int(t) for t in rng.integers(1, vocab, size=i)], int(o)) for i, o in zip(ins, outs)]
+
+
+def file_jobs(path: str, default_output: int) -> list[Job]:
+    jobs = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            jobs.append(Job(obj.get("prompt_ids", obj.get("prompt")), int(obj.get("max_new_tokens", default_output))))
+    return jobs
+
+
+async def _one(client, url: str, model: str, job: Job, headers: dict) -> Outcome:
+    import httpx
+
+    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    start = time.perf_counter()
+    out = Outcome(ok=False)
+    last = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk.get("choices"):
+                    continue
+                c = chunk["choices"][0]
+                n = len(c.get("token_ids", ())) or (1 if c.get("text") else 0)
+                if n == 0:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    out.ttft = now - start
+                else:
+                    out.itl += [(now - last) / n] * n
+                last = now
+                out.tokens += n
+        out.e2e = time.perf_counter() - start
+        out.ok = True
+    except (httpx.HTTPError, ValueError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+    return out
+
+
+async def run_rate(base_url: str, model: str, jobs: list[Job], rate: float, seed: int, api_key: str | None,
+                   max_concurrency: int | None) -> tuple[list[Outcome], float]:
+    """Send ``jobs`` with Poisson arrivals at ``rate``; (outcomes, wall seconds from first send to last end)."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or len(jobs) + 8)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def send(job: Job) -> Outcome:
+            if gate is None:
+                return await _one(client, f"{base_url}/v1/completions", model, job, headers)
+            async with gate:
+                return await _one(client, f"{base_url}/v1/completions", model, job, headers)
+
+        start = time.perf_counter()
+        tasks = []
+        for job in jobs:
+            tasks.append(asyncio.create_task(send(job)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        outcomes = await asyncio.gather(*tasks)
+        return outcomes, time.perf_counter() - start
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3 if values else math.nan
+
+
+def summarize(rate: float, outcomes: list[Outcome], seconds: float) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    itl = [x for o in ok for x in o.itl]
+    row = {"rate": rate if math.isfinite(rate) else "inf", "done": len(ok), "failed": len(outcomes) - len(ok),
+           "req/s": len(ok) / seconds, "out tok/s": sum(o.tokens for o in ok) / seconds}
+    for name, vals in (("ttft", [o.ttft for o in ok]), ("itl", itl), ("e2e", [o.e2e for o in ok])):
+        for q in (50, 90, 99):
+            row[f"{name} p{q} ms"] = _pct(vals, q)
+    return row
+
+
+def offline_figures(plain: dict, jobs: list[Job]) -> dict:
+    """The same requests through the offline engine (all queued at once): output tokens/s, step times."""
+    import containers
+    from runtime.engine.workload import RequestSpec, Workload
+
+    rt = containers.build(plain)
+    engine = rt.engine
+    tok = engine.requests.tokenizer
+    specs = tuple(RequestSpec(tuple(j.prompt if isinstance(j.prompt, list) else tok.encode(j.prompt).ids),
+                              j.output_len) for j in jobs)
+    engine.requests = Workload(specs, frozenset(), tok)  # no EOS: every request generates its full length
+    start = time.perf_counter()
+    res = engine.run(record_hidden=False)
+    seconds = time.perf_counter() - start
+    steps = {ph: [s.seconds for s in res.steps if s.phase == ph] for ph in ("prefill", "decode")}
+    return {"offline out tok/s": sum(len(v) for v in res.outputs.values()) / seconds,
+            "offline prefill step p50 ms": _pct(steps["prefill"], 50),
+            "offline decode step p50 ms": _pct(steps["decode"], 50), "offline seconds": seconds}
+
+
+def plot(rows: list[dict], path: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    finite = [r for r in rows if r["rate"] != "inf"]
+    if not finite:
+        return None
+    x = [r["rate"] for r in finite]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in ("ttft p50 ms", "ttft p99 ms", "itl p50 ms", "itl p99 ms", "e2e p50 ms"):
+        a.plot(x, [r[key] for r in finite], marker="o", label=key)
+    a.set_xlabel("request rate (req/s)"), a.set_ylabel("ms"), a.set_yscale("log"), a.legend()
+    b.plot(x, [r["out tok/s"] for r in finite], marker="o")
+    b.set_xlabel("request rate (req/s)"), b.set_ylabel("output tokens/s")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--serve", nargs="*", help="self-host: Hydra overrides of runtime.serve (e.g. device=cpu)")
+    ap.add_argument("--request-rate", nargs="+", type=float, default=[math.inf], help="requests/s; inf: at once")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=1.0, help="lengths uniform in [len * ratio, len]")
+    ap.add_argument("--prompts-file", help="JSON lines as for workload=prompts (instead of random prompts)")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--offline", action="store_true", help="self-hosted: also the offline engine's figures")
+    ap.add_argument("--plot", help="write the rate sweep plot here (matplotlib)")
+    ap.add_argument("--quick", action="store_true", help="self-hosted on the default config (unless --url / --serve "
+                    "say otherwise): 16 prompts of 64 tokens, 16 out, rates 4 and inf, with the offline figures")
+    return ap
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    import runtime.core.config  # noqa: F401  (registers the schemas)
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose("config", overrides=[*overrides, "serve.port=0"])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        if args.url is None and args.serve is None:
+            args.serve = []
+        args.num_prompts, args.input_len, args.output_len = 16, 64, 16
+        args.request_rate, args.offline = [4.0, math.inf], args.url is None
+    if (args.url is None) == (args.serve is None):
+        raise SystemExit("give exactly one of --url (a running server) and --serve [OVERRIDES] (self-hosted)")
+    meta: dict = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len}
+    server = None
+    if args.serve is not None:
+        from containers import to_plain
+        from runtime.app.serve.server import Background, make_server
+
+        cfg = _compose(args.serve)
+        vocab = to_plain(cfg)["model"]["vocab_size"] or 32000
+        jobs = _jobs(args, vocab)
+        if args.offline:
+            meta.update(offline_figures(to_plain(cfg), jobs))
+        server = Background(make_server(cfg)).__enter__()
+        url, model = server.url, server.server.state.model_name
+    else:
+        import httpx
+
+        url = args.url.rstrip("/")
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        models = httpx.get(f"{url}/v1/models", headers=headers).json()["data"]
+        model, vocab = models[0]["id"], models[0].get("vocab_size", 32000)
+        jobs = _jobs(args, vocab)
+    rows = []
+    try:
+        for i, rate in enumerate(args.request_rate):
+            outcomes, seconds = asyncio.run(run_rate(url, model, jobs, rate, args.seed + i, args.api_key,
+                                                     args.max_concurrency))
+            rows.append(summarize(rate, outcomes, seconds))
+            failed = [o.error for o in outcomes if not o.ok]
+            if failed:
+                print(f"rate {rate}: {len(failed)} failed, e.g. {failed[0]}")
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
+    fmt = {k: ".1f" for r in rows for k in r if k.endswith("ms") or k.endswith("/s")}
+    print(Table(rows, title=f"serving: {len(jobs)} requests, model {model}", formats=fmt).render())
+    for k, v in meta.items():
+        if k.startswith("offline"):
+            print(f"{k}: {v:.1f}")
+    if args.plot:
+        path = plot(rows, args.plot)
+        print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed; pip install -e '.[plot]')")
+    print(json_line("serving", Ceilings("client", math.nan, math.nan), Table(rows), meta))
+    return rows
+
+
+def _jobs(args, vocab: int) -> list[Job]:
+    if args.prompts_file:
+        return file_jobs(args.prompts_file, args.output_len)[: args.num_prompts]
+    return random_jobs(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab, args.seed)
+
+
+if __name__ == "__main__":
+    main()

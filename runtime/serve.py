@@ -1,0 +1,36 @@
+"""`python -m runtime.serve [overrides]`: the OpenAI-compatible HTTP server (docs/serving.md).
+
+The same Hydra config as `python -m runtime`, plus the `serve` group (`serve.host`, `serve.port`,
+`serve.max_queued_requests`, `serve.api_key`, `serve.served_model_name`). Needs the `serve` extra:
+`pip install -e '.[serve]'`. The scheduler limits (running requests, tokens per batch, chunked prefill) come from the
+`workload` group as offline; without a `workload=` override the server takes `workload=chat` (64 running requests,
+8192 tokens per batch) instead of the batch runs' `smoke` (4 running).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+import runtime.core.config  # noqa: F401  (registers the schemas in the ConfigStore)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        from runtime.app.serve import server
+    except ImportError as e:
+        print(f"python -m runtime.serve needs the server's packages ({e.name} is missing). "
+              "Fix: pip install -e '.[serve]'", file=sys.stderr)
+        sys.exit(2)
+    code = server.main(cfg)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    if not any(a.startswith(("workload=", "+workload=")) for a in sys.argv[1:]):
+        sys.argv.append("workload=chat")
+    main()
