@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import containers
 from runtime.app.parity import compare, reference_config
+from runtime.app.report import _outputs
 from runtime.core.errors import ConfigError
 from runtime.engine.sampling import Sampler, SamplingParams, filter_probs, parse_params, uniform_noise
 from runtime.engine.stops import StopRule, TextStream
@@ -152,6 +153,8 @@ def test_prompt_file_stop_strings_stop_ids_and_logprobs(tmp_path):
     assert res.outputs[0] == out[: first + 1] and res.finish_reasons[0] == "stop"
     assert res.outputs[1] == out[: first + 1] and res.finish_reasons[1] == "stop"
     assert res.outputs[2] == out and res.finish_reasons[2] == "length"
+    shown = _outputs(res, rt.container.workload())  # the report's text: cut before the stop string, as served
+    assert f"w{third}" not in shown[0]["text"] and shown[2]["text"].startswith(shown[0]["text"])
     pages = rt.container.page_allocator()
     assert pages.available == pages.capacity
 

@@ -201,15 +201,17 @@ def _model(runtime) -> dict:
 
 def _outputs(res: RunResult, workload) -> list[dict]:
     """One entry per request, in input order: prompt length, generated ids, why it ended, and the decoded
-    text when the workload has a tokenizer."""
+    text when the workload has a tokenizer (cut before the first of the request's stop strings, as the server
+    shows it: the ids keep the tokens that completed it)."""
     out = []
     for rid in sorted(res.outputs):
-        ids = res.outputs[rid]
-        entry = {"rid": rid, "prompt_tokens": len(workload.specs[rid].prompt), "output_ids": ids,
+        ids, spec = res.outputs[rid], workload.specs[rid]
+        entry = {"rid": rid, "prompt_tokens": len(spec.prompt), "output_ids": ids,
                  "finish_reason": res.finish_reasons.get(rid, "length")}
         text = workload.decode(ids)
         if text is not None:
-            entry["text"] = text
+            stops = spec.sampling.stop if spec.sampling is not None else ()
+            entry["text"] = text[:min((i for s in stops if (i := text.find(s)) >= 0), default=len(text))]
         out.append(entry)
     return out
 
