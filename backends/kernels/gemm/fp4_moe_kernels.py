@@ -31,6 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backends.kernels.gemm.fp8_moe_kernels import expert_tile
 from backends.kernels.pdl import pdl_enter
 
 #: inputs per scale (one scale group: 16 packed bytes)
@@ -204,27 +205,10 @@ def _fp4_grouped_gemm_kernel(A, B, BS, C, OFFS, n_experts, N, K, n_out, limit, s
     A [rows, K] of 16 bits grouped by expert; B [E, N, K / 2] packed e2m1, BS [E, N, cdiv(K, 32)] float32; OFFS [E]
     int32, the inclusive cumulative row counts. Rows past OFFS[E - 1] are not written.
 
-    Program id -> (tile slot, n-block), GROUP_M tile slots per n-block sweep (one expert's tiles share its weight
-    bytes in L2). Each program reads the offsets (E_P2 >= E lanes), counts the row tiles of BLOCK_M per expert and
-    finds its tile's expert by a cumulative sum (no host sync); slots past the last tile return."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(n_out, BLOCK_N)
-    per_group = GROUP_M * n_tiles_n
-    group = pid // per_group
-    slot = group * GROUP_M + (pid % per_group) % GROUP_M
-    pid_n = (pid % per_group) // GROUP_M
-    ei = tl.arange(0, E_P2)
-    ends = tl.load(OFFS + ei, mask=ei < n_experts, other=0)
-    starts = tl.load(OFFS + ei - 1, mask=(ei > 0) & (ei < n_experts), other=0)
-    counts = tl.where(ei < n_experts, ends - starts, 0)
-    tiles = (tl.maximum(counts, 0) + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(tiles, 0)
-    if slot >= tl.sum(tiles):
+    Each program finds its tile with :func:`~backends.kernels.gemm.fp8_moe_kernels.expert_tile` (no host sync); slots past the last tile return."""
+    live, e, row0, row_end, pid_n = expert_tile(OFFS, n_experts, n_out, E_P2, BLOCK_M, BLOCK_N, GROUP_M)
+    if not live:
         return
-    e = tl.sum((cum <= slot).to(tl.int32))
-    sel = ei == e
-    row0 = tl.sum(tl.where(sel, starts, 0)) + (slot - tl.sum(tl.where(sel, cum - tiles, 0))) * BLOCK_M
-    row_end = tl.sum(tl.where(sel, ends, 0))
     DT: tl.constexpr = A.dtype.element_ty
     rm = row0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -176,6 +176,33 @@ def _quantize_groups_kernel(X, Q, S, LIMIT, M, K, stride_x, stride_q, stride_s, 
 
 
 @triton.jit
+def expert_tile(OFFS, n_experts, n_out, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """This program's output tile of a grouped GEMM over rows grouped by expert (OFFS [E] int32, the inclusive
+    cumulative row counts), without a host sync: program id -> (tile slot, n-block), GROUP_M tile slots per n-block
+    sweep (one expert's tiles share its weight bytes in L2); the offsets are read into E_P2 >= E lanes, the row
+    tiles of BLOCK_M counted per expert and the slot's expert found by a cumulative sum.
+
+    Returns (live, e, row0, row_end, pid_n): ``live`` False for slots past the last tile (the program returns),
+    the expert, its tile's first row, the expert's end row (rows from there are masked) and the n-block."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(n_out, BLOCK_N)
+    slot = (pid // per_group) * GROUP_M + (pid % per_group) % GROUP_M
+    pid_n = (pid % per_group) // GROUP_M
+    ei = tl.arange(0, E_P2)
+    ends = tl.load(OFFS + ei, mask=ei < n_experts, other=0)
+    starts = tl.load(OFFS + ei - 1, mask=(ei > 0) & (ei < n_experts), other=0)
+    counts = tl.where(ei < n_experts, ends - starts, 0)
+    tiles = (tl.maximum(counts, 0) + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= slot).to(tl.int32))
+    sel = ei == e
+    row0 = tl.sum(tl.where(sel, starts, 0)) + (slot - tl.sum(tl.where(sel, cum - tiles, 0))) * BLOCK_M
+    row_end = tl.sum(tl.where(sel, ends, 0))
+    return slot < tl.sum(tiles), e, row0, row_end, pid_n
+
+
+@triton.jit
 def _fp8_grouped_gemm_kernel(A, AS, B, BS, C, OFFS, n_experts, N, K, stride_a, stride_as, stride_be, stride_bn,
                              stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -185,29 +212,11 @@ def _fp8_grouped_gemm_kernel(A, AS, B, BS, C, OFFS, n_experts, N, K, stride_a, s
     B [E, N, K] e4m3, BS [E, cdiv(N, 128), cdiv(K, 128)] float32; OFFS [E] int32, the inclusive cumulative row
     counts. Rows past OFFS[E - 1] are not written.
 
-    Program id -> (tile slot, n-block), GROUP_M tile slots per n-block sweep (the tiles of one expert share its
-    weight blocks in L2). Each program reads the offsets (E_P2 >= E lanes), counts the row tiles of BLOCK_M per
-    expert, and finds which expert's tile its slot is by a cumulative sum; slots past the last tile return. The
-    k loop is 128 wide: one activation scale per row and one weight scale per column per step."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * n_tiles_n
-    group = pid // per_group
-    first = group * GROUP_M
-    slot = first + (pid % per_group) % GROUP_M
-    pid_n = (pid % per_group) // GROUP_M
-    ei = tl.arange(0, E_P2)
-    ends = tl.load(OFFS + ei, mask=ei < n_experts, other=0)
-    starts = tl.load(OFFS + ei - 1, mask=(ei > 0) & (ei < n_experts), other=0)
-    counts = tl.where(ei < n_experts, ends - starts, 0)
-    tiles = (tl.maximum(counts, 0) + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(tiles, 0)
-    if slot >= tl.sum(tiles):
+    Each program finds its tile with :func:`expert_tile` (no host sync); slots past the last tile return.
+    The k loop is 128 wide: one activation scale per row and one weight scale per column per step."""
+    live, e, row0, row_end, pid_n = expert_tile(OFFS, n_experts, N, E_P2, BLOCK_M, BLOCK_N, GROUP_M)
+    if not live:
         return
-    e = tl.sum((cum <= slot).to(tl.int32))
-    sel = ei == e
-    row0 = tl.sum(tl.where(sel, starts, 0)) + (slot - tl.sum(tl.where(sel, cum - tiles, 0))) * BLOCK_M
-    row_end = tl.sum(tl.where(sel, ends, 0))
     rm = row0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = rm < row_end
