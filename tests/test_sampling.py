@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import compose_config
-from tokenizers import Tokenizer, models, pre_tokenizers
+from test_prompts import _tokenizer_folder as word_tokenizer
+from tokenizers import Tokenizer
 
 import containers
 from runtime.app.parity import compare, reference_config
@@ -22,18 +23,6 @@ from runtime.engine.workload import Request
 
 F64 = ("model.dtype=float64", "backend.compute_dtype=float64")
 CPU = torch.device("cpu")
-
-
-def word_tokenizer(folder: Path, vocab_size: int = 512, **json_files) -> Path:
-    """A folder with a word-level tokenizer.json ("w<i>" is token i; 0 is <unk>) and the given JSON files."""
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    for name, data in json_files.items():
-        (folder / f"{name}.json").write_text(json.dumps(data))
-    return folder
 
 
 def _file(tmp_path: Path, *lines, name: str = "requests.jsonl") -> Path:
