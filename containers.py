@@ -1,7 +1,8 @@
 """The whole object graph of a runtime, in build order: read it top to bottom.
 
 tensor-parallel group -> device -> pools (DeepSeek-V4: window ring, compressed-entry pools, compressor state) ->
-HiSparse coordinator (when enabled) -> the engine's token allocator -> workspace ledger and named workspaces -> backend
+HiSparse coordinator (when enabled) -> the engine's token allocator -> workspace ledger, the collectives (and their
+IPC workspace) and named workspaces -> backend
 (chosen by ``config.backend.name``) -> model -> (speculative: draft KV pool, one draft backend per step,
 draft model) -> graphs -> engine. Every object receives its collaborators in ``__init__``. Only what the
 engine needs is built: the selected backend, and the workspaces that backend asks for.
@@ -32,6 +33,7 @@ from backends.dsv4_flashinfer import FlashInferDecode
 from backends.dsv4_flashinfer import load_kernel as load_dsv4_kernel
 from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
 from backends.hybrid_linear import HybridLinearBackend
+from backends.kernels.comm.peer_allreduce import make_collectives
 from backends.kernels.dsv4.emulated_dsv4 import EmulatedDSV4SparseDecode
 from backends.kernels.mla_decode.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
 from backends.linear_attention import LinearAttentionBackend
@@ -98,7 +100,8 @@ BACKENDS: dict[str, type] = {
 }
 # Workspaces the report always lists (0 bytes when nobody consumed them); FlashInfer's per-wrapper int
 # workspaces (flashinfer_int:*) appear when a FlashInfer backend acquires them.
-WORKSPACES = ("flashinfer_float", "triton_split_kv", "dsa_sparse_decode", "dsa_indexer", "dsv4_decode_splits")
+WORKSPACES = ("flashinfer_float", "triton_split_kv", "dsa_sparse_decode", "dsa_indexer", "dsv4_decode_splits",
+              "allreduce_ipc")
 
 
 class BuildLog:
@@ -307,6 +310,10 @@ class Container(containers.DeclarativeContainer):
 
     # 4. workspaces: the ledger, then one provider per named workspace (built only if consumed) -------
     workspace_ledger = _step(build_log, "workspace_ledger", providers.Factory(WorkspaceLedger, device, known=WORKSPACES))
+    # the collectives the model calls (parallel.allreduce): NCCL / gloo, or the one-shot kernels over the symmetric
+    # IPC buffers (workspace 'allreduce_ipc', exchanged here: before the model and before any graph is captured)
+    collectives = _step(build_log, "collectives", providers.Singleton(
+        make_collectives, tp_group, workspace_ledger, config.parallel, launch.provided.local_world_size))
     triton_split_kv_workspace = _step(build_log, "workspace:triton_split_kv", providers.Factory(
         workspace_ledger.provided.acquire.call(
             providers.Factory(split_kv_workspace_spec, model_spec, config.backend),
@@ -420,9 +427,9 @@ class Container(containers.DeclarativeContainer):
     )
     mla_model = _step(build_log, "model", providers.Factory(
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,
-        decoder_ops, tp_group))
+        decoder_ops, collectives))
     dsv4_model = _step(build_log, "model", providers.Factory(
-        DSV4Model, model_spec, dsv4_rank_cfg, model_weights, dsv4_pools, backend, tp_group))
+        DSV4Model, model_spec, dsv4_rank_cfg, model_weights, dsv4_pools, backend, collectives))
     model = providers.Selector(model_kind, mla=mla_model, hybrid=mla_model, dsv4=dsv4_model)
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first
@@ -472,7 +479,7 @@ class Container(containers.DeclarativeContainer):
     draft_weights = providers.Callable(_draft_weights, model, config.speculative.draft_layers)
     draft_model = _step(build_log, "draft_model", providers.Factory(
         MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, None, draft_weights,
-        decoder_ops, tp_group, shares_weights=True))
+        decoder_ops, collectives, shares_weights=True))
     draft_steps = providers.Singleton(DraftSteps, draft_model, draft_attention)
 
     # every attention backend the engine runs: the graph decision takes the minimum level over them
@@ -515,9 +522,8 @@ class Container(containers.DeclarativeContainer):
 # selected backend consumes it.
 BUILD_STAGES = (
     "tp_group", "device_info", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool", "index_key_pool",
-    "dsv4_pools", "hisparse_coordinator", "engine_token_slots", "workspace_ledger", "attention", "model_weights", "model",
-    "graph_runner", "workload",
-    "speculative", "engine",
+    "dsv4_pools", "hisparse_coordinator", "engine_token_slots", "workspace_ledger", "collectives", "attention",
+    "model_weights", "model", "graph_runner", "workload", "speculative", "engine",
 )
 
 

@@ -65,9 +65,11 @@ def merge_states(
 
 def paged_absorbed_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                              seq_lens: torch.Tensor, kv_lora_rank: int, softmax_scale: float,
-                             output_scale: float, causal: bool = True) -> torch.Tensor:
+                             output_scale: float, causal: bool = True,
+                             compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Absorbed MLA for a batch over a paged latent cache, with static shapes (no host sync; graph-capturable).
-    Computes in float32 (float64 for float64 queries) over every column of ``block_tables``, masked.
+    Computes in ``compute_dtype`` (default float32, float64 for float64 queries) over every column of
+    ``block_tables``, masked.
 
     Parameters
     ----------
@@ -81,7 +83,7 @@ def paged_absorbed_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_
     -------
     [B, S, H, kv_lora] in the query's dtype; a row that sees no key is 0.
     """
-    cd = torch.float64 if query.dtype == torch.float64 else torch.float32
+    cd = compute_dtype or (torch.float64 if query.dtype == torch.float64 else torch.float32)
     cache = kv_cache.squeeze(1) if kv_cache.dim() == 4 else kv_cache
     b, s = query.shape[:2]
     ps = cache.shape[1]

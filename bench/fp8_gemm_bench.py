@@ -133,8 +133,11 @@ def _try(fn, ref, copies, label):
 
 def _sweep(fp8_gemm, path, m, n, kd, copies):
     if path == "few":  # split_k 1 is the kernel without split-K; the default's split is printed beside
-        cfgs = [fp8_gemm.FewConfig(bn, bk, wp, st, sp) for bn in (32, 64) for bk in (256, 512, 1024)
-                for wp, st in ((4, 3), (4, 4), (8, 4)) for sp in (1, 2, 4, 8)]
+        F_ = fp8_gemm.FewConfig
+        cfgs = [F_(32, 512, 4, 4, sp) for sp in (1, 4)]
+        if m <= fp8_gemm.FMA_ROWS:  # the CUDA-core kernel
+            tiles = ((4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8))
+            cfgs += [F_(bn, bk // m, wp, 3, sp, True) for bn, bk, wp in tiles for sp in (1, 2, 4)]
     else:
         G = fp8_gemm.GemmConfig
         bks = (128,) if path == "w8a8" else (64, 128)
@@ -150,8 +153,11 @@ def _sweep(fp8_gemm, path, m, n, kd, copies):
             print(f"  sweep {cfg}: {type(e).__name__}"[:120])
             continue
         best = min(best, (t, cfg), key=lambda b: b[0])
+        if path == "few":
+            print(f"    {t * 1e3:7.2f} us  {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
+                  f"split {cfg.split_k}{' fma' if cfg.fma else ''}", flush=True)
     print(f"  sweep {path} M={m} N={n} K={kd}: best {best[0] * 1e3:.2f} us with {best[1]}"
-          + (f" (default {fp8_gemm.few_config(n, kd, copies[0][0].device)})" if path == "few" else ""), flush=True)
+          + (f" (default {fp8_gemm.few_config(n, kd, copies[0][0].device, m)})" if path == "few" else ""), flush=True)
     return best
 
 
@@ -176,6 +182,12 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
             ours_us, ours_err = _try(lambda x, w, s, p=path: fp8_gemm.fp8_linear(x, w, s, path=p), ref, ours_sets,
                                      "ours")
             bf_us, bf_err = _try(F.linear, ref, [(x, c) for c in bf_sets], "bf16")
+            if path == "few" and m <= fp8_gemm.FMA_ROWS:  # the tensor-core kernel beside the CUDA-core default
+                tc = fp8_gemm.few_config(n, kd, x.device, fp8_gemm.FEW_ROWS)
+                row_tc = _try(lambda x, w, s, tc=tc: fp8_gemm.fp8_linear(x, w, s, path="few", config=tc), ref, ours_sets,
+                              "tensor-core few")[0]
+            else:
+                row_tc = "n/a"
             if fi is None:
                 fi_us, fi_err = "n/a", fi_reason
             else:
@@ -187,7 +199,7 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
                                        "torch scaled_mm")
             nbytes = w_bytes + (m * kd + m * n) * 2
             row = {"shape": name, "N": n, "K": kd, "M": m, "path": path, "ours_us": ours_us, "bf16_us": bf_us,
-                   "fi_us": fi_us, "tsm_us": tsm_us}
+                   "fi_us": fi_us, "tsm_us": tsm_us, "tc_us": row_tc}
             if isinstance(ours_us, float):
                 row["copy_pct"] = ceil.pct_copy(nbytes, ours_us * 1e-3)
                 if isinstance(bf_us, float):
@@ -209,7 +221,7 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
 
 def _short(rows: list[dict]) -> list[dict]:
     """The table printed last: times and ratios; errors as numbers (a reason string becomes n/a)."""
-    cols = ["shape", "M", "path", "ours_us", "bf16_us", "fi_us", "tsm_us", "copy_pct", "vs_bf16", "fp8_pct",
+    cols = ["shape", "M", "path", "ours_us", "tc_us", "bf16_us", "fi_us", "tsm_us", "copy_pct", "vs_bf16", "fp8_pct",
             "bf16_pct", "ours_err", "bf16_err", "fi_err", "tsm_err", "best_us"]
     out = []
     for r in rows:

@@ -156,20 +156,28 @@ def flashinfer_call(c: dict):
 def _sweep_few(c, x, local_sets, wts) -> dict:
     from backends.kernels.gemm import fp8_moe
 
-    best = (float("inf"), None)
-    for bi in (16, 32, 64):
-        for sub in (1, 2, 4):
-            for bd in (32, 64, 128):
-                for stages in (3, 4, 6):
-                    cfg = fp8_moe.Fp8ExpertConfig(bi, sub, bd, 4, stages)
-                    try:
-                        ms = graph_ms([lambda li=li, cfg=cfg: ours(c, x, li, wts, cfg) for li in local_sets])
-                    except Exception:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
-                        continue
-                    best = min(best, (ms, cfg), key=lambda p: p[0])
-    cfg = best[1]
-    return {"best_us": best[0] * 1e3, "best_config": None if cfg is None else
-            f"i{cfg.up_block_i}.k{cfg.up_sub_k}x128.d{cfg.down_block_d}.w{cfg.num_warps}.s{cfg.num_stages}"}
+    E = fp8_moe.Fp8ExpertConfig
+    cfgs = [E(bi, sub, bd, 4, 4) for bi, sub, bd in ((32, 2, 64), (64, 2, 64), (32, 4, 32))]  # tensor cores
+    cfgs += [E(bi, sub, bd, wp, 3, True, dsi) for bi, sub, wp in ((4, 8, 4), (8, 4, 4), (8, 8, 8), (16, 4, 8),
+                                                                   (16, 2, 4), (32, 2, 8))
+             for bd, dsi in ((32, 2), (16, 4), (64, 2))]  # the CUDA-core kernels
+    best, fma_best = (float("inf"), None), (float("inf"), None)
+    for cfg in cfgs:
+        try:
+            ms = graph_ms([lambda li=li, cfg=cfg: ours(c, x, li, wts, cfg) for li in local_sets], rep_ms=40)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
+            print(f"  sweep {cfg}: {type(e).__name__}"[:120], flush=True)
+            continue
+        best = min(best, (ms, cfg), key=lambda p: p[0])
+        print(f"    {ms * 1e3:7.2f} us  {cfg}", flush=True)
+        if cfg.fma:
+            fma_best = min(fma_best, (ms, cfg), key=lambda p: p[0])
+    print(f"  sweep: best {best}, best fma {fma_best}", flush=True)
+
+    def name(cfg):
+        return None if cfg is None else (f"{'fma.' if cfg.fma else ''}i{cfg.up_block_i}.k{cfg.up_sub_k}x128."
+                                         f"d{cfg.down_block_d}x{cfg.down_sub_i}.w{cfg.num_warps}.s{cfg.num_stages}")
+    return {"best_us": best[0] * 1e3, "best_config": name(best[1]), "fma_best_us": fma_best[0] * 1e3}
 
 
 def bench_case(name: str, args, ceil) -> list[dict]:
@@ -231,7 +239,7 @@ def main(argv=None) -> None:
              "flashinfer_rel_err", "speedup_vs_bf16", "expert_MB"]
     full = Table(rows, title="fp8 MoE experts, all columns", name="full")
     table = Table(rows, title="fp8 MoE experts (D 7168, top-8 of 256, graph-timed, µs; copy % over the touched "
-                  "fp8 experts + scales)", columns=short + (["best_us", "best_config"] if args.sweep else []),
+                  "fp8 experts + scales)", columns=short + (["best_us", "fma_best_us", "best_config"] if args.sweep else []),
                   formats={"ours_us": ".1f", "bf16_us": ".1f", "ours_copy_pct": ".0f", "rel_err": ".2e",
                            "bf16_rel_err": ".2e", "flashinfer_rel_err": ".2e", "speedup_vs_bf16": ".2f",
                            "expert_MB": ".0f"}, name="short")

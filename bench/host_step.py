@@ -65,6 +65,9 @@ class StubModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self._logits[: h.shape[0]]
 
+    def top2(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.topk(self.logits(h), 2, dim=-1))
+
 
 class PhaseTimer:
     """Exclusive time per phase: a timed call's time minus the timed calls it made."""

@@ -12,7 +12,11 @@ serves that many requests of ``--prompt`` tokens decoding ``--out-len`` tokens t
 warms up: autotuning, graph capture), and times the second: decode tokens/s from the engine's step records, and
 per decode step the collectives' count, bytes and time (graphed steps: the probe of runtime/core/parallel.py,
 the same collectives run alone). ``--sweep``: ``all_reduce`` of bf16 tensors from 64 KiB to ``--sweep-max``,
-bus bandwidth = 2 (n - 1) / n x bytes / time (NCCL's convention). Rank 0 writes ``--out``.
+bus bandwidth = 2 (n - 1) / n x bytes / time (NCCL's convention), and per ``parallel.allreduce`` mode (nccl, nccl+norm,
+oneshot, fused) the microseconds per call inside CUDA graphs for 1 .. 512 tokens x 7168 bf16 (14 KiB .. 7.3 MiB),
+with the smallest message where NCCL wins: the measured crossing for ``parallel.oneshot_max_bytes``.
+``--sweep-only``: that per-mode sweep alone, no model. ``--allreduce MODE``: the run's ``parallel.allreduce``.
+Rank 0 writes ``--out``.
 
 ``--table`` prints one row per file: tp, moe, dtype, tokens/s per batch, collective ms per decode step (and the
 all-reduce bytes), the sweep's peak bus bandwidth, and token parity against the first file (requests whose
@@ -51,7 +55,7 @@ def overrides(a: argparse.Namespace, tp: int) -> list[str]:
     bs = max(a.batches)
     pages = bs * -(-(a.prompt + a.out_len + 1) // a.page_size) + 16
     out = [f"model.dtype={a.dtype}", f"backend={a.backend}", "check=off", "progress=false",
-           f"parallel.tp={tp}", f"parallel.moe={a.moe}", f"device={a.device}",
+           f"parallel.tp={tp}", f"parallel.moe={a.moe}", f"parallel.allreduce={a.allreduce}", f"device={a.device}",
            *fixed_workload(bs, a.prompt, a.out_len), "workload.chunked_prefill_size=8192",
            "workload.max_tokens_per_batch=16384", f"kv.page_size={a.page_size}", f"kv.num_pages={pages}",
            f"kv.max_requests={max(bs, 8)}"]
@@ -94,10 +98,101 @@ def sweep(group, max_bytes: int) -> list[dict]:
     return rows
 
 
+SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # x 7168 bf16: 14 KiB .. 917 KiB (decode), 1.8 .. 7.3 MiB
+
+
+def _graph_us(fn, reps: int, device) -> float:
+    """Microseconds per call of ``fn`` replayed from one CUDA graph of ``reps`` calls (median of 5 replays)."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(s)
+    torch.distributed.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(6):
+        torch.distributed.barrier()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    return sorted(times[1:])[2]
+
+
+def mode_sweep(group, hidden: int = 7168, reps: int = 20) -> list[dict]:
+    """Per message of ``SWEEP_TOKENS`` x hidden bf16: microseconds per call inside CUDA graphs of nccl (the
+    torch.distributed all-reduce), oneshot, nccl+norm (all-reduce, then the add + RMSNorm kernel) and fused, and
+    the bus bandwidth of nccl and oneshot. The CPU (gloo): nccl alone, eager. A collective: every rank calls it."""
+    from backends.kernels.comm.peer_allreduce import make_collectives
+    from backends.kernels.decoder import decoder_ops
+    from runtime.core.workspace import WorkspaceLedger
+
+    dev, cuda = group.device, group.device.type == "cuda"
+    peer = make_collectives(group, WorkspaceLedger(dev), {"tp": group.size, "allreduce": "fused",
+                            "oneshot_max_bytes": 0, "ipc_buffer_bytes": 16 << 20}).peer if cuda else None
+    rows = []
+    for t in SWEEP_TOKENS:
+        x = torch.randn(t, hidden, device=dev).to(torch.bfloat16)
+        res, w = torch.randn_like(x), torch.ones(hidden, device=dev, dtype=x.dtype)
+        n = x.numel() * x.element_size()
+        fns = {"nccl": lambda x=x: group.dist.all_reduce(x)}
+        if cuda:
+            fns["nccl+norm"] = lambda x=x, r=res, w=w: decoder_ops.add_rms_norm(r, group.dist.all_reduce(x) or x, w,
+                                                                                1e-6)
+        if peer is not None and peer.fits(x):
+            fns["oneshot"] = lambda x=x: peer.all_reduce(x)
+            fns["fused"] = lambda x=x, r=res, w=w: peer.all_reduce_add_rms_norm(x, r, w, 1e-6)
+        row = {"tokens": t, "KiB": n / KiB}
+        for name, fn in fns.items():
+            if cuda:
+                us = _graph_us(fn, reps, dev)
+            else:
+                group.dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                us = (time.perf_counter() - t0) * 1e6 / reps
+            row[f"{name} us"] = us
+            if name in ("nccl", "oneshot"):
+                row[f"{name} busbw GB/s"] = 2 * (group.size - 1) / group.size * n / us / 1e3
+        rows.append(row)
+    return rows
+
+
+def crossing(rows: list[dict]) -> str:
+    """The smallest swept message where NCCL is faster than the one-shot kernel (the measured auto threshold)."""
+    for r in rows:
+        if "oneshot us" in r and r["nccl us"] < r["oneshot us"]:
+            return f"{r['KiB']:.0f} KiB ({r['tokens']} tokens): set parallel.oneshot_max_bytes below {int(r['KiB'] * KiB)}"
+    swept = [r for r in rows if "oneshot us" in r]
+    return f"none up to {swept[-1]['KiB']:.0f} KiB (oneshot faster everywhere swept)" if swept else "no oneshot rows"
+
+
 def run(a: argparse.Namespace) -> int:
     launch = LaunchEnv.from_environ()
     tp = launch.world_size
     try:
+        if a.sweep_only:
+            from runtime.core.parallel import make_group
+
+            group = make_group(tp, a.device, 0, launch)
+            rows = mode_sweep(group) if tp > 1 else []
+            if launch.rank == 0:
+                out = {"tp": tp, "device": torch.cuda.get_device_name(group.device) if group.device.type == "cuda"
+                       else "cpu", "mode_sweep": rows, "crossing": crossing(rows)}
+                if a.out:
+                    Path(a.out).write_text(json.dumps(out))
+                report("tp_allreduce_sweep", Ceilings(out["device"], float("nan"), float("nan"), {}),
+                       [Table(rows, title=f"all-reduce per mode inside CUDA graphs, tp={tp}, bf16 x 7168 "
+                              f"(NCCL faster from: {out['crossing']})", name="modes")], meta={})
+            return 0
         t0 = time.perf_counter()
         rt = build(compose_config(overrides(a, tp)))
         load_s = time.perf_counter() - t0
@@ -105,15 +200,16 @@ def run(a: argparse.Namespace) -> int:
         group, spec = c.tp_group(), c.full_model_spec()
         specs = synthetic_specs(rt.config["workload"], spec.vocab_size)
         out = {"tp": tp, "moe": a.moe, "dtype": a.dtype, "backend": a.backend, "graphs": a.graphs,
+               "allreduce": c.collectives().mode if tp > 1 else "-",
                "device": rt.device.name, "build_s": load_s, "batches": {}, "outputs": {}, "margins": {}}
         for bs in sorted(set(a.batches)):
             _, res = serve(rt, specs[:bs])
             dec = [s for s in res.steps if s.phase == "decode"]
-            coll = phase_collectives(dec, probe_graphed(group, dec))
+            coll = phase_collectives(dec, probe_graphed(c.collectives(), dec))
             out["batches"][bs] = {"decode_tok_s": _phases(res)["decode"]["tokens_per_s"],
                                   "step_ms": _phases(res)["decode"]["mean_step_ms"],
                                   "graphed_steps": coll["graphed_steps"], "coll_per_step": coll["count_per_step"],
-                                  "coll_bytes_per_step": coll["bytes_per_step"],
+                                  "coll_bytes_per_step": coll["bytes_per_step"], "coll_by_op": coll["by_op"],
                                   "coll_ms_per_step": coll["probe_ms_per_graphed_step"] if coll["graphed_steps"]
                                   else coll["ms_per_eager_step"]}
             if bs == max(a.batches):
@@ -122,12 +218,13 @@ def run(a: argparse.Namespace) -> int:
         agree = group.gather_objects(sorted(out["outputs"].items()))
         out["ranks_agree"] = all(x == agree[0] for x in agree)
         out["sweep"] = sweep(group, a.sweep_max) if a.sweep and tp > 1 else []
+        out["mode_sweep"] = mode_sweep(group) if a.sweep and tp > 1 else []
         if rt.device.kind == "cuda":
             out["peak_gib_per_rank"] = [m / 2**30 for m in group.gather_objects(torch.cuda.max_memory_allocated())]
         if launch.rank == 0:
             if a.out:
                 Path(a.out).write_text(json.dumps(out))
-            print(f"tp {tp} moe {a.moe}: " + ", ".join(
+            print(f"tp {tp} moe {a.moe} allreduce {out['allreduce']}: " + ", ".join(
                 f"batch {b}: {r['decode_tok_s']:.1f} tok/s" for b, r in out["batches"].items()))
         return 0 if out["ranks_agree"] else 3
     finally:
@@ -154,10 +251,11 @@ def table(files: list[str]) -> int:
     ref = results[0]
     rows = []
     for f, r in zip(files, results):
-        row = {"run": Path(f).stem, "tp": r["tp"], "moe": r["moe"] if r["tp"] > 1 else "-", "dtype": r["dtype"],
-               "backend": r["backend"]}
+        row = {"run": Path(f).stem, "tp": r["tp"], "moe": r["moe"] if r["tp"] > 1 else "-",
+               "allreduce": r.get("allreduce", "-"), "dtype": r["dtype"], "backend": r["backend"]}
         for b, x in r["batches"].items():
             row[f"tok/s b{b}"] = x["decode_tok_s"]
+            row[f"x tp1 b{b}"] = x["decode_tok_s"] / ref["batches"][b]["decode_tok_s"] if b in ref["batches"] else None
             row[f"coll ms/step b{b}"] = x["coll_ms_per_step"] if r["tp"] > 1 else None
             row[f"coll KiB/step b{b}"] = x["coll_bytes_per_step"] / KiB if r["tp"] > 1 else None
         row["busbw GB/s (peak)"] = max((s["busbw_gbs"] for s in r["sweep"]), default=None)
@@ -171,6 +269,12 @@ def table(files: list[str]) -> int:
     if sweeps:
         tables.append(Table(sweeps, title="all_reduce sweep (bf16, same process group as the run)", name="sweep",
                             formats={"us": ".1f", "busbw_gbs": ".1f"}))
+    modes = [dict(run=Path(f).stem, **s) for f, r in zip(files, results) for s in r.get("mode_sweep", [])]
+    if modes:
+        cross = "; ".join(f"{Path(f).stem}: {crossing(r['mode_sweep'])}" for f, r in zip(files, results)
+                          if r.get("mode_sweep"))
+        tables.append(Table(modes, title=f"all-reduce per mode inside CUDA graphs (NCCL faster from: {cross})",
+                            name="modes"))
     peak = max((s["busbw_gbs"] for s in sweeps), default=float("nan"))
     ceilings = Ceilings(ref["device"], float("nan"), float("nan"), {"allreduce_busbw_gbs": peak})
     report("tp_decode", ceilings, tables, meta={"files": files})
@@ -196,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--sweep", action="store_true", help="also the all_reduce bus-bandwidth sweep (tp > 1)")
     p.add_argument("--sweep-max", type=int, default=256 * MiB)
+    p.add_argument("--sweep-only", action="store_true",
+                   help="only the per-mode all-reduce sweep (tp > 1; no model): microseconds inside CUDA graphs")
+    p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "oneshot", "fused"],
+                   help="parallel.allreduce of the run")
     p.add_argument("--quick", action="store_true", help="prompt 128, 16 output tokens, 2 layers of a preset")
     p.add_argument("extra", nargs="*", help="more Hydra overrides")
     return p

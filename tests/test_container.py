@@ -27,7 +27,8 @@ def test_build_order_reads_top_to_bottom():
     rt = containers.build(compose_config("device=cpu"))
     assert rt.build_order == [
         "tp_group", "device", "memory_plan", "req_to_token_pool", "page_allocator", "token_slots", "kv_pool",
-        "workspace_ledger", "backend:torch_mla", "weights:random", "model", "graph_runner", "workload", "engine",
+        "workspace_ledger", "collectives", "backend:torch_mla", "weights:random", "model", "graph_runner", "workload",
+        "engine",
     ]
 
 
@@ -35,7 +36,7 @@ def test_unconsumed_workspaces_cost_zero_bytes():
     rt = containers.build(compose_config("device=cpu"))
     report = rt.container.workspace_ledger().report()
     assert report == {"flashinfer_float": 0, "triton_split_kv": 0, "dsa_sparse_decode": 0, "dsa_indexer": 0,
-                      "dsv4_decode_splits": 0}
+                      "dsv4_decode_splits": 0, "allreduce_ipc": 0}
     assert rt.container.workspace_ledger().total_bytes == 0
 
 

@@ -220,6 +220,16 @@ def test_fp8_preset_generates_the_release_formats_and_serves():
     assert 0 < (got - ref).norm() / ref.norm() < 0.05
 
 
+def test_random_weights_of_any_dtype_are_one_model():
+    """A bf16 preset and its float32 parity reference hold the same model: every value drawn in float32, then cast
+    (drawn in bf16, torch's sampler gave other mHC bases, sinks and biases: the full-width preset failed parity)."""
+    cfg = dsv4_config(to_plain(compose_config("model=deepseek_v4_flash", *TINY))["model"])
+    f32, b16 = (random_dsv4_weights(cfg, 0, dt, CPU) for dt in (torch.float32, torch.bfloat16))
+    for get in (lambda w: w.layers[0].attn_hc.base, lambda w: w.layers[1].ffn_hc.fn, lambda w: w.layers[0].attn.sinks,
+                lambda w: w.layers[1].attn.q_b_proj, lambda w: w.hc_head.hc_base):
+        assert get(b16).dtype == torch.bfloat16 and torch.equal(get(b16), get(f32).to(torch.bfloat16))
+
+
 # the tiny preset with dims whose tp=2 cuts keep every fp8 block whole (q_b_proj 256 rows, o_a_proj 256 rows,
 # shared expert 256 wide)
 ALIGNED = (*TINY, "model.v4.head_dim=64", "model.v4.o_lora_rank=128", "model.moe_intermediate_size=256")

@@ -44,20 +44,29 @@ def args(gu: PackedFP4, dn: PackedFP4) -> tuple[torch.Tensor, ...]:
 
 
 def reference(x, ids, wts, gu, dn, limit):
-    """float64 on the dequantized weights: the routed experts' weighted sum; ids == E: other ranks' experts (add 0)."""
+    """float64 on the dequantized weights: the routed experts' weighted sum; ids == E: other ranks' experts (add 0).
+    Only the experts the ids use are dequantized (256 experts of V4's widths in float64 are tens of GB)."""
     e = gu.weight.shape[0]
-    return routed_expert_sum(x.double(), wts.double(), ids, gu.dequantize(torch.float64), dn.dequantize(torch.float64),
-                             0, e + 1, GatedAct(limit), False, torch.float64)
+    used = sorted(set(ids[ids < e].tolist()))
+    remap = torch.full((e + 1,), len(used), dtype=torch.int64, device=ids.device)
+    remap[torch.tensor(used, dtype=torch.int64, device=ids.device)] = torch.arange(len(used), device=ids.device)
+
+    def deq(w):
+        return torch.stack([w[j].dequantize(torch.float64) for j in used]) if used else \
+            torch.zeros(0, *w.shape[1:], dtype=torch.float64, device=x.device)
+    return routed_expert_sum(x.double(), wts.double(), remap[ids], deq(gu), deq(dn), 0, len(used) + 1,
+                             GatedAct(limit), False, torch.float64)
 
 
 def rows_reference(xs, offsets, gu, dn, limit):
-    """float64, per expert over its rows of xs (grouped), rows past offsets[-1] zero."""
-    g64, d64 = gu.dequantize(torch.float64), dn.dequantize(torch.float64)
-    out = torch.zeros(xs.shape[0], d64.shape[1], dtype=torch.float64, device=xs.device)
+    """float64, per expert over its rows of xs (grouped), rows past offsets[-1] zero; each expert dequantized on
+    its own."""
+    out = torch.zeros(xs.shape[0], dn.shape[1], dtype=torch.float64, device=xs.device)
     start = 0
     for e, end in enumerate(offsets.tolist()):
         if end > start:
-            out[start:end] = F.linear(GatedAct(limit)(F.linear(xs[start:end].double(), g64[e])), d64[e])
+            g64, d64 = gu[e].dequantize(torch.float64), dn[e].dequantize(torch.float64)
+            out[start:end] = F.linear(GatedAct(limit)(F.linear(xs[start:end].double(), g64)), d64)
         start = end
     return out
 

@@ -88,14 +88,18 @@ def test_default_path_by_rows():
 
 
 def test_few_rows_are_independent_of_m():
-    """Each row's bits whatever the row count (a CUDA graph padded to 16 rows gives the eager run's bits)."""
+    """Each row's bits whatever the row count: the tensor-core kernel at any M <= 16, the default (CUDA-core up to
+    2 rows) within each padded row count (1, 2, 3-16), so a CUDA graph captured for a padded batch of
+    ``graph.batch_sizes`` (1, 2, 4, 8, 16) gives the eager run's bits."""
     torch.manual_seed(2)
     w, s, _ = make_weight(200, 320)
     x = strided_x(16, 320, torch.float16)
-    for cfg in (None, fp8_gemm.FewConfig(16, 64), fp8_gemm.FewConfig(32, 256), fp8_gemm.FewConfig(16, 64, 4, 3, 3)):
+    for cfg in (fp8_gemm.FewConfig(16, 64), fp8_gemm.FewConfig(32, 256), fp8_gemm.FewConfig(16, 64, 4, 3, 3)):
         full = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg)
         for m in (1, 3, 7, 15):
             assert torch.equal(fp8_gemm.fp8_linear(x[:m], w, s, config=cfg), full[:m]), (cfg, m)
+    for small, padded in ((3, 4), (5, 8), (3, 16)):
+        assert torch.equal(fp8_gemm.fp8_linear(x[:small], w, s), fp8_gemm.fp8_linear(x[:padded], w, s)[:small])
 
 
 def test_tile_configs_agree():
@@ -114,6 +118,50 @@ def test_tile_configs_agree():
     for cfg in (fp8_gemm.GemmConfig(16, 32, 32), fp8_gemm.GemmConfig(32, 64, 128, 2)):
         assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="w8a16", config=cfg), ref) <= 2e-3
         assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=cfg), ref) <= TOL_W8A8
+
+
+FMA_CONFIGS = [fp8_gemm.FewConfig(4, 128, 4, 3, 1, True), fp8_gemm.FewConfig(16, 256, 4, 3, 3, True),
+               fp8_gemm.FewConfig(64, 64, 4, 3, 1, True)]
+
+
+@pytest.mark.parametrize("n,kd,block", SHAPES)
+def test_fma_rows_match_float64(n, kd, block):
+    """The CUDA-core kernel (M <= 2) at odd sizes, one and several scale rows per program, split-K: float32
+    products, only the output rounded (bf16 too: no tl.dot, so the interpreter is right in bf16)."""
+    torch.manual_seed(n * 3 + kd)
+    w, s, wd = make_weight(n, kd, block)
+    for dtype in (torch.float16, torch.bfloat16):
+        for m in (1, 2):
+            x = strided_x(m, kd, dtype)
+            ref = x.double() @ wd.T
+            for cfg in FMA_CONFIGS:
+                y = fp8_gemm.fp8_linear(x, w, s, block, path="few", config=cfg)
+                assert y.dtype == dtype and torch.isfinite(y).all()
+                assert rel_err(y, ref) <= {torch.float16: 1e-3, torch.bfloat16: 5e-3}[dtype], (cfg, m, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_norm_linear_equals_norm_then_linear(m):
+    """fp8_norm_linear: the RMSNorm rounded as the fused norm kernel rounds (float32 rstd, x * rstd rounded, times
+    the weight, rounded), then the same kernel's product: the bits of norming first in torch."""
+    torch.manual_seed(11 + m)
+    w, s, _ = make_weight(70, 300)
+    x = strided_x(m, 300, torch.float16) * 3
+    g = (torch.rand(300, device=DEV) + 0.5).half()
+    xf = x.float()
+    normed = ((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).half().float() * g.float()).half()
+    cfg = fp8_gemm.FewConfig(8, 128, 4, 3, 1, True)
+    fused = fp8_gemm.fp8_norm_linear(x, g, 1e-6, w, s, config=cfg)
+    plain = fp8_gemm.fp8_linear(normed, w, s, path="few", config=cfg)
+    assert rel_err(fused, plain.double()) <= 1e-3  # rstd as 1 / sqrt in the kernel: an ulp apart at most
+    with pytest.raises(ValueError, match="1 to 2 rows"):
+        fp8_gemm.fp8_norm_linear(strided_x(3, 300, torch.float16), g, 1e-6, w, s)
+
+
+def test_fma_refuses_more_than_two_rows():
+    w, s, _ = make_weight(64, 128)
+    with pytest.raises(ValueError, match="fma for at most 2 rows"):
+        fp8_gemm.fp8_linear(strided_x(3, 128, torch.float16), w, s, path="few", config=FMA_CONFIGS[0])
 
 
 def test_quantize_act_gives_torch_bits():
@@ -171,9 +219,16 @@ def test_refuses_what_it_cannot_take():
 
 def test_configs_by_rule():
     cpu = torch.device("cpu")  # counted as an H100's 132 SMs
-    assert fp8_gemm.few_config(2112, 7168, cpu) == fp8_gemm.FewConfig(32, 512, 4, 4)
-    assert fp8_gemm.few_config(7168, 2048, cpu) == fp8_gemm.FewConfig(64, 256, 4, 4)
+    assert fp8_gemm.few_config(2112, 7168, cpu, 16) == fp8_gemm.FewConfig(32, 512, 4, 4)
+    assert fp8_gemm.few_config(7168, 2048, cpu, 5) == fp8_gemm.FewConfig(64, 256, 4, 4)
     assert fp8_gemm.few_config(40000, 100, cpu) == fp8_gemm.FewConfig(64, 128, 4, 4)
+    # up to 2 rows the CUDA-core kernel, no split-K: 8 x 512 where that makes 4 programs per SM, else 4 x 1024;
+    # half the inputs per step at 2 rows
+    assert fp8_gemm.few_config(2112, 7168, cpu, 1) == fp8_gemm.FewConfig(4, 1024, 4, 3, 1, True)
+    assert fp8_gemm.few_config(7168, 2048, cpu, 1) == fp8_gemm.FewConfig(8, 512, 4, 3, 1, True)
+    assert fp8_gemm.few_config(7168, 2048, cpu, 2) == fp8_gemm.FewConfig(8, 256, 4, 3, 1, True)
+    assert fp8_gemm.few_config(7168, 2048, cpu, 3) == fp8_gemm.FewConfig(64, 256, 4, 4)
+    assert fp8_gemm.few_config(512, 100, cpu, 1) == fp8_gemm.FewConfig(4, 128, 4, 3, 1, True)
     assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 4)
     assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 4)
     assert fp8_gemm.gemm_config(20, 512, 7168, 128, False, cpu) == fp8_gemm.GemmConfig(32, 64, 64, 8, 4, 4)
@@ -196,7 +251,7 @@ def test_tp8_shapes_bf16_gpu(name, n, kd):
     needs_gpu()
     torch.manual_seed(n + kd)
     w, s, wd = make_weight(n, kd, dev="cuda")
-    for m in (1, 4, 16, 64, 1024):
+    for m in (1, 2, 4, 16, 64, 1024):
         x = strided_x(m, kd, torch.bfloat16, "cuda")
         ref = x.double() @ wd.T
         paths = ["few", "w8a16", "w8a8"] if m <= 16 else ["w8a16", "w8a8"]
@@ -206,12 +261,14 @@ def test_tp8_shapes_bf16_gpu(name, n, kd):
             tol = TOL_W8A8 if path == "w8a8" else TOL_W8A16[torch.bfloat16]
             assert rel_err(y, ref) <= tol, (name, m, path, rel_err(y, ref))
         if m <= 16:  # split-K (partials summed in order by a second kernel): the same bound
-            for cfg in (fp8_gemm.FewConfig(64, 256, 4, 4, 4), fp8_gemm.FewConfig(32, 512, 4, 3, 3)):
+            for cfg in (fp8_gemm.FewConfig(64, 256, 4, 4, 4), fp8_gemm.FewConfig(32, 512, 4, 3, 3)) + (
+                    (fp8_gemm.FewConfig(8, 512, 4, 3, 3, True), fp8_gemm.FewConfig(4, 1024, 8, 3, 1, True))
+                    if m <= fp8_gemm.FMA_ROWS else ()):
                 y = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg)
                 assert rel_err(y, ref) <= TOL_W8A16[torch.bfloat16], (name, m, cfg, rel_err(y, ref))
-        if m == 16:  # our few-row kernel: a row's bits whatever the rows
+        if m == 16:  # our few-row kernel: a row's bits whatever the rows from 3 on (1 and 2: the CUDA-core kernel)
             full = fp8_gemm.fp8_linear(x, w, s, path="few")
-            for r in (1, 3, 8):
+            for r in (3, 8):
                 assert torch.equal(fp8_gemm.fp8_linear(x[:r], w, s, path="few"), full[:r]), (name, r)
 
 

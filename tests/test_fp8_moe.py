@@ -162,6 +162,17 @@ def test_few_tokens_match_float64(t, i_s):
     check_few(t, 5, 200, 128, i_s, 3, torch.float16, DEV, FEW_TOL, SMALL)
 
 
+FMA = fp8_moe.Fp8ExpertConfig(up_block_i=8, up_sub_k=2, down_block_d=16, fma=True, down_sub_i=2)
+
+
+def test_few_tokens_fma_kernels_match_float64():
+    """The CUDA-core kernels: odd hidden width (a partial scale block), I 256 in chunks of 2 x 128, I_s 128 (a
+    chunk past the shared width), other ranks' experts; one token, no shared experts. fp16: the interpreter's
+    bf16 cast truncates (module docstring); bf16 runs in the gpu test."""
+    check_few(3, 4, 199, 256, 128, 2, torch.float16, DEV, FEW_TOL, FMA)
+    check_few(1, 5, 136, 128, 0, 3, torch.float16, DEV, FEW_TOL, FMA)
+
+
 def test_few_tokens_odd_width_default_config_and_wide_hidden():
     """D = 199 (a partial last scale block in both matrices), I 256 (two scale blocks), shared 128."""
     check_few(2, 4, 199, 256, 128, 2, torch.float16, DEV, FEW_TOL)
@@ -288,6 +299,8 @@ REAL = [pytest.param(256, 256, 256, id="moe=tp"), pytest.param(32, 2048, 2048, i
 def test_gpu_few_tokens_real_widths(e, i, i_s, t):
     needs_gpu()
     check_few(t, e, D_V3, i, i_s, 8, torch.bfloat16, "cuda", 1e-2)
+    check_few(t, e, D_V3, i, i_s, 8, torch.bfloat16, "cuda", 1e-2, fp8_moe.Fp8ExpertConfig(16, 4, 32, fma=True,
+                                                                                          down_sub_i=2))
 
 
 @pytest.mark.gpu

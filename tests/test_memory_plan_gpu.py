@@ -4,6 +4,8 @@ run (parity or a clear skip) is in scripts/memory_device.sh (minutes)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import compose_config
@@ -29,7 +31,8 @@ def test_auto_fills_the_device_to_the_fraction_and_nothing_retracts():
 
 def test_an_oversized_pool_is_refused_before_allocating():
     pytest.importorskip("flashinfer")
+    gc.collect()  # the previous test's runtime, caught in a reference cycle, is freed here, not by the plan's read
     before = torch.cuda.memory_allocated()
     with pytest.raises(ConfigError, match=r"memory plan line 'kv pool'.*kv\.num_pages="):
         containers.build(compose_config(*DSV3, "kv.num_pages=10000000"))
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_allocated() <= before

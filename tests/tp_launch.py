@@ -13,6 +13,7 @@ from pathlib import Path
 from conftest import compose_config
 
 from containers import build
+from runtime.core.parallel import MULTICAST_OFF
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def free_port() -> int:
 def torchrun(*args: str, out_dir: Path, nproc: int = 2, module: str = "runtime",
              timeout: int = 240) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc -m module args hydra.run.dir=out_dir`` on this machine's CPU."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **MULTICAST_OFF)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), "-m", module, *args]
     if module == "runtime":

@@ -12,6 +12,7 @@ import gc
 
 import torch
 
+from backends.kernels.comm.peer_allreduce import planned_bytes as allreduce_bytes
 from runtime.app.memory_estimate import (
     activation_bytes,
     graph_bytes,
@@ -59,6 +60,8 @@ def plan_memory(plain: dict, info: DeviceInfo, reader: MemoryReader, group, refe
         plan.fixed.append(PlanLine(f"weights: {dtype}", n, "weights"))  # the fix is filled below (needs the rest)
     for name, n in workspace_bytes(plain, spec, info).items():
         plan.fixed.append(PlanLine(f"workspace: {name}", n, "a smaller workspace (backend / workspace keys)"))
+    if ipc := allreduce_bytes(plain["parallel"], info.kind):  # the all-reduce's symmetric buffer (one-shot / fused)
+        plan.fixed.append(PlanLine("workspace: allreduce_ipc", ipc, "parallel.ipc_buffer_bytes or parallel.allreduce=nccl"))
     plan.fixed.append(PlanLine("cuda graphs (pool of the largest captured batches)", graph_bytes(plain, spec, not on_cpu),
                                "graph=off, or smaller graph.batch_sizes"))
     given = mem.get("activation_bytes")

@@ -7,7 +7,9 @@ process group is started.
   (:func:`dsv4_parallel_problems`): heads, ``o_groups`` (a multiple or a divisor of tp: the grouped output
   projection is cut by groups, or each group by heads), vocabulary, the experts' intermediate size (moe=tp) or their number (moe=ep), and the shared expert's width;
 * what is not supported with tp > 1, each with its fix: hybrid models (linear-attention layers are not sharded)
-  and attention dumps.
+  and attention dumps;
+* the all-reduce (:func:`allreduce_problems`): ``oneshot`` / ``fused`` only where the ranks are one node of GPUs
+  with peer access (CUDA IPC), a power of two up to 8; the sizes positive.
 
 The other checks (:func:`runtime.app.validation.validate`) see :func:`rank_view` of the config: the model with
 this rank's share of the heads (and, DeepSeek-V4, of the output groups), which is what the attention backend runs
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from backends.kernels.comm.peer_allreduce import peer_access_problem
 from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
@@ -78,6 +81,7 @@ def parallel_problems(cfg: Mapping, launch: LaunchEnv, device: DeviceInfo) -> li
             add(Problem("parallel.tp", f"LOCAL_RANK {launch.local_rank} with {n} GPU(s) visible on this node",
                         "one GPU per process on each node", f"use --nproc-per-node {n} or fewer per node "
                         "(several nodes: --nnodes), or make more GPUs visible (CUDA_VISIBLE_DEVICES)"))
+    out += allreduce_problems(par, launch, device)
     if tp == 1:
         return out
     if model.get("model_type") == DSV4_MODEL_TYPE:  # its own attention, pools and weights (+dump_dir: its checks)
@@ -144,4 +148,22 @@ def dsv4_parallel_problems(model: Mapping, tp: int, moe: str) -> list[Problem]:
     else:
         _divisible(out, "model.moe_intermediate_size (parallel.moe=tp: routed and shared experts)", width, tp,
                    f"use {_tp_choices(width, tp)}, or parallel.moe=ep")
+    return out
+
+
+def allreduce_problems(par: Mapping, launch: LaunchEnv, device: DeviceInfo) -> list[Problem]:
+    """``parallel.allreduce`` and its sizes: ``oneshot`` / ``fused`` need ranks that can read each other's GPU
+    memory (:func:`backends.kernels.comm.peer_allreduce.peer_access_problem`); ``auto`` falls back to NCCL there
+    and is never refused. One rank: nothing is reduced, every mode is accepted."""
+    out, mode, tp = [], str(par.get("allreduce", "auto")), par["tp"]
+    for key in ("oneshot_max_bytes", "ipc_buffer_bytes"):
+        if int(par.get(key, 1)) < (0 if key == "oneshot_max_bytes" else 1):
+            out.append(Problem(f"parallel.{key}", str(par[key]), "a positive number of bytes",
+                               f"drop the override (default {'524288' if key == 'oneshot_max_bytes' else '8388608'})"))
+    if mode in ("oneshot", "fused") and tp > 1:
+        why = peer_access_problem(tp, device.kind, launch.local_world_size)
+        if why:
+            out.append(Problem(f"parallel.allreduce={mode}", why,
+                               "one node of 2, 4 or 8 GPUs that can read each other's memory (CUDA IPC / NVLink)",
+                               "parallel.allreduce=nccl (or auto, which picks NCCL where the kernels cannot run)"))
     return out

@@ -5,8 +5,10 @@ Every rank runs these (they are collectives: each rank calls them in the same or
 * :func:`disagreements`: the output ids of every rank (and, with HiSparse, each coordinator's decision digest)
   gathered and compared. Every rank schedules on its own from the same inputs (no per-step broadcast), so the
   run is only right if they all produced the same tokens; any difference fails the run, loudly.
-* :func:`parallel_section`: tp, moe, world size; memory per rank (gathered); the collectives per step by phase:
-  count, bytes each rank sent into all-reduces and all-gathers (and into all-reduces alone), time of the eager
+* :func:`parallel_section`: tp, moe, world size, the all-reduce mode (asked, and what it runs as); memory per rank
+  (gathered); the collectives per step by phase: count, bytes each rank sent into all-reduces and all-gathers (and
+  into all-reduces alone; and per op: all_reduce (NCCL / gloo), all_reduce:oneshot, all_reduce:fused (all-reduce +
+  residual add + RMSNorm), all_gather (the greedy top 2 or the sampled logits)), time of the eager
   (timed) steps, and for steps
   that replayed a CUDA graph the time of the same collectives run by the probe (runtime/core/parallel.py).
 """
@@ -54,12 +56,19 @@ def phase_collectives(steps: list, probes: dict[tuple, float]) -> dict:
     eager = [c.seconds() for c in samples if c.timed]
     graphed = [c for c in samples if not c.timed]
     probe = [probes[c.signature()] for c in graphed if c.signature() in probes]
-    reduced = [sum(k * dt.itemsize for op, k, dt in c.ops if op == "all_reduce") for c in samples]
+    reduced = [sum(k * dt.itemsize for op, k, dt in c.ops if op.startswith("all_reduce")) for c in samples]
+    by_op: dict[str, list[float]] = {}  # op -> [count per step, bytes per step] (mean over the steps)
+    for c in samples:
+        for op, k, dt in c.ops:
+            row = by_op.setdefault(op, [0.0, 0.0])
+            row[0] += 1 / n
+            row[1] += k * dt.itemsize / n
     return {
         "steps": n,
         "count_per_step": float(np.mean([c.count for c in samples])) if n else 0.0,
         "bytes_per_step": float(np.mean([c.nbytes for c in samples])) if n else 0.0,
         "all_reduce_bytes_per_step": float(np.mean(reduced)) if n else 0.0,
+        "by_op": {op: {"count_per_step": c, "bytes_per_step": b} for op, (c, b) in sorted(by_op.items())},
         "eager_steps": len(eager),
         "ms_per_eager_step": float(np.mean(eager) * 1e3) if eager else None,
         "graphed_steps": len(graphed),
@@ -81,12 +90,14 @@ def probe_graphed(group, steps: list) -> dict[tuple, float]:
 def parallel_section(runtime, res: RunResult) -> dict:
     """The report's ``parallel`` section (see the module docstring); a collective call."""
     cfg, group = runtime.config, runtime.container.tp_group()
-    probes = probe_graphed(group, res.steps)
+    probes = probe_graphed(runtime.container.collectives(), res.steps)  # the one-shot / fused ops through their kernels
     phases = {}
     for phase in dict.fromkeys(s.phase for s in res.steps):
         phases[phase] = phase_collectives([s for s in res.steps if s.phase == phase], probes)
     return {
         "tp": cfg["parallel"]["tp"], "moe": cfg["parallel"]["moe"], "world_size": group.size,
+        "allreduce": {"config": cfg["parallel"].get("allreduce", "auto"), "runs_as": runtime.container.collectives().mode,
+                      "oneshot_max_bytes": runtime.container.collectives().limit},
         "backend": group.backend,
         "memory_per_rank": group.gather_objects(_rank_memory(runtime)),
         "collectives": phases,

@@ -466,13 +466,24 @@ class MoEParallel(str, enum.Enum):
     ep = "ep"  # expert parallelism: each rank owns n_routed_experts / tp whole experts
 
 
+class AllReduceMode(str, enum.Enum):
+    auto = "auto"  # fused / one-shot up to parallel.oneshot_max_bytes where the ranks can (one node, peer access)
+    nccl = "nccl"  # torch.distributed (NCCL on CUDA, gloo on the CPU) for every all-reduce
+    oneshot = "oneshot"  # the one-shot kernel over the symmetric (IPC) buffers, NCCL above the buffer
+    fused = "fused"  # oneshot, and the decoder layer's all-reduce + residual add + RMSNorm in one kernel
+
+
 @dataclass
 class ParallelConfig:
     """Tensor parallelism over ``torchrun`` processes (runtime/core/parallel.py): ``tp`` ranks, one per GPU
-    (``WORLD_SIZE`` must equal it), and how the routed experts are split."""
+    (``WORLD_SIZE`` must equal it), how the routed experts are split, and which all-reduce the model calls
+    (docs/parallelism.md)."""
 
     tp: int = 1
     moe: MoEParallel = MoEParallel.tp
+    allreduce: AllReduceMode = AllReduceMode.nccl  # auto once scripts/tp_device.sh has passed on two GPUs
+    oneshot_max_bytes: int = 512 * 1024  # auto: the one-shot / fused kernels up to this message, NCCL above (measure)
+    ipc_buffer_bytes: int = 8 * 1024 * 1024  # the symmetric buffer per rank: the largest one-shot message
 
 
 @dataclass

@@ -58,18 +58,21 @@ class DeviceMemory:
     """The real reader: ``torch.cuda.mem_get_info`` for a GPU, ``/proc/meminfo`` for the host (and the CPU device);
     ``peak`` is the caching allocator's high-water mark (0 on the CPU).
 
-    A GPU's free memory counts what this process's caching allocator holds but no tensor uses (reserved minus
-    allocated): an earlier runtime of the same process (a test session, the parity reference after the candidate)
-    leaves its freed blocks there, and the new pools reuse them. Garbage is collected first."""
+    Before reading the GPU, garbage is collected and the caching allocator hands its wholly unused segments back
+    to the driver (``torch.cuda.empty_cache``): an earlier runtime of the same process (a test session, the parity
+    reference after the candidate) leaves its freed blocks there. What stays reserved lies in segments that still
+    hold live tensors; it is not counted, since a pool's one large tensor cannot be cut from such fragments (counting
+    it made a pool of 3 x 41.7 GiB fail at its third layer on an H200, with 42 GiB reserved but unallocated)."""
 
     def device(self, device: torch.device) -> MemoryReading:
         device = torch.device(device)
         if device.type != "cuda":
             return self.host()
         gc.collect()  # a dropped runtime caught in a reference cycle still holds its pools until collected
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return MemoryReading(int(total), int(free) + max(int(cached), 0))
+        return MemoryReading(int(total), int(free))
 
     def host(self) -> MemoryReading:
         return _meminfo()

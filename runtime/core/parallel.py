@@ -15,6 +15,14 @@ it runs in, untimed. The time of a graphed step's collectives is then measured b
 (:meth:`TPGroup.probe`): the same sequence of collectives (sizes, dtypes, order), run eagerly and timed on
 their own, after the workload. The probe measures them without the step's compute around them, as a serial
 TP step runs them (no overlap with compute is implemented).
+
+Which all-reduce (``parallel.allreduce``, docs/parallelism.md): the model talks to :class:`Collectives`, which
+routes each all-reduce by its size to NCCL (gloo on the CPU) or to an injected :class:`PeerAllReduce` (the one-shot
+and fused kernels of ``backends/kernels/comm`` over symmetric CUDA IPC buffers), and offers
+``reduce_add_rms_norm`` (the decoder layer's all-reduce + residual add + RMSNorm, one kernel under ``fused``).
+The choice depends on shapes and dtypes only, so every rank takes the same path, and a captured graph keeps it.
+NVLink multicast (NVLS, multimem) is never used: :func:`multicast_off` sets ``NCCL_NVLS_ENABLE=0`` and
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` before any process group exists.
 """
 
 from __future__ import annotations
@@ -24,10 +32,18 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 TIMEOUT = datetime.timedelta(minutes=10)
+#: NVLink multicast stays off in every process (a program that turns it on can take shared GPUs out of service)
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def multicast_off(env: dict | None = None) -> None:
+    """Set :data:`MULTICAST_OFF` in ``env`` (the process environment), overriding any other value."""
+    (os.environ if env is None else env).update(MULTICAST_OFF)
 
 
 @dataclass(frozen=True)
@@ -38,12 +54,19 @@ class LaunchEnv:
     world_size: int = 1
     local_rank: int = 0
     launched: bool = False  # WORLD_SIZE is set: started by torchrun (or an equivalent launcher)
+    local_world_size: int | None = None  # LOCAL_WORLD_SIZE: ranks on this node (None: not told, one node assumed)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> LaunchEnv:
         env = os.environ if env is None else env
+        local = env.get("LOCAL_WORLD_SIZE")
         return cls(rank=int(env.get("RANK", 0)), world_size=int(env.get("WORLD_SIZE", 1)),
-                   local_rank=int(env.get("LOCAL_RANK", 0)), launched="WORLD_SIZE" in env)
+                   local_rank=int(env.get("LOCAL_RANK", 0)), launched="WORLD_SIZE" in env,
+                   local_world_size=int(local) if local else None)
+
+    @property
+    def one_node(self) -> bool:
+        return self.local_world_size is None or self.local_world_size == self.world_size
 
 
 def torchrun_command(tp: int) -> str:
@@ -147,6 +170,10 @@ class SingleRank:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def reduce_add_rms_norm(self, x, partial, weight, eps, ops):
+        """(x + partial, RMSNorm(x + partial) * weight) by ``ops`` (one rank: nothing to sum)."""
+        return ops.add_rms_norm(x, partial, weight, eps)
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x
 
@@ -178,6 +205,7 @@ class TPGroup:
 
         self.dist, self.device = dist, torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        multicast_off()
         if not dist.is_initialized():
             kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
             dist.init_process_group(self.backend, rank=launch.rank, world_size=launch.world_size, timeout=TIMEOUT,
@@ -191,6 +219,11 @@ class TPGroup:
         """Sum over the ranks, in place; every rank gets the same bits."""
         self.stats.run("all_reduce", x, x.numel() * x.element_size(), lambda: self.dist.all_reduce(x))
         return x
+
+    def reduce_add_rms_norm(self, x, partial, weight, eps, ops):
+        """``partial`` summed over the ranks, added to the residual ``x``, normed: (x', RMSNorm(x') * weight) [T, D]
+        each; ``partial`` None: (x, RMSNorm(x) * weight)."""
+        return ops.add_rms_norm(x, None if partial is None else self.all_reduce(partial), weight, eps)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Each rank's ``x`` concatenated along ``dim``, in rank order."""
@@ -214,7 +247,10 @@ class TPGroup:
         data), median of ``iters`` timed runs after 3 warm-ups. Collective: every rank must call it with the same
         sample."""
         bufs = [torch.zeros(n, dtype=dt, device=self.device) for _, n, dt in sample.ops]
-        ops = [self._probe_op(op, b) for (op, _, _), b in zip(sample.ops, bufs)]
+        return self.time_ops([self._probe_op(op, b) for (op, _, _), b in zip(sample.ops, bufs)], iters)
+
+    def time_ops(self, ops: list[Callable[[], object]], iters: int = 20) -> float:
+        """Median seconds of one run of ``ops`` in order, of ``iters`` timed runs after 3 warm-ups (collective)."""
         times = []
         for i in range(iters + 3):
             self.dist.barrier()
@@ -236,6 +272,120 @@ class TPGroup:
         if op == "broadcast":
             return lambda: self.dist.broadcast(buf, 0)
         return lambda: self.dist.all_reduce(buf)
+
+
+# ------------------------------------------------------------------------------------------ all-reduce routing
+ONESHOT, FUSED = "all_reduce:oneshot", "all_reduce:fused"  # op names in the statistics (the NCCL one: all_reduce)
+#: tensor-parallel sizes the one-shot kernels take (a power of two: the signal pads are indexed by a tl.arange)
+PEER_WORLD_SIZES = (2, 4, 8)
+
+
+class PeerAllReduce(Protocol):
+    """One-shot all-reduce over symmetric (CUDA IPC) buffers (``backends/kernels/comm``): every rank copies its
+    input into its own buffer, the ranks meet at a barrier of signal flags, and each reads every peer's buffer and
+    sums in float32, in rank order (the same bits on every rank). No multicast."""
+
+    max_bytes: int  # the largest message the buffer holds
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """``x`` (contiguous [T, D] or [N], a dtype of the kernels) fits the buffer."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of ``x`` (same shape and dtype; a new tensor)."""
+
+    def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """partial, residual [T, D], weight [D] -> (residual + sum(partial), RMSNorm(that) * weight), one kernel."""
+
+
+def resolve_allreduce(mode: str, tp: int, device_kind: str, peer_ok: bool) -> str:
+    """What ``parallel.allreduce`` runs as: ``auto`` is ``fused`` where the kernels can run (CUDA, tp in
+    :data:`PEER_WORLD_SIZES`, one node with peer access: ``peer_ok``), else ``nccl``; one rank: ``nccl`` (nothing to
+    reduce). Validation refuses ``oneshot`` / ``fused`` where they cannot run, before this is asked."""
+    mode = str(getattr(mode, "value", mode))
+    if tp == 1:
+        return "nccl"
+    if mode == "auto":
+        return "fused" if device_kind == "cuda" and tp in PEER_WORLD_SIZES and peer_ok else "nccl"
+    return mode
+
+
+class Collectives:
+    """What the model calls: the group's collectives, each all-reduce routed by its size.
+
+    Parameters
+    ----------
+    group : SingleRank or TPGroup
+        NCCL / gloo, and the statistics every collective is recorded in.
+    peer : PeerAllReduce or None
+        The one-shot kernels (None: every all-reduce goes to the group).
+    mode : str
+        ``parallel.allreduce`` resolved (:func:`resolve_allreduce`): nccl | oneshot | fused; ``auto`` keeps its
+        name here and routes like ``fused`` up to ``oneshot_max_bytes``.
+    oneshot_max_bytes : int
+        ``auto``: the largest message the kernels take (NCCL above); oneshot / fused: the buffer bounds it.
+    """
+
+    def __init__(self, group, peer: PeerAllReduce | None = None, mode: str = "nccl",
+                 oneshot_max_bytes: int = 0):
+        self.group, self.peer, self.mode = group, peer, str(getattr(mode, "value", mode))
+        self.rank, self.size, self.device, self.backend = group.rank, group.size, group.device, group.backend
+        self.stats = group.stats
+        limit = oneshot_max_bytes if self.mode == "auto" else (peer.max_bytes if peer is not None else 0)
+        self.limit = min(limit, peer.max_bytes) if peer is not None else 0
+        self._fused_dims: dict[int, int] = {}  # numel -> hidden size of the fused calls (the probe replays them)
+
+    def route(self, x: torch.Tensor) -> str:
+        """'oneshot' or 'nccl' for an all-reduce of ``x`` (a function of shape and dtype only)."""
+        ok = self.peer is not None and x.numel() * x.element_size() <= self.limit and self.peer.fits(x)
+        return "oneshot" if ok else "nccl"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks (NCCL in place, or the one-shot kernel's new tensor): use the returned tensor."""
+        if self.route(x) == "nccl":
+            return self.group.all_reduce(x)
+        n = x.numel() * x.element_size()
+        return self.stats.run(ONESHOT, x, n, lambda: self.peer.all_reduce(x))
+
+    def reduce_add_rms_norm(self, x, partial, weight, eps, ops):
+        """(x + sum(partial), RMSNorm(x + sum(partial)) * weight): the fused kernel under ``fused`` / ``auto`` when
+        the message fits (CUDA, the same dtype everywhere), else the all-reduce then ``ops.add_rms_norm``."""
+        if partial is None:
+            return ops.add_rms_norm(x, None, weight, eps)
+        fused = (self.mode in ("fused", "auto") and self.route(partial) == "oneshot" and partial.dim() == 2
+                 and x.dtype == partial.dtype == weight.dtype and x.shape == partial.shape)
+        if not fused:
+            return ops.add_rms_norm(x, self.all_reduce(partial), weight, eps)
+        self._fused_dims[partial.numel()] = partial.shape[-1]
+        n = partial.numel() * partial.element_size()
+        return self.stats.run(FUSED, partial, n, lambda: self.peer.all_reduce_add_rms_norm(partial, x, weight, eps))
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return self.group.all_gather(x, dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        return self.group.broadcast(x, src)
+
+    def gather_objects(self, obj) -> list:
+        return self.group.gather_objects(obj)
+
+    def probe(self, sample: CollectiveSample, iters: int = 20) -> float:
+        """:meth:`TPGroup.probe` with the one-shot and fused ops replayed through the kernels (collective)."""
+        if self.size == 1:
+            return 0.0
+        fns = []
+        for op, n, dt in sample.ops:
+            buf = torch.zeros(n, dtype=dt, device=self.device)
+            if op == ONESHOT:
+                fns.append(lambda b=buf: self.peer.all_reduce(b))
+            elif op == FUSED:
+                d = self._fused_dims.get(n, n)
+                part, res, w = buf.view(-1, d), torch.zeros(n // d, d, dtype=dt, device=self.device), \
+                    torch.ones(d, dtype=dt, device=self.device)
+                fns.append(lambda p=part, r=res, w=w: self.peer.all_reduce_add_rms_norm(p, r, w, 1e-6))
+            else:
+                fns.append(self.group._probe_op(op, buf))
+        return self.group.time_ops(fns, iters)
 
 
 def device_for(kind: str, index: int, launch: LaunchEnv, tp: int) -> tuple[str, int]:

@@ -6,6 +6,7 @@ workspace that no built object consumes costs zero bytes, and the report says so
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,8 +53,10 @@ class WorkspaceLedger:
         self._specs: dict[str, WorkspaceSpec] = {}
         self._consumers: dict[str, list[str]] = {}
 
-    def acquire(self, spec: WorkspaceSpec, consumer: str) -> torch.Tensor:
-        """The buffer of ``spec`` (uint8 [spec.nbytes]); allocated on the first call."""
+    def acquire(self, spec: WorkspaceSpec, consumer: str,
+                allocate: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """The buffer of ``spec`` (uint8 [spec.nbytes]); allocated on the first call, by ``allocate(nbytes)`` when
+        given (memory of another allocator, e.g. the symmetric memory of the all-reduce's IPC buffers)."""
         if spec.name in self._buffers:
             held = self._specs[spec.name]
             if not (held.shareable and spec.shareable) or held.nbytes < spec.nbytes:
@@ -71,7 +74,8 @@ class WorkspaceLedger:
             self._consumers[spec.name].append(consumer)
             return self._buffers[spec.name]
         alloc = torch.zeros if spec.zero_init else torch.empty
-        self._buffers[spec.name] = alloc(spec.nbytes, dtype=torch.uint8, device=self.device)
+        self._buffers[spec.name] = allocate(spec.nbytes) if allocate is not None else \
+            alloc(spec.nbytes, dtype=torch.uint8, device=self.device)
         self._specs[spec.name] = spec
         self._consumers[spec.name] = [consumer]
         if spec.name not in self._known:

@@ -129,7 +129,8 @@ class Engine:
 
     Tensor parallelism: every rank runs this same loop on the same workload and schedules the same steps (the
     schedule is a function of the config, the workload and the sampled tokens, and the tokens are the same on
-    every rank because the greedy choice is taken on the all-gathered logits); nothing is broadcast per step.
+    every rank because the greedy choice is taken on the all-gathered top 2 of each rank's vocabulary slice, or
+    sampled from the all-gathered logits); nothing is broadcast per step.
     """
 
     def __init__(
@@ -309,14 +310,15 @@ class Engine:
                 start) -> PendingStep:
         """Greedy choice for each sampling request (``sel`` [n, hidden], ``req_rows`` [n] their request rows
         on the device); the fed token goes to the last-token table on the device."""
-        logits = self.model.logits(sel)
-        top2 = torch.topk(logits, 2, dim=-1)
+        sampling = forced is None and self.sampler.needed([r.sampling for r in reqs])  # else greedy: no full logits
+        logits = self.model.logits(sel) if sampling else None
+        top2 = torch.topk(logits, 2, dim=-1) if sampling else torch.return_types.topk(self.model.top2(sel))
         choices = top2.indices[:, 0]
         tokens, drawn = choices, None
         if forced is not None:
             tokens = torch.tensor([forced[r.rid][len(r.output)] for r in reqs], dtype=torch.int64)
             tokens = to_device(tokens, self.device)
-        elif self.sampler.needed([r.sampling for r in reqs]):  # sampled tokens, logprobs (sampling.py)
+        elif sampling:  # sampled tokens, logprobs (sampling.py)
             drawn = self.sampler.sample(logits, [r.sampling for r in reqs], [len(r.output) for r in reqs], choices)
             tokens = drawn.tokens
         if reqs:

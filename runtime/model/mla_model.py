@@ -11,9 +11,11 @@ Triton kernels or torch, by ``model.fused``).
 Tensor parallelism (:mod:`runtime.model.deepseek.sharding` says who holds what): the injected group sums the
 row-parallel outputs (attention ``o_proj``; the dense MLP, or the MoE layer's routed and shared experts together:
 one all-reduce each) before they are added to the residual stream, so the hidden states are the same on every
-rank after each layer. The embedding is vocabulary-parallel (each rank looks up its own rows, zeros elsewhere,
-all-reduce) and the LM head gives each rank its slice of the logits, all-gathered into the full vocabulary on
-every rank. With one rank the group does nothing and the embedding is a plain lookup.
+rank after each layer (``group.reduce_add_rms_norm``: the sum, the residual add and the next norm, fused into one
+kernel under ``parallel.allreduce=fused``). The embedding is vocabulary-parallel (each rank looks up its own rows,
+zeros elsewhere, all-reduce) and the LM head gives each rank its slice of the logits: the greedy path (``top2``)
+all-gathers each rank's two largest (value, id) pairs, sampling (``logits``) the full vocabulary. With one rank the
+group does nothing and the embedding is a plain lookup.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.config import LayerKind
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import MLPLayer, ModelSpec
-from runtime.core.parallel import SingleRank, TPGroup
+from runtime.core.parallel import Collectives, SingleRank, TPGroup
 from runtime.model.deepseek.attention import MLAAttention, linear_attention
 from runtime.model.deepseek.moe import GROUPED_MM
 from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.rope import rope_tables
 from runtime.model.deepseek.weights import ModelWeights
 from runtime.model.dump import AttentionDumper
-from runtime.model.layers import embed_vocab_parallel
+from runtime.model.layers import embed_vocab_parallel, vocab_parallel_top2
 
 
 class MLAModel:
@@ -53,8 +55,8 @@ class MLAModel:
         ``spec.num_layers`` layers of weights (seeded random, loaded, or the target's first layers for a draft).
     ops : TorchOps or FusedOps
         The decoder's small ops (``model.fused`` and the device's capabilities chose the class).
-    group : SingleRank or TPGroup
-        The tensor-parallel group (``spec.num_heads`` is this rank's share of the heads).
+    group : SingleRank, TPGroup or Collectives
+        The tensor-parallel collectives (``spec.num_heads`` is this rank's share of the heads).
     shares_weights : bool
         True for the speculative draft, whose weights are the target's (its weight bytes count 0).
     """
@@ -70,7 +72,7 @@ class MLAModel:
         sparse: SparseDecode | None,
         weights: ModelWeights,
         ops: TorchOps | FusedOps,
-        group: SingleRank | TPGroup,
+        group: SingleRank | TPGroup | Collectives,
         shares_weights: bool = False,
     ):
         if len(weights.layers) != spec.num_layers:
@@ -102,21 +104,23 @@ class MLAModel:
         x = self._embed(input_ids)
         cos, sin = self.rope_cos[batch.positions], self.rope_sin[batch.positions]
         use_mha = batch.mode == ForwardMode.EXTEND and self.mha_prefill is not None
-        delta = None  # the last sublayer's output, added to the residual stream x by the next add_rms_norm
+        # the last sublayer's row-parallel partial output: summed over the ranks, added to the residual stream x
+        # and normed by the next reduce_add_rms_norm (one kernel under parallel.allreduce=fused)
+        delta, g = None, self.group
         for layer_id, (kind, mkind, lw) in enumerate(zip(s.layer_kinds, s.mlp_kinds, self.layers)):
-            if kind == LayerKind.linear:
-                x = x if delta is None else x + delta
-                delta = linear_attention(s, self.backend, layer_id, lw.attn, x, batch)
+            if kind == LayerKind.linear:  # (hybrid models run at tp=1: the sum is the partial itself)
+                x = x if delta is None else x + g.all_reduce(delta)
+                x, delta = x + linear_attention(s, self.backend, layer_id, lw.attn, x, batch), None
             else:
-                x, xn = ops.add_rms_norm(x, delta, lw.attn.attn_norm, eps)
-                delta = self.group.all_reduce(self.attention.forward(layer_id, lw.attn, xn, cos, sin, batch, use_mha))
+                x, xn = g.reduce_add_rms_norm(x, delta, lw.attn.attn_norm, eps, ops)
+                delta = self.attention.forward(layer_id, lw.attn, xn, cos, sin, batch, use_mha)
             if mkind == MLPLayer.dense:
-                x, xn = ops.add_rms_norm(x, delta, lw.mlp_norm, eps)
-                delta = self.group.all_reduce(ops.dense_mlp(lw.mlp, xn))
+                x, xn = g.reduce_add_rms_norm(x, delta, lw.mlp_norm, eps, ops)
+                delta = ops.dense_mlp(lw.mlp, xn)
             elif mkind == MLPLayer.moe:
-                x, xn = ops.add_rms_norm(x, delta, lw.mlp_norm, eps)
-                delta = self.group.all_reduce(ops.moe(s, lw.mlp, xn, self.grouped_mm))
-        return ops.add_rms_norm(x, delta, self.weights.final_norm, eps)[1]
+                x, xn = g.reduce_add_rms_norm(x, delta, lw.mlp_norm, eps, ops)
+                delta = ops.moe(s, lw.mlp, xn, self.grouped_mm)
+        return g.reduce_add_rms_norm(x, delta, self.weights.final_norm, eps, ops)[1]
 
     def _embed_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.weights.embed[input_ids]
@@ -129,3 +133,10 @@ class MLAModel:
         """[N, hidden] -> [N, vocab] float32 (this rank's vocabulary slice, all-gathered: the same on every rank)."""
         lm_head = self.weights.lm_head
         return self.group.all_gather(self.ops.linear(hidden.to(lm_head.dtype), lm_head)).float()
+
+    def top2(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy path's logits: [N, hidden] -> (values [N, 2] float32, token ids [N, 2] int64), the two largest
+        logits over the whole vocabulary, from each rank's own top 2 (one all-gather of [N, 4] floats)."""
+        lm_head = self.weights.lm_head
+        local = self.ops.linear(hidden.to(lm_head.dtype), lm_head)
+        return vocab_parallel_top2(local, self.weights.vocab_start, self.group)

@@ -8,8 +8,9 @@ path: fp8 tensor-core steps are 32 deep); ``bn`` any positive int.
 
 Paths (:func:`fp8_linear` picks by M, ``path=`` forces one):
 
-* ``"few"`` (M <= :data:`FEW_ROWS`): W8A16, one 16-row tensor-core tile per program, fp8 weight tiles widened
-  to x's dtype in registers, each weight byte read once (:func:`few_config` picks the tiles).
+* ``"few"`` (M <= :data:`FEW_ROWS`): W8A16, each weight byte read once, fp8 weight tiles widened in registers:
+  up to :data:`FMA_ROWS` rows on the CUDA cores (float32 products), above as one 16-row tensor-core tile per
+  program (:func:`few_config` picks the kernel and tiles). :func:`fp8_norm_linear` fuses an RMSNorm of x.
 * ``"w8a8"`` (M > 16 by default): x quantized per row and ``bk`` inputs by :func:`quantize_act` (DeepSeek's
   ``act_quant``: amax / 448), then a block-scaled fp8 GEMM on the fp8 tensor cores (:func:`gemm_config`).
   Needs compute capability 8.9+ on a GPU; with ``path=None`` a GPU without fp8 tensor cores gets ``"w8a16"``.
@@ -61,22 +62,39 @@ class GemmConfig:
 class FewConfig(TileConfig):
     """A launch of the few-row kernel: the tiles of :class:`~backends.kernels.gemm.skinny.TileConfig` and
     ``split_k``, the programs that share each block of output columns, each over a run of whole ``block_k`` steps
-    (> 1: float32 partials summed in order by a second kernel). Split-K is meant for shapes whose column blocks
+    (> 1: float32 partials summed in order by a second kernel), and ``fma``: the CUDA-core kernel (float32 products,
+M <= :data:`FMA_ROWS`) instead of the tensor-core one. Split-K is meant for shapes whose column blocks
     leave SMs idle (gate_up of a TP8 rank: 72 blocks of 64 columns on 132 SMs, each fp8 tile half a bf16 tile's
     bytes in flight); it is checked on the CPU (Triton's interpreter) and compiles for sm_90a, but has NOT run on
     a GPU yet, so :func:`few_config` keeps 1 until ``python -m bench.fp8_gemm_bench --sweep`` measures it."""
 
     split_k: int = 1
+    fma: bool = False
 
 
-def few_config(n: int, k_dim: int, device: torch.device | str) -> FewConfig:
-    """Tiles of the few-row kernel, the bf16 few-row kernel's rule
-    (:func:`backends.kernels.gemm.skinny.default_config`): 64 weight rows x 256 inputs per step when that still gives
-    half the SMs a program, else 32 x 512, at most K rounded up to a power of two; 4 warps, 4 stages; no split-K
-    (see :class:`FewConfig`)."""
+#: rows up to which a :class:`FewConfig` with ``fma`` may run (the CUDA-core kernel, ``_few_fma_kernel``)
+FMA_ROWS = 2
+
+
+def few_config(n: int, k_dim: int, device: torch.device | str, m: int = FEW_ROWS) -> FewConfig:
+    """Tiles of the few-row kernel for ``m`` rows.
+
+    Up to :data:`FMA_ROWS` rows: the CUDA-core kernel, no split-K (its second kernel costs a launch in a decode
+    step), 8 weight rows x 512 inputs per step where that gives every SM 4 programs, else 4 x 1024; half the
+    inputs per step at 2 rows. Measured at one row on an H200 (``python -m bench.fp8_gemm_bench --m 1 --sweep``,
+    µs, best of 23 tiles x splits in brackets): qkv_a 2112 x 7168 4 x 1024 10.6 (9.98 at 8 x 512 split 4),
+    o_proj 7168 x 2048 7.96 (best), down 7168 x 2304 8.90 (best), gate_up 4608 x 7168 16.4 (15.8 split 4); the
+    tensor-core kernel 16.7-48.5.
+    Above: the tensor-core kernel with the bf16 few-row kernel's rule
+    (:func:`backends.kernels.gemm.skinny.default_config`): 64 weight rows x 256 inputs per step when that still
+    gives half the SMs a program, else 32 x 512, at most K rounded up to a power of two; 4 warps, 4 stages."""
     sms = sm_count(device, CPU_SM_COUNT)
+    k_cap = triton.next_power_of_2(max(k_dim, 16))
+    if m <= FMA_ROWS:
+        block_n, block_k = (8, 512) if triton.cdiv(n, 8) >= 4 * sms else (4, 1024)
+        return FewConfig(block_n, min(block_k // triton.next_power_of_2(max(m, 1)), k_cap), 4, 3, 1, True)
     block_n, block_k = (64, 256) if triton.cdiv(n, 64) * 2 >= sms else (32, 512)
-    return FewConfig(block_n, min(block_k, triton.next_power_of_2(max(k_dim, 16))), 4, 4)
+    return FewConfig(block_n, min(block_k, k_cap), 4, 4)
 
 
 def _splits(k_dim: int, block_k: int, split: int) -> int:
@@ -144,9 +162,12 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     if chosen == "few":
         require(config is None or isinstance(config, FewConfig),
                 f"config a fp8_gemm.FewConfig for the few-row path; got {type(config).__name__}")
-        cfg = config or few_config(n, kd, x.device)
+        cfg = config or few_config(n, kd, x.device, m)
         _check_pow2("config.block_k", cfg.block_k, 16)
-        require(cfg.block_n >= 16, f"config.block_n >= 16 (one tensor-core tile); got {cfg.block_n}")
+        low = 1 if cfg.fma else 16
+        require(cfg.block_n >= low and cfg.block_n & (cfg.block_n - 1) == 0,
+                f"config.block_n a power of two >= {low} ({'fma' if cfg.fma else 'one tensor-core tile'}); got "
+                f"{cfg.block_n}")
         _few(x, w, scale, y, bn, bk, cfg, pdl)
         return y
     require(config is None or isinstance(config, GemmConfig),
@@ -169,9 +190,31 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     return y
 
 
-def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool) -> None:
+def fp8_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int] = FP8_BLOCK, pdl: bool = False,
+                    config: FewConfig | None = None) -> torch.Tensor:
+    """``fp8_linear(rms_norm(x, norm_weight, eps), w, scale)`` in one launch for M <= :data:`FMA_ROWS` rows (the
+    q LoRA's q_a_layernorm then q_b_proj at decode): the CUDA-core kernel norms the rows as the fused RMSNorm
+    kernel rounds, then streams the fp8 weight. norm_weight [K] of x's dtype, contiguous. More rows: ValueError
+    (norm first, then :func:`fp8_linear`)."""
+    m, kd, n, bn, bk = _check(x, w, scale, block)
+    require(0 < m <= FMA_ROWS and x.dtype in ACT_DTYPES,
+            f"fp8_norm_linear: 1 to {FMA_ROWS} rows of bf16 / fp16; got {m} rows of {x.dtype}. Fix: rms_norm, "
+            f"then fp8_linear")
+    require(norm_weight.shape == (kd,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous(),
+            f"norm_weight [K] of x's dtype, contiguous; got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    cfg = config or few_config(n, kd, x.device, m)
+    require(cfg.fma, f"fp8_norm_linear: a FewConfig with fma=True; got {cfg}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n:
+        _few(x, w, scale, y, bn, bk, cfg, pdl, (norm_weight, float(eps)))
+    return y
+
+
+def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tuple | None = None) -> None:
     """The few-row kernel into ``y``; with ``cfg.split_k > 1`` (whole ``block_k`` steps per split) its float32
-    partials go to a ``[split, 16, N]`` temporary that :func:`k._sum_splits_kernel` sums in order."""
+    partials go to a ``[split, 16, N]`` temporary that :func:`k._sum_splits_kernel` sums in order. ``norm``:
+    (weight, eps) of an RMSNorm of x first (the CUDA-core kernel only)."""
     split = cfg.split_k
     require(isinstance(split, int) and split >= 1, f"config.split_k a positive int; got {split!r}")
     m, kd = x.shape
@@ -179,11 +222,22 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool) -> None:
     split = _splits(kd, cfg.block_k, split)
     k_split = triton.cdiv(triton.cdiv(kd, cfg.block_k), split) * cfg.block_k
     part = torch.empty(split, 16, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    p = use_pdl(pdl, k._few_w8a16_kernel, x.device)
-    k._few_w8a16_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, w, scale, y, part, m, n, kd, k_split, x.stride(0), w.stride(0), scale.stride(0), scale.stride(1),
-        y.stride(0), bn, BK_S=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=bn % cfg.block_n == 0,
-        PARTIAL=split > 1, PDL=p, launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    strides = (x.stride(0), w.stride(0), scale.stride(0), scale.stride(1), y.stride(0), bn)
+    one_row = bn % cfg.block_n == 0
+    if cfg.fma:
+        require(m <= FMA_ROWS, f"config.fma for at most {FMA_ROWS} rows; got {m} rows. Fix: fma=False")
+        nw, eps = norm or (w, 0.0)
+        p = use_pdl(pdl, k._few_fma_kernel, x.device)
+        k._few_fma_kernel[grid](x, w, scale, y, part, nw, m, n, kd, k_split, *strides, eps, BK_S=bk,
+                                M_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                                ONE_SCALE_ROW=one_row, PARTIAL=split > 1, NORM=norm is not None, PDL=p,
+                                launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        p = use_pdl(pdl, k._few_w8a16_kernel, x.device)
+        k._few_w8a16_kernel[grid](x, w, scale, y, part, m, n, kd, k_split, *strides, BK_S=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=one_row,
+                                  PARTIAL=split > 1, PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
+                                  num_stages=cfg.num_stages)
     if split > 1:
         k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, y.stride(0), SPLIT=split, BLOCK=1024, PDL=p,
                                                          launch_pdl=p, num_warps=4)

@@ -11,6 +11,8 @@ scale row, so no relation between the scale block and the column tile is needed)
   operand against the activations as one zero-padded 16-row B tile (as ``skinny_kernels._linear_dot_kernel``);
   the tile's partial product is multiplied by its (column, k-block) scale and added to a float32 accumulator.
   A row's result does not depend on M (padded rows are zeros, same tile, same order).
+* :func:`_few_fma_kernel`: M <= 2 rows on the CUDA cores (float32 products of the widened weights), same
+  split-K; the few-row path's choice at one row where it measures faster.
 * :func:`_block_gemm_kernel`: a tiled GEMM for any M, block scales applied per k-step. ``A_FP8``: W8A8 as
   DeepSeek's inference code (``act_quant`` + ``fp8_gemm``): A is fp8 with one scale per row and ``BK_S`` inputs
   (:func:`_quant_act_kernel`), ``acc += dot(a, b) * a_scale[:, None] * b_scale[None, :]``, fp8 tensor cores.
@@ -89,6 +91,76 @@ def _few_w8a16_kernel(X, W, S, Y, P, M, N, K, K_SPLIT, stride_xm, stride_wn, str
     else:
         part = P + tl.program_id(1).to(tl.int64) * 16 * N
         tl.store(part + rm[:, None] * N + rn[None, :], tl.trans(acc), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _few_fma_kernel(X, W, S, Y, P, NW, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, BN_S,
+                    eps, BK_S: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ONE_SCALE_ROW: tl.constexpr, PARTIAL: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """Y[:M, n-block] = X[:M] @ dequant(W)[n-block].T for M <= M_PAD (1 or 2 rows), on the CUDA cores.
+
+    At one or two rows a linear layer does 2 to 4 flops per weight byte: the FMA units keep up with the memory,
+    and the weights need no tensor-core operand layout. Each step loads a ``[BLOCK_N, BLOCK_K]`` fp8 tile
+    (16-byte vector loads), widens it to float32 and multiplies it by the rows of X (float32, times each input's
+    block scale: ``ONE_SCALE_ROW``, the program's rows in one scale row; else the weight tile is scaled per
+    element). One row: the products add into a ``[BLOCK_N, BLOCK_K]`` accumulator in the load's own layout (no
+    shuffle, no layout change in the loop), summed over K once at the end; more rows: each step's row sums add
+    into ``acc[M_PAD, BLOCK_N]``. No rounding before the output. A row's result depends on M only through M_PAD.
+    Split-K and ``PARTIAL`` as :func:`_few_w8a16_kernel`. ``NORM``: X is first RMS-normed per row with weight NW
+    [K], rounded as the fused norm kernel rounds (``skinny_kernels._linear_dot_kernel``'s NORM), so the product is
+    ``linear(rms_norm(X), W)`` without the norm's own launch."""
+    pdl_enter(PDL)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, M_PAD)
+    nmask = rn < N
+    mmask = rm < M
+    w_rows = W + rn.to(tl.int64)[:, None] * stride_wn
+    x_rows = X + rm[:, None] * stride_xm
+    s_tile = S + (tl.program_id(0) * BLOCK_N // BN_S) * stride_sn
+    s_rows = S + (rn // BN_S)[:, None] * stride_sn
+    DT: tl.constexpr = Y.dtype.element_ty
+    if NORM:  # the rows' sums of squares: one pass over X (a few KB, from L2) before the weight stream
+        ss = tl.zeros([M_PAD], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xf = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        if not ONE_SCALE_ROW:
+            w = w * tl.load(s_rows + (rk // BK_S)[None, :] * stride_sk, mask=nmask[:, None] & kmask[None, :],
+                            other=0.0)
+        if M_PAD == 1:
+            x = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)  # M >= 1: the launcher returns at 0
+            if NORM:
+                g = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
+                x = ((x * tl.sum(rstd)).to(DT).to(tl.float32) * g).to(DT).to(tl.float32)
+            if ONE_SCALE_ROW:
+                x = x * tl.load(s_tile + (rk // BK_S) * stride_sk, mask=kmask, other=0.0)
+            acc1 += w * x[None, :]
+        else:
+            x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            if NORM:
+                g = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
+                x = ((x * rstd[:, None]).to(DT).to(tl.float32) * g[None, :]).to(DT).to(tl.float32)
+            if ONE_SCALE_ROW:
+                x = x * tl.load(s_tile + (rk // BK_S) * stride_sk, mask=kmask, other=0.0)[None, :]
+            acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+    if M_PAD == 1:
+        acc = tl.sum(acc1, axis=1)[None, :]
+    if not PARTIAL:
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+    else:
+        part = P + tl.program_id(1).to(tl.int64) * 16 * N
+        tl.store(part + rm[:, None] * N + rn[None, :], acc, mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit

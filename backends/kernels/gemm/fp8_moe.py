@@ -84,14 +84,27 @@ class Fp8ExpertConfig:
 
     Defaults chosen from skinny's bf16 measurements (``skinny.ExpertConfig``: 32-row up blocks over 256 bf16
     columns, 64-column down blocks, 4 stages) with the same bytes per step: an fp8 row is half a bf16 row, so
-    the up kernel reads 2 x 128 fp8 columns per step. Not yet swept on an H100 (``python -m bench.fp8_moe_bench
-    --sweep``)."""
+    the up kernel reads 2 x 128 fp8 columns per step. ``fma``: the CUDA-core kernels (float32 products; a pair
+    is one token), whose down kernel reads ``down_sub_i`` 128-wide blocks of the intermediate dim per step (the
+    tensor-core one reads one). Not yet swept on an H100 (``python -m bench.fp8_moe_bench --sweep``)."""
 
     up_block_i: int = 32
     up_sub_k: int = 2
     down_block_d: int = 64
     num_warps: int = 4
     num_stages: int = 4
+    fma: bool = False
+    down_sub_i: int = 1
+
+
+def expert_config(inter: int) -> Fp8ExpertConfig:
+    """The default launch: the CUDA-core kernels (every pair is one token). Measured at one token on an H200
+    (``python -m bench.fp8_moe_bench --no-libs --tokens 1 --sweep``, 21 configs): the TP8 slice (I 256) best at 16
+    gate/up rows x 512 inputs and 32 down rows x 256, 8 warps (31.5 us; the tensor-core kernels 75.5, bf16 36.0);
+    the EP slice (I 2048) at 8 x 512 and 16 x 512, 4 warps (97.5 us; tensor cores 336.2, bf16 166.5)."""
+    if inter <= 512:
+        return Fp8ExpertConfig(16, 4, 32, 8, 3, True, 2)
+    return Fp8ExpertConfig(8, 4, 16, 4, 3, True, 4)
 
 
 def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -124,7 +137,7 @@ def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     pdl : bool
         Launch with programmatic dependent launch (Hopper+, compiled only).
     config : Fp8ExpertConfig, optional
-        Tile sizes; default :class:`Fp8ExpertConfig`.
+        Tile sizes; default :func:`expert_config` of the wider intermediate width.
 
     Returns
     -------
@@ -155,24 +168,30 @@ def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if t == 0 or d == 0:
         return out
-    c = config or Fp8ExpertConfig()
-    require(c.up_block_i in (16, 32, 64, 128) and c.down_block_d in (16, 32, 64, 128) and c.up_sub_k >= 1,
-            f"Fp8ExpertConfig up_block_i / down_block_d in 16, 32, 64, 128 (dividing the 128-row scale block), "
-            f"up_sub_k >= 1; got {c}")
+    c = config or expert_config(max(inter, s_inter))
+    low = (4, 8) if c.fma else ()
+    pow2 = (*low, 16, 32, 64, 128)
+    require(c.up_block_i in pow2 and c.down_block_d in pow2 and c.up_sub_k in (1, 2, 4, 8)
+            and c.down_sub_i in (1, 2, 4, 8),
+            f"Fp8ExpertConfig up_block_i / down_block_d in {', '.join(map(str, pow2))} (dividing the 128-row scale "
+            f"block{'; 4 and 8 with fma' if not c.fma else ''}), up_sub_k / down_sub_i in 1, 2, 4, 8; got {c}")
     n_pairs = t * top_k
     h = torch.empty(n_pairs + (t if has_shared else 0), max(inter, s_inter), dtype=x.dtype, device=x.device)
     sgu, sgus, sdn, sdns = shared if has_shared else (gate_up, gate_up_scale, down, down_scale)
-    p = use_pdl(pdl, k._fp8_moe_up_kernel, x.device)
-    k._fp8_moe_up_kernel[(h.shape[0], triton.cdiv(h.shape[1], c.up_block_i))](
+    up, down_k = ((k._fp8_moe_up_fma_kernel, k._fp8_moe_down_fma_kernel) if c.fma
+                  else (k._fp8_moe_up_kernel, k._fp8_moe_down_kernel))
+    down_extra = {"SUB_I": c.down_sub_i} if c.fma else {}
+    p = use_pdl(pdl, up, x.device)
+    up[(h.shape[0], triton.cdiv(h.shape[1], c.up_block_i))](
         x, ids, gate_up, gate_up_scale, sgu, sgus, h, n_pairs, d, inter, s_inter, n_local, x.stride(0),
         gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), sgu.stride(-2),
         sgus.stride(-2), h.stride(0), TOPK=max(top_k, 1), BLOCK_I=c.up_block_i, SUB_K=c.up_sub_k, PDL=p,
         launch_pdl=p, num_warps=c.num_warps, num_stages=c.num_stages)
-    k._fp8_moe_down_kernel[(t, triton.cdiv(d, c.down_block_d))](
+    down_k[(t, triton.cdiv(d, c.down_block_d))](
         h, ids, weights, down, down_scale, sdn, sdns, out, n_pairs, d, inter, s_inter, n_local, h.stride(0),
         down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), sdn.stride(-2),
         sdns.stride(-2), out.stride(0), TOPK=top_k, TOPK_P2=triton.next_power_of_2(max(top_k, 1)),
-        HAS_SHARED=has_shared, BLOCK_D=c.down_block_d, PDL=p, launch_pdl=p, num_warps=c.num_warps,
+        HAS_SHARED=has_shared, BLOCK_D=c.down_block_d, **down_extra, PDL=p, launch_pdl=p, num_warps=c.num_warps,
         num_stages=c.num_stages)
     return out
 

@@ -9,6 +9,8 @@ Weights are float8 e4m3 with one float32 scale per 128 x 128 block (``dequantize
   16-row tile. Each 128-wide reduction block's partial product (float32) is multiplied by its block scale before
   it is added, so the result is the product with the dequantized weights up to float32 summation order. The
   rounding points are skinny's (each GEMM output, SiLU, the product, the weighted sum, the shared add).
+  :func:`_fp8_moe_up_fma_kernel` / :func:`_fp8_moe_down_fma_kernel` do the same on the CUDA cores (float32
+  products of the widened weights: a pair is one token, a matrix-vector product).
 * **Many tokens** (prefill): :func:`_fp8_grouped_gemm_kernel`, a W8A8 grouped GEMM over rows sorted by expert,
   activations quantized per token and 128 columns (:func:`_quantize_groups_kernel`, amax / 448 to e4m3), fp8 x fp8
   ``tl.dot`` with float32 accumulation, each k-block's product times (activation scale x weight scale). The expert
@@ -21,12 +23,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from backends.kernels.gemm.skinny_kernels import expert_pair, fold_slot, store_down_sum, store_silu_mul
 from backends.kernels.pdl import pdl_enter
 
 #: rows and columns of one scale block (DeepSeek-V3's fp8 checkpoints)
 QBLOCK: tl.constexpr = tl.constexpr(128)
 #: e4m3's largest finite value
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+
+
+@triton.jit
+def _pair_scale_rows(routed, e, i0, width, GUS, SGUS, stride_gse, stride_gsn, stride_ssn):
+    """Pointers to the scale rows of a program's gate rows (from ``i0``) and of its up rows (``i0 + width``): the
+    routed expert's GUS[e] or the shared experts' SGUS (BLOCK_I divides 128, so each lies in one scale row)."""
+    sstride = tl.where(routed, stride_gsn, stride_ssn)
+    sbase = tl.where(routed, GUS + e * stride_gse, SGUS)
+    return sbase + (i0 // QBLOCK) * sstride, sbase + ((i0 + width) // QBLOCK) * sstride
 
 
 @triton.jit
@@ -44,20 +56,10 @@ def _fp8_moe_up_kernel(X, IDS, GU, GUS, SGU, SGUS, H, n_pairs, K, inter, s_inter
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     DT: tl.constexpr = H.dtype.element_ty
-    routed = p < n_pairs
-    e = tl.load(IDS + p, mask=routed, other=0).to(tl.int64)
-    t = tl.where(routed, p // TOPK, p - n_pairs)
-    width = tl.where(routed, inter, s_inter)
-    stride = tl.where(routed, stride_gn, stride_sn)
-    sstride = tl.where(routed, stride_gsn, stride_ssn)
-    live = ri < tl.where(e < n_local, width, 0)  # a shared row loaded e = 0
-    base = tl.where(routed, GU + e * stride_ge, SGU)
-    sbase = tl.where(routed, GUS + e * stride_gse, SGUS)
-    g_rows = base + ri.to(tl.int64)[:, None] * stride
-    u_rows = base + (ri + width).to(tl.int64)[:, None] * stride
+    routed, e, t, width, live, g_rows, u_rows = expert_pair(p, ri, IDS, GU, SGU, n_pairs, inter, s_inter, n_local,
+                                                            stride_ge, stride_gn, stride_sn, TOPK)
     i0 = tl.program_id(1) * BLOCK_I
-    g_scale = sbase + (i0 // QBLOCK) * sstride  # the program's gate rows' scale row, and its up rows'
-    u_scale = sbase + ((i0 + width) // QBLOCK) * sstride
+    g_scale, u_scale = _pair_scale_rows(routed, e, i0, width, GUS, SGUS, stride_gse, stride_gsn, stride_ssn)
     on = (e < n_local) & (i0 < width)
     r16 = tl.arange(0, 16)
     x_row = X + t * stride_x + r16[:, None] * 0
@@ -78,10 +80,8 @@ def _fp8_moe_up_kernel(X, IDS, GU, GUS, SGU, SGUS, H, n_pairs, K, inter, s_inter
             su = tl.load(u_scale + kb, mask=son, other=0.0)
             acc_g = tl.dot(wg, tl.trans((xf * sg).to(DT)), acc_g)
             acc_u = tl.dot(wu, tl.trans((xf * su).to(DT)), acc_u)
-    g = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
-    u = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-    tl.store(H + p * stride_h + ri, (s * u).to(DT), mask=ri < width)
+    # columns 1..15 of the accumulators are zeros
+    store_silu_mul(H + p * stride_h + ri, tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), ri < width)
 
 
 @triton.jit
@@ -132,15 +132,92 @@ def _fp8_moe_down_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, inter
         acc = tl.dot(w, tl.trans((h.to(tl.float32) * sc).to(DT)), acc)
         if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
             y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
-            if routed:
-                out += y * tl.sum(tl.where(slots == j, wts, 0.0))
-            else:
-                shared = y
+            out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
             acc = tl.zeros_like(acc)
-    res = out.to(DT)
-    if HAS_SHARED:
-        res = (res.to(tl.float32) + shared).to(DT)
-    tl.store(OUT + t * stride_o + rd, res, mask=dmask)
+    store_down_sum(OUT + t * stride_o + rd, out, shared, HAS_SHARED, dmask)
+
+
+@triton.jit
+def _fp8_moe_up_fma_kernel(X, IDS, GU, GUS, SGU, SGUS, H, n_pairs, K, inter, s_inter, n_local, stride_x, stride_ge,
+                           stride_gn, stride_gse, stride_gsn, stride_sn, stride_ssn, stride_h, TOPK: tl.constexpr,
+                           BLOCK_I: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr):
+    """:func:`_fp8_moe_up_kernel` on the CUDA cores: a pair is one token, so each step is a matrix-vector product
+    (2 flops per weight byte), and the fp8 tiles need no tensor-core operand layout. Each step reads SUB_K
+    128-wide blocks of BLOCK_I gate and BLOCK_I up rows (16-byte vector loads), widens them to float32, multiplies
+    by the token's row times each input's block scale (float32, not rounded) and adds the products into float32
+    accumulators in the load's own layout (no shuffle or layout change in the loop), summed over K once at the
+    end; the rounding points after the sums are the tensor-core kernel's."""
+    pdl_enter(PDL)
+    p = tl.program_id(0)
+    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    routed, e, t, width, live, g_rows, u_rows = expert_pair(p, ri, IDS, GU, SGU, n_pairs, inter, s_inter, n_local,
+                                                            stride_ge, stride_gn, stride_sn, TOPK)
+    i0 = tl.program_id(1) * BLOCK_I
+    g_scale, u_scale = _pair_scale_rows(routed, e, i0, width, GUS, SGUS, stride_gse, stride_gsn, stride_ssn)
+    acc_g = tl.zeros([BLOCK_I, SUB_K * QBLOCK], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I, SUB_K * QBLOCK], dtype=tl.float32)
+    for k0 in range(0, K, SUB_K * QBLOCK):
+        rk = k0 + tl.arange(0, SUB_K * QBLOCK)
+        kmask = rk < K
+        m2 = live[:, None] & kmask[None, :]
+        wg = tl.load(g_rows + rk[None, :], mask=m2, other=0.0).to(tl.float32)
+        wu = tl.load(u_rows + rk[None, :], mask=m2, other=0.0).to(tl.float32)
+        x = tl.load(X + t * stride_x + rk, mask=kmask, other=0.0).to(tl.float32)
+        son = kmask & (rk * 0 + e < n_local) & (rk * 0 + i0 < width)
+        sg = tl.load(g_scale + rk // QBLOCK, mask=son, other=0.0)
+        su = tl.load(u_scale + rk // QBLOCK, mask=son, other=0.0)
+        acc_g += wg * (x * sg)[None, :]
+        acc_u += wu * (x * su)[None, :]
+    acc_g = tl.sum(acc_g, axis=1)
+    acc_u = tl.sum(acc_u, axis=1)
+    store_silu_mul(H + p * stride_h + ri, acc_g, acc_u, ri < width)
+
+
+@triton.jit
+def _fp8_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, inter, s_inter, n_local, stride_h,
+                             stride_de, stride_dd, stride_dse, stride_dsd, stride_sd, stride_ssd, stride_o,
+                             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HAS_SHARED: tl.constexpr,
+                             BLOCK_D: tl.constexpr, SUB_I: tl.constexpr, PDL: tl.constexpr):
+    """:func:`_fp8_moe_down_kernel` on the CUDA cores: one loop over (slot, chunk of SUB_I 128-wide blocks of the
+    intermediate dim), the shared slot last; each step's [BLOCK_D, SUB_I 128] fp8 tile widened to float32 times
+    the pair's hidden row times each column's block scale (float32), row sums added into the slot's accumulator;
+    at the slot's last chunk its product is rounded and folded in as the tensor-core kernel does."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = rd < D
+    DT: tl.constexpr = OUT.dtype.element_ty
+    SLOTS: tl.constexpr = TOPK + HAS_SHARED
+    CH: tl.constexpr = SUB_I * QBLOCK
+    n_chunks = tl.cdiv(tl.maximum(inter, s_inter), CH)
+    slots = tl.arange(0, TOPK_P2)
+    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
+    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    rd64 = rd.to(tl.int64)
+    srow = (tl.program_id(1) * BLOCK_D) // QBLOCK
+    out = tl.zeros([BLOCK_D], dtype=tl.float32)
+    shared = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for it in range(0, SLOTS * n_chunks):
+        j = it // n_chunks
+        c = it % n_chunks
+        ri = c * CH + tl.arange(0, CH)
+        routed = j < TOPK
+        p = tl.where(routed, t * TOPK + j, n_pairs + t)
+        e = tl.sum(tl.where(slots == j, ids, 0))
+        width = tl.where(routed, tl.where(e < n_local, inter, 0), s_inter)
+        rows = tl.where(routed, DN + e * stride_de + rd64[:, None] * stride_dd, SDN + rd64[:, None] * stride_sd)
+        scales = tl.where(routed, DNS + e * stride_dse + srow * stride_dsd, SDNS + srow * stride_ssd)
+        imask = ri < width
+        w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0).to(tl.float32)
+        sc = tl.load(scales + ri // QBLOCK, mask=imask, other=0.0)
+        h = tl.load(H + p * stride_h + ri, mask=imask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * (h * sc)[None, :], axis=1)
+        if c == n_chunks - 1:
+            y = acc.to(DT).to(tl.float32)
+            out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
+            acc = tl.zeros_like(acc)
+    store_down_sum(OUT + t * stride_o + rd, out, shared, HAS_SHARED, dmask)
 
 
 @triton.jit

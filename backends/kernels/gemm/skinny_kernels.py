@@ -111,6 +111,57 @@ def _linear_rows_kernel(X, W, Y, N, K, stride_xm, stride_wn, stride_ym, BLOCK_N:
 
 
 @triton.jit
+def expert_pair(p, ri, IDS, GU, SGU, n_pairs, inter, s_inter, n_local, stride_ge, stride_gn, stride_sn,
+                TOPK: tl.constexpr):
+    """Pair ``p`` of the few-token expert kernels and its gate / up rows ``ri``: p < n_pairs is (token p // TOPK,
+    expert IDS[p]) over GU[e] [2 I, K]; p >= n_pairs is token p - n_pairs over the shared experts SGU [2 I_s, K].
+    Returns (routed, e, token, width, live rows: ``ri`` inside the width and the expert this rank's, the gate rows'
+    pointers [BLOCK_I, 1], the up rows' pointers)."""
+    routed = p < n_pairs
+    e = tl.load(IDS + p, mask=routed, other=0).to(tl.int64)
+    t = tl.where(routed, p // TOPK, p - n_pairs)
+    width = tl.where(routed, inter, s_inter)
+    stride = tl.where(routed, stride_gn, stride_sn)
+    live = ri < tl.where(e < n_local, width, 0)  # a shared row loaded e = 0
+    base = tl.where(routed, GU + e * stride_ge, SGU)
+    g_rows = base + ri.to(tl.int64)[:, None] * stride
+    u_rows = base + (ri + width).to(tl.int64)[:, None] * stride
+    return routed, e, t, width, live, g_rows, u_rows
+
+
+@triton.jit
+def store_silu_mul(ptrs, g, u, mask):
+    """The up kernels' epilogue: gate and up sums (float32) rounded to the output's dtype, SiLU(gate) rounded, the
+    product rounded and stored (the rounding points of the grouped GEMM + SiLU * up kernels)."""
+    DT: tl.constexpr = ptrs.dtype.element_ty
+    g = g.to(DT).to(tl.float32)
+    u = u.to(DT).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+    tl.store(ptrs, (s * u).to(DT), mask=mask)
+
+
+@triton.jit
+def fold_slot(y, routed, weight, out, shared):
+    """A slot's product ``y`` (float32, already rounded to the output's dtype) folded into the down kernels' sums:
+    a routed expert's adds ``weight * y`` to ``out``; the shared experts' becomes ``shared``. Returns (out, shared)."""
+    if routed:
+        out += y * weight
+    else:
+        shared = y
+    return out, shared
+
+
+@triton.jit
+def store_down_sum(ptrs, out, shared, HAS_SHARED: tl.constexpr, mask):
+    """The down kernels' epilogue: the routed sum rounded, plus the shared experts' product (the sum rounded)."""
+    DT: tl.constexpr = ptrs.dtype.element_ty
+    res = out.to(DT)
+    if HAS_SHARED:
+        res = (res.to(tl.float32) + shared).to(DT)
+    tl.store(ptrs, res, mask=mask)
+
+
+@triton.jit
 def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stride_x, stride_ge, stride_gn,
                    stride_sn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT: tl.constexpr, PDL: tl.constexpr):
@@ -121,16 +172,8 @@ def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stri
     pdl_enter(PDL)
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    DT: tl.constexpr = H.dtype.element_ty
-    routed = p < n_pairs
-    e = tl.load(IDS + p, mask=routed, other=0).to(tl.int64)
-    t = tl.where(routed, p // TOPK, p - n_pairs)
-    width = tl.where(routed, inter, s_inter)
-    stride = tl.where(routed, stride_gn, stride_sn)
-    live = ri < tl.where(e < n_local, width, 0)  # a shared row loaded e = 0
-    base = tl.where(routed, GU + e * stride_ge, SGU)
-    g_rows = base + ri.to(tl.int64)[:, None] * stride
-    u_rows = base + (ri + width).to(tl.int64)[:, None] * stride
+    routed, e, t, width, live, g_rows, u_rows = expert_pair(p, ri, IDS, GU, SGU, n_pairs, inter, s_inter, n_local,
+                                                            stride_ge, stride_gn, stride_sn, TOPK)
     if DOT:  # 16-bit: the x row as row 0 of a 16-row tensor-core tile (the weight loads feed a dot: pipelined)
         r16 = tl.arange(0, 16)
         acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
@@ -157,10 +200,7 @@ def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stri
             acc_u2 += tl.load(u_rows + rk[None, :], mask=m2, other=0.0).to(tl.float32) * x[None, :]
         g = tl.sum(acc_g2, axis=1)
         u = tl.sum(acc_u2, axis=1)
-    g = g.to(DT).to(tl.float32)
-    u = u.to(DT).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
-    tl.store(H + p * stride_h + ri, (s * u).to(DT), mask=ri < width)
+    store_silu_mul(H + p * stride_h + ri, g, u, ri < width)
 
 
 @triton.jit
@@ -213,12 +253,6 @@ def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_lo
             acc += w.to(tl.float32) * h[None, :]
         if (it + 1) % n_chunks == 0:  # the slot's last chunk: round its product, fold it in, start the next
             y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # DOT: columns 1..15 are zeros
-            if routed:
-                out += y * tl.sum(tl.where(slots == j, wts, 0.0))
-            else:
-                shared = y
+            out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
             acc = tl.zeros_like(acc)
-    res = out.to(DT)
-    if HAS_SHARED:
-        res = (res.to(tl.float32) + shared).to(DT)
-    tl.store(OUT + t * stride_o + rd, res, mask=dmask)
+    store_down_sum(OUT + t * stride_o + rd, out, shared, HAS_SHARED, dmask)

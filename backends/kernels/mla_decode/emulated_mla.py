@@ -8,7 +8,7 @@
 with the same keyword arguments, tensor layouts, block tables, scales and workspace arguments, so a backend's
 metadata, workspace, speculative and CUDA-graph paths run end to end on the CPU and on Hopper. Each checks the
 argument contract the real function enforces (or documents) and raises ``ValueError`` naming what it got, then
-computes absorbed MLA in float32 (float64 for float64 inputs) over the paged cache:
+computes absorbed MLA in float64 (:data:`EMULATION_DTYPE`) over the paged cache:
 
 * query ``[B, q_len, H, kv_lora + rope]`` (``q_nope | q_pe``; or, TRT-LLM-gen's compact variable-length form,
   ``[T, H, kv_lora + rope]`` with ``cum_seq_lens_q`` [B + 1] and ``max_q_len``);
@@ -35,6 +35,10 @@ import torch
 from backends.mla_math import paged_absorbed_attention
 
 TRTLLM_PAGE_SIZES = (32, 64)
+#: the emulation computes in float64, so its bf16 / fp16 output does not depend on the static shapes a CUDA graph
+#: pads to (a block table as wide as the graph's longest context, more masked keys in every sum). In float32 graph
+#: replays gave other tokens than eager runs on an H200; the summation order is the likely cause (not rerun since)
+EMULATION_DTYPE = torch.float64
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -141,7 +145,7 @@ class EmulatedTrtllmMLADecode:
         self.calls += 1
         if cum_seq_lens_q is None:
             res = paged_absorbed_attention(query, kv_cache, block_tables, seq_lens, kv_lora_rank, bmm1_scale,
-                                           bmm2_scale)
+                                           bmm2_scale, compute_dtype=EMULATION_DTYPE)
         else:  # compact variable-length queries: one request at a time (eager only: reads the offsets)
             res = torch.empty(out_shape, dtype=query.dtype, device=query.device)
             cum = cum_seq_lens_q.tolist()
@@ -150,7 +154,7 @@ class EmulatedTrtllmMLADecode:
                 if e > s:
                     res[s:e] = paged_absorbed_attention(
                         query[None, s:e], kv_cache, block_tables[r : r + 1], seq_lens[r : r + 1], kv_lora_rank,
-                        bmm1_scale, bmm2_scale)[0]
+                        bmm1_scale, bmm2_scale, compute_dtype=EMULATION_DTYPE)[0]
         if out is None:
             return res
         out.copy_(res)
@@ -221,7 +225,7 @@ class EmulatedTokenSpeedMLADecode:
             _fail(fn, "out", f"{out.dtype} {tuple(out.shape)}", f"{query.dtype} {out_shape}")
         self.calls += 1
         res = paged_absorbed_attention(query, kv_cache, block_tables, seq_lens, kv_lora_rank, softmax_scale,
-                                       output_scale, causal=causal_mask)
+                                       output_scale, causal=causal_mask, compute_dtype=EMULATION_DTYPE)
         if out is None:
             return res
         out.copy_(res)

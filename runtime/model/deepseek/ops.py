@@ -180,7 +180,11 @@ class FusedOps:
         return self.k.rms_norm(x, weight, eps, self.pdl)
 
     def norm_linear(self, x, norm_weight, eps, w):
-        if self._few_rows(x, w, norm_weight):
+        if isinstance(w, BlockFP8):  # stored fp8 at one or two rows: the norm inside the CUDA-core kernel
+            if (0 < x.shape[0] <= self.f8.FMA_ROWS and x.dtype in self.f8.ACT_DTYPES and x.stride(-1) == 1
+                    and norm_weight.dtype == x.dtype):
+                return self.f8.fp8_norm_linear(x, norm_weight, eps, w.weight, w.scale, w.block, pdl=self.pdl)
+        elif self._few_rows(x, w, norm_weight):
             return self.s.norm_linear(x, norm_weight, eps, w, pdl=self.pdl)
         return self.linear(self.rms_norm(x, norm_weight, eps), w)
 

@@ -228,7 +228,10 @@ def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: 
                         ) -> ModelWeights:
     """Seeded random weights of the shapes :func:`expected_tensors` lists, drawn on ``device``: matrices with
     std ``fan_in ** -0.5``, norms 1, sinks / position biases / mHC bases small, ``tid2eid`` uniform expert ids.
-    Under tensor parallelism (``shard``) every full tensor is drawn in the same order and this rank keeps its
+    Every value is drawn in float32 and then cast to ``dtype``, so a bf16 model and its float32 parity reference
+    hold the same model (drawn in bf16, torch's normal sampler gives other values for small tensors: the mHC bases,
+    sinks and biases of the two differed entirely, and the full-width preset failed parity with a relative error
+    of 1.4). Under tensor parallelism (``shard``) every full tensor is drawn in the same order and this rank keeps its
     slice, so tp=1 and tp=N serve the same model (``cfg`` is the full model's). ``weights="fp8"``: the tensors
     the release stores quantized are quantized whole, then cut (fp8 e4m3 in ``fmt.fp8_block`` blocks, default
     128 x 128; routed experts as ``fmt.expert_dtype``, default fp4): the same draws as bf16, rounded."""
@@ -243,9 +246,9 @@ def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: 
         elif name.endswith(("norm.weight", "layernorm.weight", "scale", "hc_scale")):
             t = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias")):
-            t = 0.1 * torch.randn(shape, generator=g, dtype=dtype, device=device)
+            t = (0.1 * torch.randn(shape, generator=g, dtype=torch.float32, device=device)).to(dtype)
         else:
-            t = torch.randn(shape, generator=g, dtype=dtype, device=device) * shape[-1] ** -0.5
+            t = (torch.randn(shape, generator=g, dtype=torch.float32, device=device) * shape[-1] ** -0.5).to(dtype)
         kind = release_kind(name, experts) if quantized else None
         if kind is not None:
             t = _quantized(t, kind, block)

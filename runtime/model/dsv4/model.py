@@ -26,7 +26,7 @@ from runtime.model.dsv4.hyper import hc_head
 from runtime.model.dsv4.layer import DSV4DecoderLayer
 from runtime.model.dsv4.norms import rms_norm
 from runtime.model.dsv4.weights import ModelWeights
-from runtime.model.layers import embed_vocab_parallel
+from runtime.model.layers import embed_vocab_parallel, vocab_parallel_top2
 
 
 class DSV4Model:
@@ -90,3 +90,8 @@ class DSV4Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (this rank's vocabulary slice, all-gathered: the same on every rank)."""
         return self.group.all_gather(F.linear(hidden.to(self.w.lm_head.dtype), self.w.lm_head)).float()
+
+    def top2(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy path: (values [N, 2] float32, ids [N, 2] int64) over the vocabulary (one small all-gather)."""
+        local = F.linear(hidden.to(self.w.lm_head.dtype), self.w.lm_head)
+        return vocab_parallel_top2(local, self.w.vocab_start, self.group)
