@@ -302,7 +302,7 @@ def resolve_allreduce(mode: str, tp: int, device_kind: str, peer_ok: bool) -> st
     """What ``parallel.allreduce`` runs as: ``auto`` is ``fused`` where the kernels can run (CUDA, tp in
     :data:`PEER_WORLD_SIZES`, one node with peer access: ``peer_ok``), else ``nccl``; one rank: ``nccl`` (nothing to
     reduce). Validation refuses ``oneshot`` / ``fused`` where they cannot run, before this is asked."""
-    mode = str(getattr(mode, "value", mode))
+    mode = str(mode)  # the plain config holds the names
     if tp == 1:
         return "nccl"
     if mode == "auto":
@@ -328,7 +328,7 @@ class Collectives:
 
     def __init__(self, group, peer: PeerAllReduce | None = None, mode: str = "nccl",
                  oneshot_max_bytes: int = 0):
-        self.group, self.peer, self.mode = group, peer, str(getattr(mode, "value", mode))
+        self.group, self.peer, self.mode = group, peer, str(mode)
         self.rank, self.size, self.device, self.backend = group.rank, group.size, group.device, group.backend
         self.stats = group.stats
         limit = oneshot_max_bytes if self.mode == "auto" else (peer.max_bytes if peer is not None else 0)

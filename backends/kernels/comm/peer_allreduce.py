@@ -71,10 +71,10 @@ def _symmetric_empty(group, nbytes: int) -> torch.Tensor:
 
     try:  # PyTorch's own cuMem backend (NVSHMEM and NCCL's window backends are not used); fixed once per process
         symm.set_backend("CUDA")
-    except (AttributeError, RuntimeError):
+    except RuntimeError:  # already set by an earlier runtime of this process
         pass
     need = 2 * MAX_PROGRAMS * group.size * 4  # uint32 flags [2 * MAX_PROGRAMS, world]
-    if hasattr(symm, "get_signal_pad_size") and symm.get_signal_pad_size() < need:
+    if symm.get_signal_pad_size() < need:
         symm.set_signal_pad_size(need)
     buf = symm.empty(nbytes, dtype=torch.uint8, device=group.device)
     buf.zero_()
@@ -115,7 +115,7 @@ class SymmetricAllReduce:
         import torch.distributed._symmetric_memory as symm
 
         name = dist.group.WORLD.group_name
-        if hasattr(symm, "enable_symm_mem_for_group") and not symm.is_symm_mem_enabled_for_group(name):
+        if not symm.is_symm_mem_enabled_for_group(name):
             symm.enable_symm_mem_for_group(name)
         handle = symm.rendezvous(buffer, dist.group.WORLD)
         shift = buffer.data_ptr() - handle.buffer_ptrs[group.rank]  # the tensor's place in its allocation
@@ -172,5 +172,5 @@ def make_collectives(group, ledger: WorkspaceLedger, parallel: Mapping,
     buffer = ledger.acquire(workspace_spec(parallel), "allreduce",
                             allocate=lambda n: _symmetric_empty(group, n))
     peer = SymmetricAllReduce(group, buffer)
-    auto = str(getattr(parallel["allreduce"], "value", parallel["allreduce"])) == "auto"
+    auto = str(parallel["allreduce"]) == "auto"
     return Collectives(group, peer, "auto" if auto else mode, int(parallel["oneshot_max_bytes"]))
