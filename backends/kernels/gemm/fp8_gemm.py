@@ -63,10 +63,9 @@ class FewConfig(TileConfig):
     """A launch of the few-row kernel: the tiles of :class:`~backends.kernels.gemm.skinny.TileConfig` and
     ``split_k``, the programs that share each block of output columns, each over a run of whole ``block_k`` steps
     (> 1: float32 partials summed in order by a second kernel), and ``fma``: the CUDA-core kernel (float32 products,
-M <= :data:`FMA_ROWS`) instead of the tensor-core one. Split-K is meant for shapes whose column blocks
-    leave SMs idle (gate_up of a TP8 rank: 72 blocks of 64 columns on 132 SMs, each fp8 tile half a bf16 tile's
-    bytes in flight); it is checked on the CPU (Triton's interpreter) and compiles for sm_90a, but has NOT run on
-    a GPU yet, so :func:`few_config` keeps 1 until ``python -m bench.fp8_gemm_bench --sweep`` measures it."""
+    M <= :data:`FMA_ROWS`) instead of the tensor-core one. Split-K was measured on an H200 (``python -m
+    bench.fp8_gemm_bench --m 1 --sweep``): 5-10% faster in isolation at qkv_a / gate_up, but its second kernel
+    costs a launch in a decode step, so :func:`few_config` keeps 1; the option stays for benches."""
 
     split_k: int = 1
     fma: bool = False

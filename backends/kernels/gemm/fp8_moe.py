@@ -86,7 +86,8 @@ class Fp8ExpertConfig:
     columns, 64-column down blocks, 4 stages) with the same bytes per step: an fp8 row is half a bf16 row, so
     the up kernel reads 2 x 128 fp8 columns per step. ``fma``: the CUDA-core kernels (float32 products; a pair
     is one token), whose down kernel reads ``down_sub_i`` 128-wide blocks of the intermediate dim per step (the
-    tensor-core one reads one). Not yet swept on an H100 (``python -m bench.fp8_moe_bench --sweep``)."""
+    tensor-core one reads one). The defaults of :func:`fp8_moe_experts` come from :func:`expert_config`, swept on
+    an H200 (``python -m bench.fp8_moe_bench --no-libs --tokens 1 --sweep``); not swept on an H100."""
 
     up_block_i: int = 32
     up_sub_k: int = 2
