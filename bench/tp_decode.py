@@ -136,7 +136,8 @@ def mode_sweep(group, hidden: int = 7168, reps: int = 20) -> list[dict]:
 
     dev, cuda = group.device, group.device.type == "cuda"
     peer = make_collectives(group, WorkspaceLedger(dev), {"tp": group.size, "allreduce": "fused",
-                            "oneshot_max_bytes": 0, "ipc_buffer_bytes": 16 << 20}).peer if cuda else None
+                            "oneshot_max_bytes": 0, "fused_max_bytes": 0, "ipc_buffer_bytes": 16 << 20}).peer \
+        if cuda else None
     rows = []
     for t in SWEEP_TOKENS:
         x = torch.randn(t, hidden, device=dev).to(torch.bfloat16)
@@ -148,6 +149,7 @@ def mode_sweep(group, hidden: int = 7168, reps: int = 20) -> list[dict]:
                                                                                 1e-6)
         if peer is not None and peer.fits(x):
             fns["oneshot"] = lambda x=x: peer.all_reduce(x)
+            fns["oneshot+norm"] = lambda x=x, r=res, w=w: decoder_ops.add_rms_norm(r, peer.all_reduce(x), w, 1e-6)
             fns["fused"] = lambda x=x, r=res, w=w: peer.all_reduce_add_rms_norm(x, r, w, 1e-6)
         row = {"tokens": t, "KiB": n / KiB}
         for name, fn in fns.items():
@@ -175,6 +177,15 @@ def crossing(rows: list[dict]) -> str:
     return f"none up to {swept[-1]['KiB']:.0f} KiB (oneshot faster everywhere swept)" if swept else "no oneshot rows"
 
 
+def fused_crossing(rows: list[dict]) -> str:
+    """The smallest swept message where the fused kernel is slower than the one-shot kernel plus the norm kernel
+    (the measured ``parallel.fused_max_bytes``)."""
+    for r in rows:
+        if "fused us" in r and r["fused us"] > r["oneshot+norm us"]:
+            return f"{r['KiB']:.0f} KiB ({r['tokens']} tokens): set parallel.fused_max_bytes below {int(r['KiB'] * KiB)}"
+    return "none swept (fused faster everywhere)" if any("fused us" in r for r in rows) else "no fused rows"
+
+
 def run(a: argparse.Namespace) -> int:
     launch = LaunchEnv.from_environ()
     tp = launch.world_size
@@ -186,12 +197,14 @@ def run(a: argparse.Namespace) -> int:
             rows = mode_sweep(group) if tp > 1 else []
             if launch.rank == 0:
                 out = {"tp": tp, "device": torch.cuda.get_device_name(group.device) if group.device.type == "cuda"
-                       else "cpu", "mode_sweep": rows, "crossing": crossing(rows)}
+                       else "cpu", "mode_sweep": rows, "crossing": crossing(rows),
+                       "fused_crossing": fused_crossing(rows)}
                 if a.out:
                     Path(a.out).write_text(json.dumps(out))
                 report("tp_allreduce_sweep", Ceilings(out["device"], float("nan"), float("nan"), {}),
                        [Table(rows, title=f"all-reduce per mode inside CUDA graphs, tp={tp}, bf16 x 7168 "
-                              f"(NCCL faster from: {out['crossing']})", name="modes")], meta={})
+                              f"(NCCL faster from: {out['crossing']}; fused slower from: {out['fused_crossing']})",
+                              name="modes")], meta={})
             return 0
         t0 = time.perf_counter()
         rt = build(compose_config(overrides(a, tp)))

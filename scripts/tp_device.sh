@@ -113,5 +113,5 @@ for kind in bf16 fp32 wide; do
   [ -n "$files" ] && "$PY" -m bench.tp_decode --table $files
 done
 [ -f "$OUT/allreduce_sweep.json" ] && "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); \
-print('all-reduce crossing (NCCL faster from):', r['crossing'])" "$OUT/allreduce_sweep.json"
+print('all-reduce crossing (NCCL faster from):', r['crossing']); print('fused slower than oneshot + norm from:', r.get('fused_crossing'))" "$OUT/allreduce_sweep.json"
 exit 0

@@ -44,7 +44,7 @@ def main() -> int:
     group = make_group(launch.world_size, "cuda", 0, launch)
     dev, rank, world = group.device, group.rank, group.size
     coll = make_collectives(group, WorkspaceLedger(dev), {"tp": world, "allreduce": "fused",
-                                                          "oneshot_max_bytes": 1 << 30,
+                                                          "oneshot_max_bytes": 1 << 30, "fused_max_bytes": 1 << 30,
                                                           "ipc_buffer_bytes": 16 << 20}, launch.local_world_size)
     peer, bad = coll.peer, []
     assert peer is not None, "the kernels did not build"

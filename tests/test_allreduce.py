@@ -62,8 +62,9 @@ def test_auto_and_nccl_are_accepted_on_gloo():
 
 def test_every_problem_at_once_including_the_sizes():
     found = [str(p) for p in problems("parallel.tp=2", "parallel.allreduce=fused", "parallel.ipc_buffer_bytes=0",
-                                      "parallel.oneshot_max_bytes=-1")]
+                                      "parallel.oneshot_max_bytes=-1", "parallel.fused_max_bytes=-2")]
     assert sum("parallel.allreduce=fused" in p for p in found) == 1
+    assert sum("parallel.fused_max_bytes" in p and "default 32768" in p for p in found) == 1
     assert sum("parallel.ipc_buffer_bytes" in p for p in found) == 1
     assert sum("parallel.oneshot_max_bytes" in p for p in found) == 1
 
@@ -143,15 +144,17 @@ class FakePeer:
         return TorchOps().add_rms_norm(residual, partial * 2, weight, eps)
 
 
-@pytest.mark.parametrize("mode,small,large", [("nccl", "all_reduce", "all_reduce"),
-                                              ("oneshot", ONESHOT, "all_reduce"),
-                                              ("fused", FUSED, "all_reduce"),
-                                              ("auto", FUSED, "all_reduce")])
-def test_routing_by_size_gives_the_same_sums(mode, small, large):
+@pytest.mark.parametrize("mode,small,middle,large", [("nccl", "all_reduce", "all_reduce", "all_reduce"),
+                                                     ("oneshot", ONESHOT, ONESHOT, "all_reduce"),
+                                                     ("fused", FUSED, FUSED, "all_reduce"),
+                                                     ("auto", FUSED, ONESHOT, "all_reduce")])
+def test_routing_by_size_gives_the_same_sums(mode, small, middle, large):
+    """auto: the fused kernel up to fused_max_bytes (512 B here), the one-shot kernel and the norm up to
+    oneshot_max_bytes (2 KiB), NCCL above; fused: the fused kernel wherever the buffer takes the message."""
     g = FakeGroup(torch.device("cpu"))
-    c = Collectives(g, None if mode == "nccl" else FakePeer(), mode, oneshot_max_bytes=2048)
+    c = Collectives(g, None if mode == "nccl" else FakePeer(), mode, oneshot_max_bytes=2048, fused_max_bytes=512)
     ops, w = TorchOps(), torch.randn(16)
-    for rows, op in ((4, small), (80, large)):  # 4 x 16 x 4 bytes = 256 B; 80 rows = 5 KiB: above the buffer
+    for rows, op in ((4, small), (16, middle), (80, large)):  # 4 x 16 x 4 bytes = 256 B, 1 KiB; 5 KiB: above the buffer
         x, p = torch.randn(rows, 16), torch.randn(rows, 16)
         want = ops.add_rms_norm(x, p * 2, w, 1e-6)
         got = c.reduce_add_rms_norm(x, p.clone(), w, 1e-6, ops)

@@ -19,6 +19,8 @@ DSV3 = ("+deploy=h100_dsv3_tp8", "model.max_context=4096")
 
 def test_auto_fills_the_device_to_the_fraction_and_nothing_retracts():
     pytest.importorskip("flashinfer")
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats()  # the peak of this run only, not of the tests before it
     rt = containers.build(compose_config(*DSV3, "kv.num_pages=auto", "check=off", "workload.num_requests=32"))
     plan = rt.container.memory_budget()
     res = rt.engine.run()

@@ -5,9 +5,11 @@ bounded load with disconnects and bad bodies after which the KV pool is whole an
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -215,6 +217,19 @@ def test_chat_without_a_template_names_the_fix(tmp_path):
         for t in threads:
             t.join(60)
         _wait(lambda: srv.state.live.running == 0 and srv.state.live.pages[0] == srv.state.live.pages[1])
+
+
+def test_a_closed_server_frees_its_engine():
+    """Nothing global keeps a closed server's engine (FastAPI caches endpoint functions module-wide: a closure over
+    the state kept every earlier server's engine and KV pool alive, and later GPU tests ran out of memory)."""
+    srv = make_server(compose_config("device=cpu", "kv.num_pages=32", "workload=chat", "serve.port=0"))
+    with Background(srv) as bg:
+        assert httpx.post(bg.url + "/v1/completions", json={"prompt": [3, 1], "max_tokens": 2}).status_code == 200
+        assert httpx.get(bg.url + "/health").status_code == 200
+    engine = weakref.ref(srv.state.live.engine)
+    del srv, bg
+    gc.collect()
+    assert engine() is None
 
 
 def _wait(cond, timeout: float = 20.0) -> None:

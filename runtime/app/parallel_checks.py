@@ -156,10 +156,11 @@ def allreduce_problems(par: Mapping, launch: LaunchEnv, device: DeviceInfo) -> l
     memory (:func:`backends.kernels.comm.peer_allreduce.peer_access_problem`); ``auto`` falls back to NCCL there
     and is never refused. One rank: nothing is reduced, every mode is accepted."""
     out, mode, tp = [], str(par.get("allreduce", "auto")), par["tp"]
-    for key in ("oneshot_max_bytes", "ipc_buffer_bytes"):
-        if int(par.get(key, 1)) < (0 if key == "oneshot_max_bytes" else 1):
-            out.append(Problem(f"parallel.{key}", str(par[key]), "a positive number of bytes",
-                               f"drop the override (default {'524288' if key == 'oneshot_max_bytes' else '8388608'})"))
+    for key, least, default in (("oneshot_max_bytes", 0, 131072), ("fused_max_bytes", 0, 32768),
+                                ("ipc_buffer_bytes", 1, 8388608)):
+        if int(par.get(key, least)) < least:
+            out.append(Problem(f"parallel.{key}", str(par[key]), f"a number of bytes >= {least}",
+                               f"drop the override (default {default})"))
     if mode in ("oneshot", "fused") and tp > 1:
         why = peer_access_problem(tp, device.kind, launch.local_world_size)
         if why:

@@ -97,7 +97,8 @@ def parallel_section(runtime, res: RunResult) -> dict:
     return {
         "tp": cfg["parallel"]["tp"], "moe": cfg["parallel"]["moe"], "world_size": group.size,
         "allreduce": {"config": cfg["parallel"].get("allreduce", "auto"), "runs_as": runtime.container.collectives().mode,
-                      "oneshot_max_bytes": runtime.container.collectives().limit},
+                      "oneshot_max_bytes": runtime.container.collectives().limit,
+                      "fused_max_bytes": runtime.container.collectives().fused_limit},
         "backend": group.backend,
         "memory_per_rank": group.gather_objects(_rank_memory(runtime)),
         "collectives": phases,

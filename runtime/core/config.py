@@ -481,8 +481,10 @@ class ParallelConfig:
 
     tp: int = 1
     moe: MoEParallel = MoEParallel.tp
-    allreduce: AllReduceMode = AllReduceMode.nccl  # auto once scripts/tp_device.sh has passed on two GPUs
-    oneshot_max_bytes: int = 512 * 1024  # auto: the one-shot / fused kernels up to this message, NCCL above (measure)
+    allreduce: AllReduceMode = AllReduceMode.auto  # the kernels passed on two H200s (tests/test_allreduce_gpu.py)
+    oneshot_max_bytes: int = 128 * 1024  # auto: the one-shot / fused kernels up to this message, NCCL above (the
+    # crossing measured on two H200s: bench.tp_decode --sweep-only)
+    fused_max_bytes: int = 32 * 1024  # auto: the fused all-reduce + add + RMSNorm up to this (1-2 tokens x 7168)
     ipc_buffer_bytes: int = 8 * 1024 * 1024  # the symmetric buffer per rank: the largest one-shot message
 
 

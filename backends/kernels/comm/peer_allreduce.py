@@ -173,4 +173,5 @@ def make_collectives(group, ledger: WorkspaceLedger, parallel: Mapping,
                             allocate=lambda n: _symmetric_empty(group, n))
     peer = SymmetricAllReduce(group, buffer)
     auto = str(parallel["allreduce"]) == "auto"
-    return Collectives(group, peer, "auto" if auto else mode, int(parallel["oneshot_max_bytes"]))
+    return Collectives(group, peer, "auto" if auto else mode, int(parallel["oneshot_max_bytes"]),
+                       int(parallel["fused_max_bytes"]))

@@ -49,47 +49,57 @@ class ServeState:
 
 
 def create_app(state: ServeState) -> FastAPI:
+    """The routes. Handlers read the state from ``request.app.state``, never from a closure: FastAPI keeps every
+    endpoint function in a module-level cache, so a closure over ``state`` kept the engine (and its GPU memory)
+    alive after the server closed (tests and benches that start servers one after another ran out of memory)."""
     app = FastAPI(title="mla-runtime", docs_url=None, redoc_url=None)
     app.state.serve = state
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        state.metrics.reject(e.status)
+        _state(request).metrics.reject(e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.get("/health")
-    async def health():
-        alive = state.live.alive
+    async def health(request: Request):
+        alive = _state(request).live.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(state.metrics.text(), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request):
+        return PlainTextResponse(_state(request).metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
-        _authorize(request, state)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mla-runtime", "max_model_len": state.limits.max_context,
-                                            "vocab_size": state.limits.vocab_size}]}
+        st = _state(request)
+        _authorize(request, st)
+        return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": 0,
+                                            "owned_by": "mla-runtime", "max_model_len": st.limits.max_context,
+                                            "vocab_size": st.limits.vocab_size}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        _authorize(request, state)
+        st = _state(request)
+        _authorize(request, st)
         body = await _json(request)
-        _check_model(body, state)
-        parsed = parse_completion(body, state.tokenizer, state.limits)
-        return await _serve(request, state, parsed, chat=False)
+        _check_model(body, st)
+        parsed = parse_completion(body, st.tokenizer, st.limits)
+        return await _serve(request, st, parsed, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        _authorize(request, state)
+        st = _state(request)
+        _authorize(request, st)
         body = await _json(request)
-        _check_model(body, state)
-        parsed = parse_chat(body, state.chat.render, state.tokenizer, state.limits)
-        return await _serve(request, state, parsed, chat=True)
+        _check_model(body, st)
+        parsed = parse_chat(body, st.chat.render, st.tokenizer, st.limits)
+        return await _serve(request, st, parsed, chat=True)
 
     return app
+
+
+def _state(request: Request) -> ServeState:
+    return request.app.state.serve
 
 
 def _authorize(request: Request, state: ServeState) -> None:

@@ -246,9 +246,9 @@ def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: 
         elif name.endswith(("norm.weight", "layernorm.weight", "scale", "hc_scale")):
             t = torch.ones(shape, dtype=dtype, device=device)
         elif name.endswith(("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias")):
-            t = (0.1 * torch.randn(shape, generator=g, dtype=torch.float32, device=device)).to(dtype)
+            t = _normal(shape, 0.1, g, dtype, device)
         else:
-            t = (torch.randn(shape, generator=g, dtype=torch.float32, device=device) * shape[-1] ** -0.5).to(dtype)
+            t = _normal(shape, shape[-1] ** -0.5, g, dtype, device)
         kind = release_kind(name, experts) if quantized else None
         if kind is not None:
             t = _quantized(t, kind, block)
@@ -256,6 +256,23 @@ def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: 
         state[name] = t if cut.replicated else cut.apply(t).contiguous()
     return ModelWeights.load(state, cfg=cfg, first_expert=experts_of(cfg.n_routed_experts, shard).start,
                              vocab_start=shard.part(cfg.vocab_size).start)
+
+
+DRAW_ROWS_ELEMENTS = 1 << 26  # float32 values drawn at once (256 MiB): the transient of a draw, whatever the tensor
+
+
+def _normal(shape: tuple[int, ...], std: float, g: torch.Generator, dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """Normal(0, std) values drawn in float32 and stored in ``dtype``, in slices of whole rows of at most
+    ``DRAW_ROWS_ELEMENTS`` values: V4-Flash's stacked experts drawn whole in float32 took twice their bf16 bytes
+    at once and ran an H200 out of memory. The slicing depends on the shape only, so every dtype gets one model."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    rows = out.view(-1, shape[-1]) if out.dim() else out.view(1, 1)
+    step = max(1, DRAW_ROWS_ELEMENTS // max(1, rows.shape[1]))
+    for i in range(0, rows.shape[0], step):
+        part = rows[i:i + step]
+        part.copy_(torch.randn(part.shape, generator=g, dtype=torch.float32, device=device).mul_(std))
+    return out
 
 
 def _quantized(t: torch.Tensor, kind: StoredKind, block: tuple[int, int]) -> BlockFP8 | PackedFP4:
