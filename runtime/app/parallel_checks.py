@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from backends.kernels.comm.peer_allreduce import peer_access_problem
-from runtime.core.config import LayerKind
+from runtime.core.config import LayerKind, ParallelConfig
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.model_spec import DSV4_MODEL_TYPE, ModelSpec
@@ -156,11 +156,11 @@ def allreduce_problems(par: Mapping, launch: LaunchEnv, device: DeviceInfo) -> l
     memory (:func:`backends.kernels.comm.peer_allreduce.peer_access_problem`); ``auto`` falls back to NCCL there
     and is never refused. One rank: nothing is reduced, every mode is accepted."""
     out, mode, tp = [], str(par.get("allreduce", "auto")), par["tp"]
-    for key, least, default in (("oneshot_max_bytes", 0, 131072), ("fused_max_bytes", 0, 32768),
-                                ("ipc_buffer_bytes", 1, 8388608)):
+    defaults = vars(ParallelConfig())
+    for key, least in (("oneshot_max_bytes", 0), ("fused_max_bytes", 0), ("ipc_buffer_bytes", 1)):
         if int(par.get(key, least)) < least:
             out.append(Problem(f"parallel.{key}", str(par[key]), f"a number of bytes >= {least}",
-                               f"drop the override (default {default})"))
+                               f"drop the override (default {defaults[key]})"))
     if mode in ("oneshot", "fused") and tp > 1:
         why = peer_access_problem(tp, device.kind, launch.local_world_size)
         if why:

@@ -170,10 +170,6 @@ class SingleRank:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def reduce_add_rms_norm(self, x, partial, weight, eps, ops):
-        """(x + partial, RMSNorm(x + partial) * weight) by ``ops`` (one rank: nothing to sum)."""
-        return ops.add_rms_norm(x, partial, weight, eps)
-
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return x
 
@@ -219,11 +215,6 @@ class TPGroup:
         """Sum over the ranks, in place; every rank gets the same bits."""
         self.stats.run("all_reduce", x, x.numel() * x.element_size(), lambda: self.dist.all_reduce(x))
         return x
-
-    def reduce_add_rms_norm(self, x, partial, weight, eps, ops):
-        """``partial`` summed over the ranks, added to the residual ``x``, normed: (x', RMSNorm(x') * weight) [T, D]
-        each; ``partial`` None: (x, RMSNorm(x) * weight)."""
-        return ops.add_rms_norm(x, None if partial is None else self.all_reduce(partial), weight, eps)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Each rank's ``x`` concatenated along ``dim``, in rank order."""

@@ -27,7 +27,7 @@ from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.config import LayerKind
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import MLPLayer, ModelSpec
-from runtime.core.parallel import Collectives, SingleRank, TPGroup
+from runtime.core.parallel import Collectives
 from runtime.model.deepseek.attention import MLAAttention, linear_attention
 from runtime.model.deepseek.moe import GROUPED_MM
 from runtime.model.deepseek.ops import FusedOps, TorchOps
@@ -55,8 +55,9 @@ class MLAModel:
         ``spec.num_layers`` layers of weights (seeded random, loaded, or the target's first layers for a draft).
     ops : TorchOps or FusedOps
         The decoder's small ops (``model.fused`` and the device's capabilities chose the class).
-    group : SingleRank, TPGroup or Collectives
-        The tensor-parallel collectives (``spec.num_heads`` is this rank's share of the heads).
+    group : Collectives
+        The tensor-parallel collectives over the group, one rank included (``spec.num_heads`` is this rank's share
+        of the heads).
     shares_weights : bool
         True for the speculative draft, whose weights are the target's (its weight bytes count 0).
     """
@@ -72,7 +73,7 @@ class MLAModel:
         sparse: SparseDecode | None,
         weights: ModelWeights,
         ops: TorchOps | FusedOps,
-        group: SingleRank | TPGroup | Collectives,
+        group: Collectives,
         shares_weights: bool = False,
     ):
         if len(weights.layers) != spec.num_layers:

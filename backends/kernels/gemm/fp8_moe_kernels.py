@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.kernels.gemm.skinny_kernels import expert_pair, fold_slot, store_down_sum, store_silu_mul
+from backends.kernels.gemm.skinny_kernels import expert_pair, fold_slot, store_down_sum, store_silu_mul, token_slots
 from backends.kernels.pdl import pdl_enter
 
 #: rows and columns of one scale block (DeepSeek-V3's fp8 checkpoints)
@@ -106,9 +106,7 @@ def _fp8_moe_down_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, inter
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     n_chunks = tl.cdiv(tl.maximum(inter, s_inter), QBLOCK)
     r16 = tl.arange(0, 16)
-    slots = tl.arange(0, TOPK_P2)
-    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
-    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    slots, ids, wts = token_slots(IDS, WTS, t, TOPK, TOPK_P2)
     rd64 = rd.to(tl.int64)
     srow = (tl.program_id(1) * BLOCK_D) // QBLOCK  # the program's rows' scale row
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -190,9 +188,7 @@ def _fp8_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, i
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     CH: tl.constexpr = SUB_I * QBLOCK
     n_chunks = tl.cdiv(tl.maximum(inter, s_inter), CH)
-    slots = tl.arange(0, TOPK_P2)
-    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
-    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    slots, ids, wts = token_slots(IDS, WTS, t, TOPK, TOPK_P2)
     rd64 = rd.to(tl.int64)
     srow = (tl.program_id(1) * BLOCK_D) // QBLOCK
     out = tl.zeros([BLOCK_D], dtype=tl.float32)

@@ -141,6 +141,16 @@ def store_silu_mul(ptrs, g, u, mask):
 
 
 @triton.jit
+def token_slots(IDS, WTS, t, TOPK: tl.constexpr, TOPK_P2: tl.constexpr):
+    """The down kernels' token ``t``: (slots [TOPK_P2], its expert ids int64, its routing weights), loaded before
+    the slot loop so no weight address waits on a load inside it; padding slots read id 0 and weight 0."""
+    slots = tl.arange(0, TOPK_P2)
+    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
+    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    return slots, ids, wts
+
+
+@triton.jit
 def fold_slot(y, routed, weight, out, shared):
     """A slot's product ``y`` (float32, already rounded to the output's dtype) folded into the down kernels' sums:
     a routed expert's adds ``weight * y`` to ``out``; the shared experts' becomes ``shared``. Returns (out, shared)."""
@@ -224,9 +234,7 @@ def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_lo
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     n_chunks = tl.cdiv(tl.maximum(inter, s_inter), BLOCK_I)
     r16 = tl.arange(0, 16)
-    slots = tl.arange(0, TOPK_P2)
-    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
-    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    slots, ids, wts = token_slots(IDS, WTS, t, TOPK, TOPK_P2)
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
     shared = tl.zeros([BLOCK_D], dtype=tl.float32)
     if DOT:  # the h row as row 0 of a 16-row tensor-core tile
