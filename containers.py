@@ -423,7 +423,7 @@ class Container(containers.DeclarativeContainer):
     decoder_ops = providers.Selector(  # model.fused (auto|on|off) against the ops classes' capabilities
         providers.Callable(select_ops, config.model.fused, device_info, model_spec.provided.dtype),
         torch=providers.Singleton(TorchOps),
-        fused=providers.Singleton(FusedOps, config.model.gemv_rows, config.model.pdl),
+        fused=providers.Singleton(FusedOps, config.model.gemv_rows, config.model.pdl, config.model.fp8_compute),
     )
     mla_model = _step(build_log, "model", providers.Factory(
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,

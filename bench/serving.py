@@ -9,10 +9,15 @@ throughput and output tokens/s. Requests: random input / output lengths (``--inp
 ``max_new_tokens``).
 
 Against a running server: ``python -m bench.serving --url http://127.0.0.1:8000 --request-rate 1 4 16 inf``.
-Self-hosted (the server in this process, on a free port; overrides as for ``python -m runtime.serve``):
+Self-hosted (``python -m runtime.serve`` in its own process on a free port, ``bench/serving_host.py``; overrides as
+for ``python -m runtime.serve``; ``--in-process``: the server on a thread of this process instead):
 ``python -m bench.serving --serve device=cpu --num-prompts 16 --request-rate 8 inf``. With ``--offline`` a
 self-hosted run first serves the same requests with the offline engine (``Engine.run``, all at once) and prints
 its output tokens/s and prefill / decode step times, the figures the server is compared with (docs/serving.md).
+Before the rates, the requests are sent once, all at once and untimed (``--no-warmup`` skips it), as the offline
+figures come from a warmed engine. Each rate also prints the server's own mean TTFT and inter-token latency (its
+``/metrics`` histograms: arrival at the engine to emission) beside the client's mean TTFT (their difference is HTTP,
+the event loop and the client), and the server's prefill forwards and mean decode batch beside the offline run's.
 ``--plot FILE.png`` plots the latencies and throughput against the rate (the ``plot`` extra).
 """
 
@@ -22,6 +27,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +133,40 @@ async def run_rate(base_url: str, model: str, jobs: list[Job], rate: float, seed
         return outcomes, time.perf_counter() - start
 
 
+def server_sums(url: str, api_key: str | None) -> dict[str, float]:
+    """The server's own latency histograms (``GET /metrics``): ``ttft`` / ``itl`` sums of seconds and counts. The
+    difference of two readings is one rate's server-side mean: arrival at the engine to the token's emission,
+    without the HTTP parsing, the event loop and the client's own SSE reading that the client's figures hold."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=10.0).text
+    names = {"ttft": "mla_time_to_first_token_seconds", "itl": "mla_inter_token_latency_seconds"}
+    out = {}
+    for key, name in names.items():
+        for part in ("sum", "count"):
+            m = re.search(rf"^{name}_{part} (\S+)$", text, re.M)
+            out[f"{key}_{part}"] = float(m.group(1)) if m else math.nan
+    for counter in ("steps", "step_requests"):  # forwards by phase, and their batch sizes summed
+        for phase in ("prefill", "decode"):
+            m = re.search(rf'^mla_engine_{counter}_total{{phase="{phase}"}} (\S+)$', text, re.M)
+            out[f"{phase}_{counter}"] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Server-side mean TTFT / inter-token latency (ms), prefill forwards and the mean decode batch between two
+    :func:`server_sums` readings (the offline figures print the same two step counts)."""
+    row = {}
+    for key in ("ttft", "itl"):
+        n = after[f"{key}_count"] - before[f"{key}_count"]
+        row[f"server {key} mean ms"] = (after[f"{key}_sum"] - before[f"{key}_sum"]) / n * 1e3 if n > 0 else math.nan
+    d = {k: after[k] - before[k] for k in ("prefill_steps", "decode_steps", "decode_step_requests")}
+    row["server prefill steps"] = int(d["prefill_steps"])
+    row["server decode batch"] = d["decode_step_requests"] / d["decode_steps"] if d["decode_steps"] else math.nan
+    return row
+
+
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) * 1e3 if values else math.nan
 
@@ -139,6 +179,7 @@ def summarize(rate: float, outcomes: list[Outcome], seconds: float) -> dict:
     for name, vals in (("ttft", [o.ttft for o in ok]), ("itl", itl), ("e2e", [o.e2e for o in ok])):
         for q in (50, 90, 99):
             row[f"{name} p{q} ms"] = _pct(vals, q)
+    row["ttft mean ms"] = float(np.mean([o.ttft for o in ok])) * 1e3 if ok else math.nan
     return row
 
 
@@ -146,6 +187,7 @@ def offline_figures(plain: dict, jobs: list[Job]) -> dict:
     """The same requests through the offline engine (all queued at once), timed on a second run after a warm-up
     run of the same requests (as the server is warm when the first request comes): output tokens/s, step times."""
     import containers
+    from runtime.app.memory_checks import release
     from runtime.engine.workload import RequestSpec, Workload
 
     rt = containers.build(plain)
@@ -159,11 +201,15 @@ def offline_figures(plain: dict, jobs: list[Job]) -> dict:
     res = engine.run(record_hidden=False)
     seconds = time.perf_counter() - start
     steps = {ph: [s.seconds for s in res.steps if s.phase == ph] for ph in ("prefill", "decode")}
+    decode_batches = [s.batch_size for s in res.steps if s.phase == "decode"]
     engine.requests = Workload((RequestSpec(specs[0].prompt, 1),), frozenset(), tok)  # one prompt: TTFT's match
     alone = [sum(s.seconds for s in engine.run(record_hidden=False).steps if s.phase == "prefill") for _ in range(3)]
+    release(rt)  # the server's memory plan reads the device after this
     return {"offline out tok/s": sum(len(v) for v in res.outputs.values()) / seconds,
             "offline prefill step p50 ms": _pct(steps["prefill"], 50),
             "offline decode step p50 ms": _pct(steps["decode"], 50), "offline seconds": seconds,
+            "offline prefill steps": len(steps["prefill"]),
+            "offline decode batch": float(np.mean(decode_batches)) if decode_batches else math.nan,
             "offline one-prompt prefill ms": _pct(alone, 50)}
 
 
@@ -216,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--offline", action="store_true", help="self-hosted: also the offline engine's figures")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed first pass of the "
+                    "requests (all at once) that warms the server as the offline run is warmed")
+    ap.add_argument("--in-process", action="store_true", help="self-hosted on a thread of this process (default: "
+                    "python -m runtime.serve in its own process)")
     ap.add_argument("--plot", help="write the rate sweep plot here (matplotlib)")
     ap.add_argument("--quick", action="store_true", help="self-hosted on the default config (unless --url / --serve "
                     "say otherwise): 16 prompts of 64 tokens, 16 out, rates 4 and inf, with the offline figures")
@@ -226,10 +276,11 @@ def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     import runtime.core.config  # noqa: F401  (registers the schemas)
+    from runtime.serve import serving_overrides
 
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose("config", overrides=[*overrides, "serve.port=0"])
+        return compose("config", overrides=[*serving_overrides(overrides), "serve.port=0"])
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -252,8 +303,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jobs = _jobs(args, vocab)
         if args.offline:
             meta.update(offline_figures(to_plain(cfg), jobs))
-        server = Background(make_server(cfg)).__enter__()
-        url, model = server.url, server.server.state.model_name
+        if args.in_process:
+            server = Background(make_server(cfg)).__enter__()
+            url, model = server.url, server.server.state.model_name
+        else:
+            from bench.serving_host import ServerProcess
+            from runtime.serve import serving_overrides
+
+            server = ServerProcess(serving_overrides(args.serve)).__enter__()
+            url, model = server.url, server.model
     else:
         import httpx
 
@@ -264,17 +322,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jobs = _jobs(args, vocab)
     rows = []
     try:
+        if args.warmup:  # as the offline figures' warm-up run: graph captures, JIT builds, allocator growth
+            outcomes, _ = asyncio.run(run_rate(url, model, jobs, math.inf, args.seed, args.api_key,
+                                               args.max_concurrency))
+            failed = [o.error for o in outcomes if not o.ok]
+            if failed:
+                print(f"warm-up: {len(failed)} failed, e.g. {failed[0]}")
         for i, rate in enumerate(args.request_rate):
+            before = server_sums(url, args.api_key)
             outcomes, seconds = asyncio.run(run_rate(url, model, jobs, rate, args.seed + i, args.api_key,
                                                      args.max_concurrency))
-            rows.append(summarize(rate, outcomes, seconds))
+            rows.append({**summarize(rate, outcomes, seconds), **server_means(before, server_sums(url, args.api_key))})
             failed = [o.error for o in outcomes if not o.ok]
             if failed:
                 print(f"rate {rate}: {len(failed)} failed, e.g. {failed[0]}")
     finally:
         if server is not None:
             server.__exit__(None, None, None)
-    fmt = {k: ".1f" for r in rows for k in r if k.endswith("ms") or k.endswith("/s")}
+    fmt = {k: ".1f" for r in rows for k in r if k.endswith(("ms", "/s", "batch"))}
     print(Table(rows, title=f"serving: {len(jobs)} requests, model {model}", formats=fmt).render())
     for k, v in meta.items():
         if k.startswith("offline"):

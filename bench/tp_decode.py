@@ -16,7 +16,8 @@ bus bandwidth = 2 (n - 1) / n x bytes / time (NCCL's convention), and per ``para
 oneshot, fused) the microseconds per call inside CUDA graphs for 1 .. 512 tokens x 7168 bf16 (14 KiB .. 7.3 MiB),
 with the smallest message where NCCL wins: the measured crossing for ``parallel.oneshot_max_bytes``.
 ``--sweep-only``: that per-mode sweep alone, no model. ``--allreduce MODE``: the run's ``parallel.allreduce``.
-Rank 0 writes ``--out``.
+``--profile`` (CUDA): per batch size one more serve under torch.profiler, read as the GPU ran the graphs: kernel
+time per decode step, the collective kernels' part of it, and the costliest kernels. Rank 0 writes ``--out``.
 
 ``--table`` prints one row per file: tp, moe, dtype, tokens/s per batch, collective ms per decode step (and the
 all-reduce bytes), the sweep's peak bus bandwidth, and token parity against the first file (requests whose
@@ -74,6 +75,34 @@ def serve(rt, specs) -> tuple[object, object]:
     c.engine.reset()
     engine = c.engine()
     return engine.run(record_hidden=False), engine.run(record_hidden=False)
+
+
+#: the collectives' kernels by name: NCCL's, and the one-shot / fused all-reduce of backends/kernels/comm
+COLLECTIVE_KERNELS = ("nccl", "oneshot_kernel", "fused_add_rms_norm_kernel")
+
+
+def profile_decode(rt, specs, layers: int) -> dict:
+    """One more serve of ``specs`` under torch.profiler (CUDA activity), the timed run's decode window read from
+    the trace as the GPU ran the replayed graphs (the probe times the collectives eagerly between steps): per
+    decode step the GPU's busy time, the collective kernels' (NCCL's and ours: the time they hold the GPU, waits
+    for the peer included) and the rest's, and the costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.decode_roofline import gpu_events, kernel_breakdown, union_us
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, res = serve(rt, specs)
+    torch.cuda.synchronize()
+    dec = [s for s in res.steps if s.phase == "decode"]
+    span = dec[0].marks[0].elapsed_time(dec[-1].marks[1]) * 1e3  # us
+    ev = gpu_events(prof)
+    end = max(e for _, e, _, _ in ev)
+    lo, n = end - span, len(dec)
+    busy = union_us([(s, e, c) for s, e, c, _ in ev], lo, end)
+    coll = union_us([(s, e, c) for s, e, c, name in ev
+                     if c == "kernel" and any(k in name.lower() for k in COLLECTIVE_KERNELS)], lo, end)
+    return {"kernel_us_per_step": busy / n, "collective_us_per_step": coll / n,
+            "other_us_per_step": (busy - coll) / n, "top": kernel_breakdown(ev, lo, end, n, layers, top=8)}
 
 
 def sweep(group, max_bytes: int) -> list[dict]:
@@ -225,6 +254,8 @@ def run(a: argparse.Namespace) -> int:
                                   "coll_bytes_per_step": coll["bytes_per_step"], "coll_by_op": coll["by_op"],
                                   "coll_ms_per_step": coll["probe_ms_per_graphed_step"] if coll["graphed_steps"]
                                   else coll["ms_per_eager_step"]}
+            if a.profile and rt.device.kind == "cuda":
+                out["batches"][bs]["profile"] = profile_decode(rt, specs[:bs], rt.config["model"]["num_layers"])
             if bs == max(a.batches):
                 out["outputs"] = {str(k): v for k, v in res.outputs.items()}
                 out["margins"] = {str(k): v for k, v in res.margins.items()}
@@ -271,6 +302,9 @@ def table(files: list[str]) -> int:
             row[f"x tp1 b{b}"] = x["decode_tok_s"] / ref["batches"][b]["decode_tok_s"] if b in ref["batches"] else None
             row[f"coll ms/step b{b}"] = x["coll_ms_per_step"] if r["tp"] > 1 else None
             row[f"coll KiB/step b{b}"] = x["coll_bytes_per_step"] / KiB if r["tp"] > 1 else None
+            if "profile" in x:  # --profile: the graphed step as the GPU ran it
+                row[f"kernels ms/step b{b}"] = x["profile"]["kernel_us_per_step"] / 1e3
+                row[f"coll kernels ms/step b{b}"] = x["profile"]["collective_us_per_step"] / 1e3
         row["busbw GB/s (peak)"] = max((s["busbw_gbs"] for s in r["sweep"]), default=None)
         row["peak GiB/rank"] = max(r.get("peak_gib_per_rank") or [float("nan")])
         same_dtype = r["dtype"] == ref["dtype"] and r is not ref
@@ -279,6 +313,11 @@ def table(files: list[str]) -> int:
         rows.append(row)
     sweeps = [dict(run=Path(f).stem, **s) for f, r in zip(files, results) for s in r["sweep"]]
     tables = [Table(rows, title="tensor-parallel decode", name="decode")]
+    tops = [dict(run=Path(f).stem, batch=b, **k) for f, r in zip(files, results) for b, x in r["batches"].items()
+            for k in x.get("profile", {}).get("top", [])]
+    if tops:
+        tables.append(Table(tops, title="costliest kernels per decode step (--profile)", name="kernels",
+                            formats={"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".1%"}))
     if sweeps:
         tables.append(Table(sweeps, title="all_reduce sweep (bf16, same process group as the run)", name="sweep",
                             formats={"us": ".1f", "busbw_gbs": ".1f"}))
@@ -317,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only the per-mode all-reduce sweep (tp > 1; no model): microseconds inside CUDA graphs")
     p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "oneshot", "fused"],
                    help="parallel.allreduce of the run")
+    p.add_argument("--profile", action="store_true", help="CUDA: per batch one more serve under torch.profiler: "
+                   "kernel and collective-kernel time per graphed decode step, the costliest kernels")
     p.add_argument("--quick", action="store_true", help="prompt 128, 16 output tokens, 2 layers of a preset")
     p.add_argument("extra", nargs="*", help="more Hydra overrides")
     return p

@@ -30,7 +30,14 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+def serving_overrides(overrides: list[str]) -> list[str]:
+    """``overrides`` with ``workload=chat`` appended when none of them picks a workload (the server's scheduler
+    limits; the batch runs' default ``smoke`` runs 4 requests at a time)."""
+    if any(a.startswith(("workload=", "+workload=")) for a in overrides):
+        return list(overrides)
+    return [*overrides, "workload=chat"]
+
+
 if __name__ == "__main__":
-    if not any(a.startswith(("workload=", "+workload=")) for a in sys.argv[1:]):
-        sys.argv.append("workload=chat")
+    sys.argv[1:] = serving_overrides(sys.argv[1:])
     main()

@@ -3,13 +3,15 @@
 #   scripts/stored_weights_device.sh kernels   # the fp8 GEMM / MoE kernels' GPU tests, then both kernel benches
 #   scripts/stored_weights_device.sh tune      # sweeps of the few-row tiles (linear, experts)
 #   scripts/stored_weights_device.sh serve     # the fp8 preset end to end (parity), then decode_roofline bf16 vs fp8
+#   scripts/stored_weights_device.sh fulldepth # one TP8 rank of DeepSeek-V3 at all 61 layers, fp8 (an H200: ~84 GB
+#                                              # of weights): the chat workload served, then decode_roofline 1/32/128
 # Logs go to $OUT (or /tmp); each step has its own time limit so one slow step does not take the others.
 # PYTHON: the interpreter (default python3 from PATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 out=${OUT:-/tmp}
-part=${1:?usage: scripts/stored_weights_device.sh kernels|serve}
+part=${1:?usage: scripts/stored_weights_device.sh kernels|tune|serve|fulldepth}
 step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $out/NAME.log, print its last lines
   local name=$1 limit=$2
   shift 2
@@ -34,5 +36,11 @@ case "$part" in
     step roofline 330 "$py" -m bench.decode_roofline --preset h100_triton_tp8 --layers 16 --batches 1 32 \
       --weights bf16 fp8
     ;;
-  *) echo "unknown part '$part': expected kernels or serve" >&2; exit 2 ;;
+  fulldepth)  # issue 46's first decode figure of a real deployment's rank: 61 layers, 256 experts (moe=tp slices)
+    step chat 240 "$py" -m runtime +deploy=h100_triton_tp8 model.weights=fp8 model.num_layers=61 check=off \
+      workload.num_requests=128 workload.max_running_requests=128
+    step roofline 330 "$py" -m bench.decode_roofline --preset h100_triton_tp8 --layers 61 --batches 1 32 128 \
+      --out-len 16 --weights fp8
+    ;;
+  *) echo "unknown part '$part': expected kernels, tune, serve or fulldepth" >&2; exit 2 ;;
 esac

@@ -9,13 +9,16 @@
 #   3. bench.tp_decode on 16 layers of the V3-width preset (random block-fp8 weights, 16 routed experts: batch 1 is
 #      weight-bound, the weights fit one GPU), bf16, triton_mla, decode CUDA graphs: tp=1, then tp=2 with
 #      parallel.allreduce = nccl, oneshot, fused, auto; decode tokens/s at batch 1 and 32 and the collectives per
-#      decode step (count, KiB, ms by probe);
+#      decode step (count, KiB, ms by probe), and (--profile) the graphed step's kernel and collective-kernel time;
 #   4. (time permitting) the 2-layer fp8 checkpoint of the earlier script (64 experts): tp=1 and tp=2 nccl / fused,
 #      so issue 47's first table has its after column; then float32 parity of tp=2 fused vs tp=1 on it;
 #   5. the tables last (bench/tp_decode.py --table), results also under $OUT.
 # On the device machine, from the repository root:  OUT=$OUT/tp scripts/tp_device.sh
 # Each launch is capped at T seconds and the script skips what would start after DEADLINE seconds (560), so the
 # tables always print within one 10-minute device call.
+# PARTS: which of "tests sweep wide ckpt" run (default all; e.g. PARTS="wide ckpt" once the kernels' tests and the
+# sweep have run on that kind of machine). T0: the first model launch's cap (default T; the fp8 GEMM library
+# compiles its kernels there on a fresh machine, minutes).
 # SMOKE=1: the same steps on the CPU (gloo, allreduce nccl / auto: the kernel modes need GPUs) with a tiny model of
 # the same structure, to check the script runs. PYTHON: the interpreter every step runs (default python3 from PATH).
 set -uo pipefail
@@ -41,11 +44,13 @@ else
   MODEL="model.n_routed_experts=64"
   DEV=cuda; BF16="--dtype bfloat16 --backend ${BACKEND:-triton_mla} --graphs"
   SIZES="--batches 1 32 --prompt 256 --out-len 32"
-  WIDE="--preset deepseek_v3 --layers 16 model.n_routed_experts=16 model.weights=fp8"; MODES="nccl oneshot fused auto"
+  WIDE="--preset deepseek_v3 --layers 16 model.n_routed_experts=16 model.weights=fp8"; MODES=${MODES:-nccl oneshot fused auto}
   CKPT_MODES="nccl fused"; FP32SIZES="--batches 16 --prompt 128 --out-len 16"; T=${T:-120}
 fi
 
 DEADLINE=${DEADLINE:-560}
+PARTS=${PARTS:-tests sweep wide ckpt}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date +%T), ${SECONDS}s)"; }
 left() {  # seconds this launch may take; 0 once past the deadline
   local l=$((DEADLINE - SECONDS)); [ $l -gt "$T" ] && l=$T; [ $l -lt 0 ] && l=0; echo $l
@@ -61,33 +66,39 @@ many() {
     --master-port $port -m bench.tp_decode --device $DEV "$@"
 }
 
-if [ "$DEV" = cuda ]; then
+if [ "$DEV" = cuda ] && part tests; then
   nvidia-smi topo -m 2>/dev/null | head -4
   step "GPU tests of the all-reduce modes"
   # the kernels against NCCL (the float32 tp=2 vs tp=1 token runs of that file: step 4 below, on the checkpoint)
   timeout 180 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_allreduce_gpu.py -k kernels 2>&1 | tail -25
 fi
 
-step "all-reduce per mode inside CUDA graphs: tp=$NPROC"
-many --sweep-only --out "$OUT/allreduce_sweep.json" || echo "all-reduce sweep FAILED ($?)"
+if part sweep; then
+  step "all-reduce per mode inside CUDA graphs: tp=$NPROC"
+  many --sweep-only --out "$OUT/allreduce_sweep.json" || echo "all-reduce sweep FAILED ($?)"
+fi
 
-step "V3 width, 16 layers: tp=1"
-# shellcheck disable=SC2086
-one --out "$OUT/wide_tp1.json" $BF16 $SIZES $WIDE || echo "wide tp=1 FAILED ($?)"
-for mode in $MODES; do
-  step "V3 width, 16 layers: tp=$NPROC allreduce=$mode"
+if part wide; then
+  step "V3 width, 16 layers: tp=1"
+  T_RUN=$T; T=${T0:-$T}
   # shellcheck disable=SC2086
-  many --out "$OUT/wide_tp${NPROC}_$mode.json" $BF16 $SIZES $WIDE --allreduce $mode \
-    || echo "wide tp=$NPROC allreduce=$mode FAILED ($?)"
-done
+  one --out "$OUT/wide_tp1.json" $BF16 $SIZES $WIDE --profile || echo "wide tp=1 FAILED ($?)"
+  T=$T_RUN
+  for mode in $MODES; do
+    step "V3 width, 16 layers: tp=$NPROC allreduce=$mode"
+    # shellcheck disable=SC2086
+    many --out "$OUT/wide_tp${NPROC}_$mode.json" $BF16 $SIZES $WIDE --allreduce $mode --profile \
+      || echo "wide tp=$NPROC allreduce=$mode FAILED ($?)"
+  done
+fi
 
-step "checkpoint (2 layers) -> $CKPT"
-if [ ! -f "$CKPT/config.json" ]; then
+part ckpt && step "checkpoint (2 layers) -> $CKPT"
+if part ckpt && [ ! -f "$CKPT/config.json" ]; then
   # shellcheck disable=SC2086
   timeout "$(left)" "$PY" -m runtime.app.make_checkpoint model=deepseek_v3 model.num_layers=2 \
     model.first_k_dense_replace=1 $MODEL device=$DEV out="$CKPT" fp8=true || echo "checkpoint FAILED"
 fi
-if [ -f "$CKPT/config.json" ]; then
+if part ckpt && [ -f "$CKPT/config.json" ]; then
   step "2-layer checkpoint bf16: tp=1"
   # shellcheck disable=SC2086
   one --model-path "$CKPT" --out "$OUT/bf16_tp1.json" $BF16 $SIZES || echo "bf16 tp=1 FAILED ($?)"

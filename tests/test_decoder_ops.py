@@ -286,3 +286,33 @@ def test_fused_moe_expert_parallel_partials_sum_to_the_whole(monkeypatch, e, gro
     want = REF.moe(spec, w, x, True)
     for ops in (FUSED, REF):
         _close(sum(ops.moe(spec, r, x, True) for r in ranks), want, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [17, 64])
+def test_fp8_compute_picks_the_activation_precision_gpu(t):
+    """model.fp8_compute on stored block-fp8 weights above the few-row path (17 and 64 rows: decode batches that
+    used to take W8A8 whatever the setting): ``w8a16`` keeps the 16-bit activations (the dequantized model's
+    error against float64), ``w8a8`` quantizes them to e4m3 (ten times that), for a linear layer and the MoE."""
+    needs_gpu()
+    from runtime.model.quantized import BlockFP8
+
+    torch.manual_seed(300 + t)
+    d, n, e, i = 7168, 2112, 32, 256
+    w = BlockFP8.quantize(torch.randn(n, d, device="cuda") / d**0.5)
+    x = torch.randn(t, d, device="cuda").to(BF)
+    exact = x.double() @ w.dequantize(torch.float64).T
+    ops = {c: FusedOps(fp8_compute=c) for c in ("w8a16", "w8a8")}
+    err = {c: rel_err(o.linear(x, w), exact) for c, o in ops.items()}
+    assert err["w8a16"] < 5e-3 and err["w8a8"] > 3 * err["w8a16"], err
+    spec = _spec(num_experts_per_tok=8, n_group=8, topk_group=4)
+
+    def experts(rows, cols):
+        parts = [BlockFP8.quantize(torch.randn(rows, cols, device="cuda") / cols**0.5) for _ in range(e)]
+        return BlockFP8(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]))
+
+    moe = MoEWeights(gate=torch.randn(e, d, device="cuda") / d**0.5, bias=torch.zeros(e, device="cuda"),
+                     gate_up=experts(2 * i, d), down=experts(d, i), shared=None)
+    ref = REF.moe(spec, moe, x.float(), False)  # float32: the torch loop, weights dequantized per expert
+    err = {c: rel_err(o.moe(spec, moe, x, False), ref) for c, o in ops.items()}
+    assert err["w8a16"] < 1e-2 and err["w8a8"] > 2 * err["w8a16"], err

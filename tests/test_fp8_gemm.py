@@ -85,6 +85,10 @@ def test_default_path_by_rows():
     assert fp8_gemm.choose_path(17, 16, DEV) == "w8a16"  # fp8 steps are 32 deep
     assert torch.equal(fp8_gemm.fp8_linear(x[:16], w, s), fp8_gemm.fp8_linear(x[:16], w, s, path="few"))
     assert torch.equal(fp8_gemm.fp8_linear(x, w, s), fp8_gemm.fp8_linear(x, w, s, path="w8a8"))
+    # w8a8=False (model.fp8_compute=w8a16): 16-bit activations above 16 rows, the few-row kernel below
+    assert fp8_gemm.choose_path(17, 128, DEV, w8a8=False) == "w8a16" and fp8_gemm.choose_path(16, 128, DEV,
+                                                                                           w8a8=False) == "few"
+    assert torch.equal(fp8_gemm.fp8_linear(x, w, s, w8a8=False), fp8_gemm.fp8_linear(x, w, s, path="w8a16"))
 
 
 def test_few_rows_are_independent_of_m():
@@ -138,6 +142,20 @@ def test_fma_rows_match_float64(n, kd, block):
                 y = fp8_gemm.fp8_linear(x, w, s, block, path="few", config=cfg)
                 assert y.dtype == dtype and torch.isfinite(y).all()
                 assert rel_err(y, ref) <= {torch.float16: 1e-3, torch.bfloat16: 5e-3}[dtype], (cfg, m, dtype)
+
+
+def test_fma_second_row_leaves_the_first_rows_bits():
+    """Each row accumulates on its own in the CUDA-core kernel: row 0 of a two-row call is row 0 alone, bit for
+    bit, with and without the fused norm (a decode step's batch of 2 gives each request batch 1's numbers)."""
+    torch.manual_seed(21)
+    w, s, _ = make_weight(70, 300)
+    x = strided_x(2, 300, torch.bfloat16)
+    g = (torch.rand(300, device=DEV) + 0.5).bfloat16()
+    for cfg in FMA_CONFIGS:
+        two, one = (fp8_gemm.fp8_linear(x[:m], w, s, path="few", config=cfg) for m in (2, 1))
+        assert torch.equal(two[:1], one), cfg
+    two, one = (fp8_gemm.fp8_norm_linear(x[:m], g, 1e-6, w, s, config=FMA_CONFIGS[0]) for m in (2, 1))
+    assert torch.equal(two[:1], one)
 
 
 @pytest.mark.parametrize("m", [1, 2])
@@ -222,11 +240,11 @@ def test_configs_by_rule():
     assert fp8_gemm.few_config(2112, 7168, cpu, 16) == fp8_gemm.FewConfig(32, 512, 4, 4)
     assert fp8_gemm.few_config(7168, 2048, cpu, 5) == fp8_gemm.FewConfig(64, 256, 4, 4)
     assert fp8_gemm.few_config(40000, 100, cpu) == fp8_gemm.FewConfig(64, 128, 4, 4)
-    # up to 2 rows the CUDA-core kernel, no split-K: 8 x 512 where that makes 4 programs per SM, else 4 x 1024;
-    # half the inputs per step at 2 rows
+    # up to 2 rows the CUDA-core kernel, no split-K: 8 x 512 where that makes 4 programs per SM, else 4 x 1024,
+    # the same tile at 2 rows (each row accumulates in the tile's layout)
     assert fp8_gemm.few_config(2112, 7168, cpu, 1) == fp8_gemm.FewConfig(4, 1024, 4, 3, 1, True)
     assert fp8_gemm.few_config(7168, 2048, cpu, 1) == fp8_gemm.FewConfig(8, 512, 4, 3, 1, True)
-    assert fp8_gemm.few_config(7168, 2048, cpu, 2) == fp8_gemm.FewConfig(8, 256, 4, 3, 1, True)
+    assert fp8_gemm.few_config(7168, 2048, cpu, 2) == fp8_gemm.FewConfig(8, 512, 4, 3, 1, True)
     assert fp8_gemm.few_config(7168, 2048, cpu, 3) == fp8_gemm.FewConfig(64, 256, 4, 4)
     assert fp8_gemm.few_config(512, 100, cpu, 1) == fp8_gemm.FewConfig(4, 128, 4, 3, 1, True)
     assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 4)

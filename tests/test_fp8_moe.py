@@ -251,6 +251,34 @@ def test_grouped_matches_float64(t):
     assert errs[1] > 1e-3  # the activations really are e4m3 (W8A8), not 16-bit
 
 
+def check_grouped_w8a16(t, e, d, i, k, dtype, dev, ids=None):
+    """W8A16 (``model.fp8_compute=w8a16``): the 16-bit rows times the widened weights, no e4m3 activations, so
+    the error against float64 is the 16-bit rounding of h and of the output, several times below W8A8's."""
+    torch.manual_seed(t + e + d)
+    x, ids, wts, routed, xs, order, offsets = grouped_inputs(t, e, d, i, k, dtype, dev, ids)
+    ref = moe_reference(x, ids, wts, routed, (None,))
+    errs = []
+    for w8a8 in (False, True):
+        y = fp8_moe.fp8_grouped_expert_mlp(xs, *routed, offsets, swiglu, w8a8=w8a8)
+        assert y.dtype == dtype and y.shape == xs.shape
+        errs.append(rel_err(combine(y, order, ids, wts, offsets).to(dtype), ref))
+    assert errs[0] <= EMULATED_TOL[dtype] and errs[0] * 4 < errs[1], errs
+    return errs
+
+
+@pytest.mark.parametrize("t", [17, 40])
+def test_grouped_w8a16_matches_float64(t):
+    check_grouped_w8a16(t, 6, 200, 128, 3, torch.float16, DEV)
+
+
+def test_grouped_w8a16_refuses_fp8_rows_without_scales():
+    routed, _ = make_experts(2, 64, 128, 0, DEV)
+    q, _ = fp8_moe.quantize_rows_fp8(torch.randn(4, 64, device=DEV))
+    with pytest.raises(ValueError, match="bfloat16 / float16 \\(W8A16: a_scale None\\)"):
+        fp8_moe.fp8_grouped_gemm(q, None, routed[0], routed[1], torch.tensor([1, 4], dtype=torch.int32),
+                                 torch.float16)
+
+
 def test_grouped_odd_width_empty_and_single_expert():
     """D = 199; expert 2 takes every routed pair (experts 0, 1, 3 have none), other ranks' pairs (id 4) sorted
     last and left out; I 256 with 16 x 64 tiles."""
@@ -309,6 +337,7 @@ def test_gpu_few_tokens_real_widths(e, i, i_s, t):
 def test_gpu_grouped_real_widths(e, i, i_s, t):
     needs_gpu()
     check_grouped(t, e, D_V3, i, 8, torch.bfloat16, "cuda")
+    check_grouped_w8a16(t, e, D_V3, i, 8, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

@@ -303,6 +303,10 @@ def test_load_with_disconnects_and_bad_bodies(server, offline):
     first = (_metric(text, "mla_time_to_first_token_seconds_count")
              - _metric(base, "mla_time_to_first_token_seconds_count"))
     assert 51 <= first <= 54  # every request that started streaming (those that gave up: if it came in time)
+    prefills = (_metric(text, "mla_engine_step_requests_total", '{phase="prefill"}')
+                - _metric(base, "mla_engine_step_requests_total", '{phase="prefill"}'))
+    assert prefills >= first and (_metric(text, "mla_engine_steps_total", '{phase="decode"}')
+                                  > _metric(base, "mla_engine_steps_total", '{phase="decode"}'))
     assert httpx.get(server.url + "/health").status_code == 200 and live.errors == 0
 
 

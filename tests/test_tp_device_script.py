@@ -50,3 +50,28 @@ def test_device_script_smoke_on_cpu(tmp_path):
     assert sorted(f.name for f in (tmp_path / "out").iterdir()) == [
         "allreduce_sweep.json", "bf16_tp1.json", "bf16_tp2_auto.json", "bf16_tp2_nccl.json", "fp32_tp1.json",
         "fp32_tp2_auto.json", "wide_tp1.json", "wide_tp2_auto.json", "wide_tp2_nccl.json"]
+
+
+def test_table_prints_the_profiled_step(tmp_path, capsys):
+    """`--profile` results (kernel and collective-kernel time per graphed step, the costliest kernels) reach the
+    table and its JSON line."""
+    from bench import tp_decode
+
+    top = [{"kernel": "ncclDevKernel_AllReduce", "per_step": 33.0, "per_layer": 2.06, "us_per_step": 510.0,
+            "share": 0.12}]
+    files = []
+    for tp in (1, 2):
+        batch = {"decode_tok_s": 100.0 * tp, "coll_ms_per_step": 1.0, "coll_bytes_per_step": 2048.0,
+                 "profile": {"kernel_us_per_step": 4000.0, "collective_us_per_step": 500.0 * (tp - 1),
+                             "other_us_per_step": 4000.0 - 500.0 * (tp - 1), "top": top}}
+        doc = {"tp": tp, "moe": "tp", "allreduce": "nccl", "dtype": "bfloat16", "backend": "triton_mla",
+               "device": "cpu", "batches": {"32": batch}, "outputs": {}, "margins": {}, "sweep": [],
+               "ranks_agree": True}
+        files.append(tmp_path / f"r{tp}.json")
+        files[-1].write_text(json.dumps(doc))
+    assert tp_decode.table([str(f) for f in files]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(next(line for line in out.splitlines() if line.startswith("BENCH_JSON "))[len("BENCH_JSON "):])
+    row = doc["rows"][1]
+    assert row["kernels ms/step b32"] == 4.0 and row["coll kernels ms/step b32"] == 0.5
+    assert "costliest kernels per decode step" in out and "ncclDevKernel_AllReduce" in out

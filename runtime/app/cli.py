@@ -20,6 +20,7 @@ from runtime.app.parallel_report import disagreements, parallel_section
 from runtime.app.parity import TIE_MARGIN, compare, quantization_effect, reference_config, unquantized_config
 from runtime.app.plot import write_step_plot
 from runtime.app.report import (
+    fp8_compute,
     make_report,
     memory_plan,
     print_report,
@@ -101,6 +102,7 @@ def _run(cfg: DictConfig, output_dir: Path, launch: LaunchEnv) -> int:
     # everything the report needs from this run is read now: its model is freed before any other model is built
     # (the speculative baseline, the parity reference), so no two models are ever held at once (docs/memory.md)
     spec, plan, model_spec = plain["speculative"], runtime.container.memory_budget(), runtime.container.model_spec()
+    w8a8 = fp8_compute(runtime) == "w8a8"  # read before the model is freed
     stats = runtime.container.speculative().stats if spec["enabled"] else None
     shared = shared_kv_indices_section(runtime.container, spec["shared_kv_indices"]) if spec["enabled"] else None
     differ = disagreements(runtime, res)
@@ -133,7 +135,8 @@ def _run(cfg: DictConfig, output_dir: Path, launch: LaunchEnv) -> int:
         ref_res = run_released(build(ref_cfg), lambda engine: engine.run(forced=res.outputs))
         ref_name = f"{ref_cfg['backend']['name']}/{ref_cfg['model']['dtype']}"
         routing = model_spec.has_moe or bool(model_spec.sparse_layers)
-        parity = compare(res, ref_res, plain["model"]["dtype"], ref_name, discrete_routing=routing).as_dict()
+        parity = compare(res, ref_res, plain["model"]["dtype"], ref_name, discrete_routing=routing,
+                         w8a8=w8a8).as_dict()
     if replayed is not None:  # speculative vs plain decoding on the same tokens, and each against the reference
         speculative["vs_baseline"] = speculative_parity(res, replayed, ref_res if parity.get("reference") else None,
                                                         TIE_MARGIN[plain["model"]["dtype"]])

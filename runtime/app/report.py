@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runtime.app.spec_compare import summary_line
+from runtime.core.model_spec import DSV4_MODEL_TYPE
 from runtime.engine.engine import RunResult
 
 
@@ -185,16 +186,28 @@ def _graphs(runner) -> dict:
                    "reason": m.decision.reason} for name, m in runner.modes.items()}
 
 
+def fp8_compute(runtime) -> str | None:
+    """How the model's stored block-fp8 weights meet activations above 16 rows: its decoder ops' ``fp8_compute``
+    (``"w8a8"``: e4m3 activations, ``"w8a16"``: 16-bit ones) when it holds fp8 weights, else None (also for
+    DeepSeek-V4, whose layers do not run those ops)."""
+    m = runtime.config["model"]
+    w = runtime.container.model().weights
+    if m.get("model_type") == DSV4_MODEL_TYPE or "float8_e4m3fn" not in w.bytes_by_dtype():
+        return None
+    return runtime.container.decoder_ops().fp8_compute
+
+
 def _model(runtime) -> dict:
     """Name, dtype (the compute dtype), layers, and where the weights came from: ``source`` (random, or the
     checkpoint folder), ``stored_dtypes`` (checkpoint dtype -> tensors read in it), ``weights`` (model.weights:
-    stored fp8 kept as fp8, or dequantized to ``dtype``), ``weight_bytes`` (dtype -> bytes as held on the
-    device), ``unquantized_bytes`` (weight group -> bytes of the weights held in a float dtype), ``load_seconds``
-    and ``peak_host_bytes`` (the process's peak resident memory after loading)."""
+    stored fp8 kept as fp8, or dequantized to ``dtype``), ``fp8_compute`` (:func:`fp8_compute`), ``weight_bytes``
+    (dtype -> bytes as held on the device), ``unquantized_bytes`` (weight group -> bytes of the weights held in a
+    float dtype), ``load_seconds`` and ``peak_host_bytes`` (the process's peak resident memory after loading)."""
     m = runtime.config["model"]
     w = runtime.container.model().weights
     return {"name": m["name"], "model_type": m.get("model_type"), "dtype": m["dtype"], "layers": m["num_layers"],
             "mlp": m.get("mlp"), "source": w.source, "stored_dtypes": w.stored_dtypes, "weights": m.get("weights"),
+            "fp8_compute": fp8_compute(runtime),
             "weight_bytes": w.bytes_by_dtype(), "unquantized_bytes": w.unquantized_bytes(),
             "load_seconds": w.load_seconds, "peak_host_bytes": w.peak_host_bytes}
 
@@ -292,6 +305,7 @@ def _weight_line(m: dict) -> str:
     by = ", ".join(f"{k} {_mib(v)}" for k, v in sorted(m["weight_bytes"].items(), key=lambda kv: -kv[1]))
     line = f"{m['weights']}: {by}"
     if "float8_e4m3fn" in m["weight_bytes"]:
+        line += f" ({m['fp8_compute']} above 16 rows)" if m["fp8_compute"] else ""
         top = sorted(m["unquantized_bytes"].items(), key=lambda kv: -kv[1])
         line += "; in 16 / 32 bits: " + ", ".join(f"{k} {_mib(v)}" for k, v in top[:6])
         if len(top) > 6:
@@ -382,7 +396,12 @@ def print_report(report: dict, console: Console | None = None) -> None:
                   f"({par['mismatches']} mismatches, {par['near_tie_mismatches']} at near-ties"
                   + (f", up to {par['routing_flip_budget']} more allowed: discrete routing in 16 bits"
                      if par.get("routing_flip_budget") else "") + "), "
-                  f"max rel err {par['max_rel_err']:.2e} (tol {par['tolerance']:.0e})")
+                  f"max rel err {par['max_rel_err']:.2e} (tol {par['tolerance']:.0e}"
+                  + (f", {par['activations']} activations" if par.get("activations", "").startswith("e4m3") else "")
+                  + ")"
+                  + (f"; median request {par['median_rel_err']:.2e}, worst request {par['worst_request']} at "
+                     f"position {par['worst_position']} ({par['worst_position_rel_err']:.2e})"
+                     if par.get("worst_request") is not None else ""))
         q = par.get("quantization")
         if q:
             t.add_row("fp8 vs unquantized", f"token agreement {q['token_agreement']:.1%} of {q['positions']}, "

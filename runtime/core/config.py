@@ -73,6 +73,14 @@ class WeightFormat(str, enum.Enum):
     fp8 = "fp8"  # a preset's random weights as the release stores them (block-fp8; V4: also fp4 experts)
 
 
+class Fp8Compute(str, enum.Enum):
+    """``model.fp8_compute``: how stored block-fp8 weights multiply 16-bit activations above the few-row decode
+    path (up to 16 rows the activations always stay 16-bit; docs/checkpoints.md)."""
+
+    w8a8 = "w8a8"  # activations quantized to e4m3 per token and 128 inputs, as DeepSeek's inference code (fastest)
+    w8a16 = "w8a16"  # activations stay 16-bit at every size: the dequantized model's precision, slower prefill
+
+
 class RopeType(str, enum.Enum):
     default = "default"
     yarn = "yarn"
@@ -321,6 +329,7 @@ class ModelConfig:
     # stored (a checkpoint's fp8 kept as fp8) | dequantize (expanded at load) | bf16 / fp8 (a preset's random
     # weights); auto: stored for a checkpoint, bf16 for a preset
     weights: WeightFormat = WeightFormat.auto
+    fp8_compute: Fp8Compute = Fp8Compute.w8a8  # stored fp8 above 16 rows: e4m3 activations (w8a8) or 16-bit
     v4: DSV4ModelConfig | None = None  # DeepSeek-V4 (model_type deepseek_v4): its own attention, mHC and MoE
     fused: FusedMode = FusedMode.auto  # decoder ops: fused Triton kernels (auto: where the device supports them)
     # with fused ops: products of at most this many rows (decode at small batch) take the few-row Triton kernels

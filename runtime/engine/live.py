@@ -60,6 +60,8 @@ class Observer(Protocol):
 
     def aborted(self, completion_tokens: int) -> None: ...
 
+    def step(self, phase: str, requests: int, tokens: int) -> None: ...
+
 
 @dataclass
 class LiveRequest:
@@ -185,8 +187,12 @@ class LiveEngine:
                         self.observer.aborted(live.sent)
             try:
                 if any(self.engine.load):
+                    before = len(self._res.steps)
                     self.engine.step()
                     self.steps += 1
+                    if self.observer is not None:  # the forwards this step launched (a speculative round: several)
+                        for rec in self._res.steps[before:]:
+                            self.observer.step(rec.phase, rec.batch_size, rec.tokens)
                     self._unflushed = True  # with overlap, the newest step's tokens may still be pending
                 else:
                     self.engine.flush()

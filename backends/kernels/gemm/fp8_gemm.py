@@ -79,8 +79,8 @@ def few_config(n: int, k_dim: int, device: torch.device | str, m: int = FEW_ROWS
     """Tiles of the few-row kernel for ``m`` rows.
 
     Up to :data:`FMA_ROWS` rows: the CUDA-core kernel, no split-K (its second kernel costs a launch in a decode
-    step), 8 weight rows x 512 inputs per step where that gives every SM 4 programs, else 4 x 1024; half the
-    inputs per step at 2 rows. Measured at one row on an H200 (``python -m bench.fp8_gemm_bench --m 1 --sweep``,
+    step), 8 weight rows x 512 inputs per step where that gives every SM 4 programs, else 4 x 1024, at one and two
+    rows (each row accumulates in the tile's own layout; not yet timed at two rows on a GPU). Measured at one row on an H200 (``python -m bench.fp8_gemm_bench --m 1 --sweep``,
     µs, best of 23 tiles x splits in brackets): qkv_a 2112 x 7168 4 x 1024 10.6 (9.98 at 8 x 512 split 4),
     o_proj 7168 x 2048 7.96 (best), down 7168 x 2304 8.90 (best), gate_up 4608 x 7168 16.4 (15.8 split 4); the
     tensor-core kernel 16.7-48.5.
@@ -91,7 +91,7 @@ def few_config(n: int, k_dim: int, device: torch.device | str, m: int = FEW_ROWS
     k_cap = triton.next_power_of_2(max(k_dim, 16))
     if m <= FMA_ROWS:
         block_n, block_k = (8, 512) if triton.cdiv(n, 8) >= 4 * sms else (4, 1024)
-        return FewConfig(block_n, min(block_k // triton.next_power_of_2(max(m, 1)), k_cap), 4, 3, 1, True)
+        return FewConfig(block_n, min(block_k, k_cap), 4, 3, 1, True)
     block_n, block_k = (64, 256) if triton.cdiv(n, 64) * 2 >= sms else (32, 512)
     return FewConfig(block_n, min(block_k, k_cap), 4, 4)
 
@@ -121,7 +121,7 @@ def gemm_config(m: int, n: int, k_dim: int, bk: int, a_fp8: bool, device: torch.
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
                pdl: bool = False, path: str | None = None,
-               config: FewConfig | GemmConfig | None = None) -> torch.Tensor:
+               config: FewConfig | GemmConfig | None = None, w8a8: bool = True) -> torch.Tensor:
     """``x @ dequantize(w, scale).T`` with float32 accumulation.
 
     Parameters
@@ -143,6 +143,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     config : FewConfig or GemmConfig, optional
         Tiles: :class:`FewConfig` for ``"few"`` (default :func:`few_config`),
         :class:`GemmConfig` for the others (default :func:`gemm_config`).
+    w8a8 : bool
+        With ``path=None``: False keeps the activations 16-bit above :data:`FEW_ROWS` rows too (``"w8a16"``, the
+        model's ``model.fp8_compute=w8a16``); True lets :func:`choose_path` quantize them there.
 
     Returns
     -------
@@ -150,7 +153,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         [M, N] in x's dtype, from ``torch.empty`` (``"w8a8"`` also allocates its fp8 copy of x and its scales).
     """
     m, kd, n, bn, bk = _check(x, w, scale, block)
-    chosen = _resolve_path(path, m, (bn, bk), x)
+    chosen = _resolve_path(path, m, (bn, bk), x, w8a8)
     if chosen == "flashinfer" and m and n and kd:
         return _library_gemm()(x.contiguous(), w, None, scale, out_dtype=x.dtype)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -279,16 +282,18 @@ def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False) -> tuple[
 
 
 def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype = torch.float16,
-                block: tuple[int, int] | None = None, library: bool = True) -> str:
+                block: tuple[int, int] | None = None, library: bool = True, w8a8: bool = True) -> str:
     """The path :func:`fp8_linear` takes with ``path=None``: ``"few"`` for M <= :data:`FEW_ROWS` (bf16
     activations: the decode step keeps the dequantized model's precision; FlashInfer's W8A8 is 1.3-2.7x faster
     there on an H200, but its e4m3 activations took a 4-layer decode's hidden-state error from 3.6e-2 to 5.1e-2,
     past the parity tolerance); above it ``"flashinfer"`` where the library serves (bf16 activations, 128 x 128
     blocks, an SM90 GPU, FlashInfer importable: faster than ours at every TP8 shape measured), else ``"w8a8"``
     where fp8 tensor cores exist and bk >= 32, else ``"w8a16"`` (``library`` False: our kernels' path only, for
-    the bench)."""
+    the bench; ``w8a8`` False: ``"w8a16"`` above :data:`FEW_ROWS` whatever the GPU)."""
     if m <= FEW_ROWS:
         return "few"
+    if not w8a8:
+        return "w8a16"
     if library and _library_serves(dtype, tuple(block or (128, bk)), device):
         return "flashinfer"
     return "w8a8" if _fp8_dot_ok(device) and bk >= 32 else "w8a16"
@@ -324,11 +329,11 @@ def _check_pow2(what: str, value, least: int) -> None:
             f"{what} a power of two >= {least}; got {value!r}")
 
 
-def _resolve_path(path: str | None, m: int, block: tuple[int, int], x: torch.Tensor) -> str:
+def _resolve_path(path: str | None, m: int, block: tuple[int, int], x: torch.Tensor, w8a8: bool) -> str:
     require(path in PATHS, f"path one of {PATHS}; got {path!r}")
     bk, device = block[1], x.device
     if path is None:
-        return choose_path(m, bk, device, x.dtype, block)
+        return choose_path(m, bk, device, x.dtype, block, w8a8=w8a8)
     if path == "flashinfer":
         require(_library_serves(x.dtype, block, device),
                 f"bf16 activations, {LIBRARY_BLOCK} blocks, a GPU of compute capability {LIBRARY_CC} and FlashInfer "

@@ -103,12 +103,14 @@ def _few_fma_kernel(X, W, S, Y, P, NW, M, N, K, K_SPLIT, stride_xm, stride_wn, s
     and the weights need no tensor-core operand layout. Each step loads a ``[BLOCK_N, BLOCK_K]`` fp8 tile
     (16-byte vector loads), widens it to float32 and multiplies it by the rows of X (float32, times each input's
     block scale: ``ONE_SCALE_ROW``, the program's rows in one scale row; else the weight tile is scaled per
-    element). One row: the products add into a ``[BLOCK_N, BLOCK_K]`` accumulator in the load's own layout (no
-    shuffle, no layout change in the loop), summed over K once at the end; more rows: each step's row sums add
-    into ``acc[M_PAD, BLOCK_N]``. No rounding before the output. A row's result depends on M only through M_PAD.
+    element). Each row's products add into a ``[BLOCK_N, BLOCK_K]`` accumulator of its own in the load's layout
+    (no shuffle, no layout change in the loop), summed over K once at the end: the second row costs one more FMA
+    per weight element, not a reduction per step. No rounding before the output; row 0's operations are the same
+    at one and two rows.
     Split-K and ``PARTIAL`` as :func:`_few_w8a16_kernel`. ``NORM``: X is first RMS-normed per row with weight NW
     [K], rounded as the fused norm kernel rounds (``skinny_kernels._linear_dot_kernel``'s NORM), so the product is
     ``linear(rms_norm(X), W)`` without the norm's own launch."""
+    tl.static_assert(M_PAD <= 2, "the CUDA-core kernel takes one or two rows")
     pdl_enter(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, M_PAD)
@@ -126,10 +128,15 @@ def _few_fma_kernel(X, W, S, Y, P, NW, M, N, K, K_SPLIT, stride_xm, stride_wn, s
             xf = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
         rstd = 1.0 / tl.sqrt(ss / K + eps)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    else:
+        rstd = tl.full([M_PAD], 1.0, tl.float32)
+    rstd0 = tl.sum(tl.where(rm == 0, rstd, 0.0))
+    rstd1 = tl.sum(tl.where(rm == 1, rstd, 0.0))
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # row 0's products, in the weight load's layout
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # row 1's (M_PAD 2)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    k_row1 = K * tl.minimum(M - 1, 1)  # row 1's inputs: K where it exists, none at M = 1
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
@@ -137,30 +144,35 @@ def _few_fma_kernel(X, W, S, Y, P, NW, M, N, K, K_SPLIT, stride_xm, stride_wn, s
         if not ONE_SCALE_ROW:
             w = w * tl.load(s_rows + (rk // BK_S)[None, :] * stride_sk, mask=nmask[:, None] & kmask[None, :],
                             other=0.0)
-        if M_PAD == 1:
-            x = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)  # M >= 1: the launcher returns at 0
-            if NORM:
-                g = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
-                x = ((x * tl.sum(rstd)).to(DT).to(tl.float32) * g).to(DT).to(tl.float32)
-            if ONE_SCALE_ROW:
-                x = x * tl.load(s_tile + (rk // BK_S) * stride_sk, mask=kmask, other=0.0)
-            acc1 += w * x[None, :]
-        else:
-            x = tl.load(x_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-            if NORM:
-                g = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
-                x = ((x * rstd[:, None]).to(DT).to(tl.float32) * g[None, :]).to(DT).to(tl.float32)
-            if ONE_SCALE_ROW:
-                x = x * tl.load(s_tile + (rk // BK_S) * stride_sk, mask=kmask, other=0.0)[None, :]
-            acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
-    if M_PAD == 1:
-        acc = tl.sum(acc1, axis=1)[None, :]
+        sv = tl.full([BLOCK_K], 1.0, tl.float32)
+        if ONE_SCALE_ROW:
+            sv = tl.load(s_tile + (rk // BK_S) * stride_sk, mask=kmask, other=0.0)
+        acc0 += w * _fma_row(X, NW, rk, kmask, rstd0, sv, NORM, ONE_SCALE_ROW, DT)[None, :]  # M >= 1 here
+        if M_PAD == 2:
+            acc1 += w * _fma_row(X + stride_xm, NW, rk, rk < k_row1, rstd1, sv, NORM, ONE_SCALE_ROW, DT)[None, :]
+    acc = tl.sum(acc0, axis=1)[None, :]
+    if M_PAD == 2:
+        acc = tl.where(rm[:, None] == 0, acc, tl.sum(acc1, axis=1)[None, :])
     if not PARTIAL:
         tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
                  mask=mmask[:, None] & nmask[None, :])
     else:
         part = P + tl.program_id(1).to(tl.int64) * 16 * N
         tl.store(part + rm[:, None] * N + rn[None, :], acc, mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _fma_row(x_ptr, NW, rk, kmask, rstd, sv, NORM: tl.constexpr, ONE_SCALE_ROW: tl.constexpr, DT: tl.constexpr):
+    """One activation row of :func:`_few_fma_kernel` over the inputs ``rk``, in float32: loaded, RMS-normed
+    (``NORM``: times ``rstd`` and the norm weight NW, rounded as the fused norm kernel rounds) and times its inputs'
+    block scales ``sv`` (``ONE_SCALE_ROW``)."""
+    x = tl.load(x_ptr + rk, mask=kmask, other=0.0).to(tl.float32)
+    if NORM:
+        g = tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)
+        x = ((x * rstd).to(DT).to(tl.float32) * g).to(DT).to(tl.float32)
+    if ONE_SCALE_ROW:
+        x = x * sv
+    return x
 
 
 @triton.jit

@@ -6,7 +6,7 @@ copy of the weights.
   experts in two kernels, with :func:`backends.kernels.gemm.skinny.moe_experts`'s semantics and rounding.
 * :func:`fp8_grouped_expert_mlp`: prefill, ``runtime.model.deepseek.moe.grouped_expert_mlp``'s contract (rows
   grouped by expert, inclusive int32 offsets, an ``act`` callable), as W8A8 grouped GEMMs with per-token, 128-column
-  activation scales (:func:`quantize_rows_fp8`).
+  activation scales (:func:`quantize_rows_fp8`), or W8A16 ones on the 16-bit rows (``model.fp8_compute=w8a16``).
 
 Layout (DeepSeek-V3's checkpoints, experts stacked): gate_up [E, 2 I, D] e4m3 (gate rows, then up rows) with
 scales [E, 2 I / 128, cdiv(D, 128)]; down [E, D, I] e4m3 with scales [E, cdiv(D, 128), I / 128]; the shared
@@ -253,17 +253,17 @@ def grouped_block_m(rows: int, n_experts: int) -> int:
     return 16 if mean <= 16 else 32 if mean <= 32 else 64
 
 
-def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
                      offsets: torch.Tensor, out_dtype: torch.dtype, config: GroupedConfig | None = None
                      ) -> torch.Tensor:
-    """Per expert e, out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e]).T, W8A8, float32
-    accumulation, rounded to ``out_dtype``.
+    """Per expert e, out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e]).T, float32 accumulation,
+    rounded to ``out_dtype``: W8A8 (fp8 ``a`` with its scales), or W8A16 (16-bit ``a``, ``a_scale`` None).
 
     Parameters
     ----------
     a, a_scale : torch.Tensor
-        [rows, K] float8_e4m3fn grouped by expert (contiguous rows), [rows, cdiv(K, 128)] float32
-        (:func:`quantize_rows_fp8`).
+        W8A8: [rows, K] float8_e4m3fn grouped by expert (contiguous rows), [rows, cdiv(K, 128)] float32
+        (:func:`quantize_rows_fp8`). W8A16: [rows, K] bfloat16 / float16 grouped by expert, and None.
     w, w_scale : torch.Tensor
         [E, N, K] float8_e4m3fn contiguous, [E, cdiv(N, 128), cdiv(K, 128)] float32.
     offsets : torch.Tensor
@@ -280,10 +280,12 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
     require(w.dim() == 3, f"w [E, N, K] float8_e4m3fn; got {_shape(w)}")
     n_experts, n, kd = w.shape
     rows = a.shape[0] if a.dim() == 2 else -1
-    require(a.dim() == 2 and a.shape[1] == kd and a.dtype == FP8 and a.stride(-1) == 1,
-            f"a [rows, K = {kd}] float8_e4m3fn, last dim contiguous; got {_shape(a)}")
-    require(tuple(a_scale.shape) == (rows, triton.cdiv(kd, BLOCK)) and a_scale.dtype == torch.float32
-            and a_scale.stride(-1) == 1, f"a_scale [{rows}, {triton.cdiv(kd, BLOCK)}] float32; got "
+    a_fp8 = a_scale is not None
+    kinds = "float8_e4m3fn (W8A8)" if a_fp8 else "bfloat16 / float16 (W8A16: a_scale None)"
+    require(a.dim() == 2 and a.shape[1] == kd and a.dtype in ((FP8,) if a_fp8 else DOT_DTYPES)
+            and a.stride(-1) == 1, f"a [rows, K = {kd}] {kinds}, last dim contiguous; got {_shape(a)}")
+    require(not a_fp8 or (tuple(a_scale.shape) == (rows, triton.cdiv(kd, BLOCK)) and a_scale.dtype == torch.float32
+                          and a_scale.stride(-1) == 1), f"a_scale [{rows}, {triton.cdiv(kd, BLOCK)}] float32; got "
             f"{_shape(a_scale)}. Fix: quantize_rows_fp8(x)")
     _check_fp8("w", w, w_scale, (n_experts,), n, kd)
     require(tuple(offsets.shape) == (n_experts,) and offsets.dtype == torch.int32 and offsets.is_contiguous(),
@@ -301,10 +303,11 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
     max_tiles = min(triton.cdiv(rows, bm) + n_experts, rows)
     slots = triton.cdiv(max_tiles, c.group_m) * c.group_m
     grid = (slots * triton.cdiv(n, c.block_n),)
+    scales = a_scale if a_fp8 else w_scale  # W8A16: a pointer the kernel never reads
     k._fp8_grouped_gemm_kernel[grid](
-        a, a_scale, w, w_scale, out, offsets, n_experts, n, kd, a.stride(0), a_scale.stride(0), w.stride(0),
+        a, scales, w, w_scale, out, offsets, n_experts, n, kd, a.stride(0), scales.stride(0), w.stride(0),
         w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
-        E_P2=triton.next_power_of_2(n_experts), BLOCK_M=bm, BLOCK_N=c.block_n, GROUP_M=c.group_m,
+        E_P2=triton.next_power_of_2(n_experts), BLOCK_M=bm, BLOCK_N=c.block_n, GROUP_M=c.group_m, A_FP8=a_fp8,
         num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
@@ -312,14 +315,15 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
 def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
                            down: torch.Tensor, down_scale: torch.Tensor, offsets: torch.Tensor,
                            act: Callable[[torch.Tensor], torch.Tensor],
-                           config: GroupedConfig | None = None) -> torch.Tensor:
+                           config: GroupedConfig | None = None, w8a8: bool = True) -> torch.Tensor:
     """Every expert's gated MLP over its rows of ``xs`` from fp8 block-scaled weights: the contract of
     ``runtime.model.deepseek.moe.grouped_expert_mlp`` (prefill / many tokens).
 
-    xs is quantized per token and 128 columns (:func:`quantize_rows_fp8`), multiplied by gate_up in one W8A8
-    grouped GEMM (output rounded to xs's dtype), ``act`` maps [n, 2 I] to [n, I] (SiLU(gate) * up), whose output
-    is quantized the same way and multiplied by down. Four kernels plus ``act``'s, no host sync (CUDA-graph
-    capturable: the expert of each row tile is found on the device).
+    ``w8a8``: xs is quantized per token and 128 columns (:func:`quantize_rows_fp8`), multiplied by gate_up in one
+    W8A8 grouped GEMM (output rounded to xs's dtype), ``act`` maps [n, 2 I] to [n, I] (SiLU(gate) * up), whose
+    output is quantized the same way and multiplied by down: four kernels plus ``act``'s. False (W8A16): the
+    same two GEMMs on the 16-bit rows, the weights widened in registers (the dequantized model's precision), no
+    quantize kernels. No host sync (CUDA-graph capturable: the expert of each row tile is found on the device).
 
     Parameters
     ----------
@@ -335,6 +339,8 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
         [n, 2 I] -> [n, I] in xs's dtype.
     config : GroupedConfig, optional
         Both GEMMs' tiles.
+    w8a8 : bool
+        True: activations quantized to e4m3 per token and 128 inputs (DeepSeek's inference code); False: W8A16.
 
     Returns
     -------
@@ -348,10 +354,10 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
     _check_inter("routed experts'", two_i // 2)
     _check_fp8("down", down, down_scale, (n_experts,), d, two_i // 2)
     last = offsets[-1:] if offsets.numel() else None  # rows past it (other ranks' pairs) are skipped
-    q, s = quantize_rows_fp8(xs, limit=last)
+    q, s = quantize_rows_fp8(xs, limit=last) if w8a8 else (xs, None)
     h = fp8_grouped_gemm(q, s, gate_up, gate_up_scale, offsets, xs.dtype, config)
     a = act(h)
     require(a.shape == (xs.shape[0], two_i // 2), f"act(h [rows, 2 I]) -> [rows, I = {two_i // 2}]; got "
             f"{tuple(a.shape)}")
-    q, s = quantize_rows_fp8(a.contiguous(), limit=last)
+    q, s = quantize_rows_fp8(a.contiguous(), limit=last) if w8a8 else (a.contiguous(), None)
     return fp8_grouped_gemm(q, s, down, down_scale, offsets, xs.dtype, config)

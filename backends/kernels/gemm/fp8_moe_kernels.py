@@ -278,12 +278,14 @@ def expert_tile(OFFS, n_experts, n_out, E_P2: tl.constexpr, BLOCK_M: tl.constexp
 @triton.jit
 def _fp8_grouped_gemm_kernel(A, AS, B, BS, C, OFFS, n_experts, N, K, stride_a, stride_as, stride_be, stride_bn,
                              stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+                             BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, A_FP8: tl.constexpr):
     """C[rows of e] = (A[rows of e] * AS) @ (B[e] * BS[e]).T, rounded to C's dtype, for every expert e.
 
-    A [rows, K] e4m3 grouped by expert, AS [rows, cdiv(K, 128)] float32 (one scale per row and 128 columns);
-    B [E, N, K] e4m3, BS [E, cdiv(N, 128), cdiv(K, 128)] float32; OFFS [E] int32, the inclusive cumulative row
-    counts. Rows past OFFS[E - 1] are not written.
+    ``A_FP8`` (W8A8): A [rows, K] e4m3 grouped by expert, AS [rows, cdiv(K, 128)] float32 (one scale per row and
+    128 columns), fp8 tensor cores. Otherwise (W8A16): A bf16 / fp16, AS unused, each B tile widened to A's dtype
+    in registers (exact: e4m3 fits in either), the products scaled per column. B [E, N, K] e4m3,
+    BS [E, cdiv(N, 128), cdiv(K, 128)] float32; OFFS [E] int32, the inclusive cumulative row counts. Rows past
+    OFFS[E - 1] are not written.
 
     Each program finds its tile with :func:`expert_tile` (no host sync); slots past the last tile return.
     The k loop is 128 wide: one activation scale per row and one weight scale per column per step."""
@@ -306,8 +308,11 @@ def _fp8_grouped_gemm_kernel(A, AS, B, BS, C, OFFS, n_experts, N, K, stride_a, s
         kmask = rk < K
         a = tl.load(a_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         b = tl.load(b_cols + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-        sa = tl.load(a_scales + kb, mask=mmask, other=0.0)
         sb = tl.load(b_scales + kb, mask=nmask, other=0.0)
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        if A_FP8:
+            sa = tl.load(a_scales + kb, mask=mmask, other=0.0)
+            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        else:
+            acc += tl.dot(a, b.to(a.dtype)) * sb[None, :]
     tl.store(C + rm64[:, None] * stride_c + rn[None, :], acc.to(C.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])

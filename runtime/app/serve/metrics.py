@@ -32,6 +32,12 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "time between tokens of a request",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.steps = Counter(f"{PREFIX}_engine_steps", "forwards the engine launched, by phase", ["phase"],
+                             registry=r)
+        self.step_requests = Counter(f"{PREFIX}_engine_step_requests", "requests in those forwards (batch sizes "
+                                     "summed), by phase", ["phase"], registry=r)
+        self.step_tokens = Counter(f"{PREFIX}_engine_step_tokens", "tokens those forwards processed, by phase",
+                                   ["phase"], registry=r)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
         if live is not None:
@@ -53,6 +59,11 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(seconds)
+
+    def step(self, phase: str, requests: int, tokens: int) -> None:
+        self.steps.labels(phase).inc()
+        self.step_requests.labels(phase).inc(requests)
+        self.step_tokens.labels(phase).inc(tokens)
 
     # --- handlers
     def aborted(self, completion_tokens: int) -> None:

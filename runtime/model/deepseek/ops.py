@@ -85,6 +85,7 @@ class TorchOps:
     name: ClassVar[str] = "torch"
     capabilities: ClassVar[OpsCapabilities] = OpsCapabilities(
         ("cpu", "cuda"), None, (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+    fp8_compute: ClassVar[str] = "w8a16"  # stored fp8: dequantized per weight, then the product in the model dtype
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +145,7 @@ class FusedOps:
     capabilities: ClassVar[OpsCapabilities] = OpsCapabilities(
         ("cuda",), (8, 0), (torch.float32, torch.bfloat16, torch.float16))
 
-    def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True):
+    def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True, fp8_compute: str = "w8a8"):
         # imports triton: only where the fused ops are built
         from backends.kernels.decoder import decoder_ops
         from backends.kernels.gemm import fp8_gemm, fp8_moe, skinny
@@ -152,7 +153,13 @@ class FusedOps:
         if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"model.gemv_rows: got {gemv_rows}; expected 0 .. {GEMV_MAX_ROWS}. Fix: "
                              f"model.gemv_rows={GEMV_MAX_ROWS}")
+        if fp8_compute not in ("w8a8", "w8a16"):
+            raise ValueError(f"model.fp8_compute: got {fp8_compute!r}; expected w8a8 or w8a16. Fix: "
+                             "model.fp8_compute=w8a8")
         self.k, self.s, self.gemv_rows, self.pdl = decoder_ops, skinny, gemv_rows, bool(pdl)
+        # stored fp8 above the few-row path: e4m3 activations (w8a8), or 16-bit ones at every size (w8a16)
+        self.fp8_compute = str(fp8_compute)
+        self.w8a8 = fp8_compute == "w8a8"
         self.f8, self.f8moe = fp8_gemm, fp8_moe
         self.torch = TorchOps()
 
@@ -164,7 +171,7 @@ class FusedOps:
     def linear(self, x, w):
         if isinstance(w, BlockFP8):  # stored fp8: the block-fp8 kernels (few rows, or W8A8) on 16-bit activations
             if x.dtype in self.f8.ACT_DTYPES:
-                return self.f8.fp8_linear(x, w.weight, w.scale, w.block, pdl=self.pdl)
+                return self.f8.fp8_linear(x, w.weight, w.scale, w.block, pdl=self.pdl, w8a8=self.w8a8)
             return self.torch.linear(x, w)  # float32 (the reference run): dequantized, then the matmul
         return self.s.linear(x, w, pdl=self.pdl) if self._few_rows(x, w) else F.linear(x, w)
 
@@ -238,7 +245,7 @@ class FusedOps:
         offsets = offsets[:n_local]
         if stored:
             y = self.f8moe.fp8_grouped_expert_mlp(x[tokens], w.gate_up.weight, w.gate_up.scale, w.down.weight,
-                                                  w.down.scale, offsets, self.silu_mul)
+                                                  w.down.scale, offsets, self.silu_mul, w8a8=self.w8a8)
         else:
             y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)
         if mine is not None:  # rows past the last offset (other ranks' experts) are not computed: zero them
