@@ -227,6 +227,15 @@ def gaps_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> list[fl
     return gaps
 
 
+def decode_window(prof, dec) -> tuple[list[tuple[float, float, str, str]], float, float]:
+    """(the profile's GPU events, start us, end us) of the window the decode steps ``dec`` (their CUDA-event marks)
+    span, placed at the end of the trace: the profiled run ends with them."""
+    span_us = dec[0].marks[0].elapsed_time(dec[-1].marks[1]) * 1e3
+    ev = gpu_events(prof)
+    end = max(e for _, e, _, _ in ev)
+    return ev, end - span_us, end
+
+
 def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str, fused: str = "auto",
             kernels: bool = False, gemv_rows: int = 16, pdl: str = "on", extra: tuple[str, ...] = ()) -> dict:
     rt = build(compose_config(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows, pdl, extra)))
@@ -235,11 +244,9 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
         res = rt.engine.run(record_hidden=False)
     torch.cuda.synchronize()
     dec = [s for s in res.steps if s.phase == "decode" and s.batch_size == bs]
-    span_us = dec[0].marks[0].elapsed_time(dec[-1].marks[1]) * 1e3
-    ev = gpu_events(prof)
+    ev, lo, end = decode_window(prof, dec)
+    span_us = end - lo
     iv = [(s, e, c) for s, e, c, _ in ev]
-    end = max(e for _, e, _ in iv)
-    lo = end - span_us
     busy = union_us(iv, lo, end)
     n_kernels = sum(1 for s, _, c in iv if c == "kernel" and s >= lo)
     n = len(dec)

@@ -139,9 +139,11 @@ def server_sums(url: str, api_key: str | None) -> dict[str, float]:
     without the HTTP parsing, the event loop and the client's own SSE reading that the client's figures hold."""
     import httpx
 
+    from runtime.app.serve.metrics import PREFIX
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     text = httpx.get(f"{url}/metrics", headers=headers, timeout=10.0).text
-    names = {"ttft": "mla_time_to_first_token_seconds", "itl": "mla_inter_token_latency_seconds"}
+    names = {"ttft": f"{PREFIX}_time_to_first_token_seconds", "itl": f"{PREFIX}_inter_token_latency_seconds"}
     out = {}
     for key, name in names.items():
         for part in ("sum", "count"):
@@ -149,7 +151,7 @@ def server_sums(url: str, api_key: str | None) -> dict[str, float]:
             out[f"{key}_{part}"] = float(m.group(1)) if m else math.nan
     for counter in ("steps", "step_requests"):  # forwards by phase, and their batch sizes summed
         for phase in ("prefill", "decode"):
-            m = re.search(rf'^mla_engine_{counter}_total{{phase="{phase}"}} (\S+)$', text, re.M)
+            m = re.search(rf'^{PREFIX}_engine_{counter}_total{{phase="{phase}"}} (\S+)$', text, re.M)
             out[f"{phase}_{counter}"] = float(m.group(1)) if m else 0.0
     return out
 

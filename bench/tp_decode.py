@@ -88,16 +88,14 @@ def profile_decode(rt, specs, layers: int) -> dict:
     for the peer included) and the rest's, and the costliest kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.decode_roofline import gpu_events, kernel_breakdown, union_us
+    from bench.decode_roofline import decode_window, kernel_breakdown, union_us
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, res = serve(rt, specs)
     torch.cuda.synchronize()
     dec = [s for s in res.steps if s.phase == "decode"]
-    span = dec[0].marks[0].elapsed_time(dec[-1].marks[1]) * 1e3  # us
-    ev = gpu_events(prof)
-    end = max(e for _, e, _, _ in ev)
-    lo, n = end - span, len(dec)
+    ev, lo, end = decode_window(prof, dec)
+    n = len(dec)
     busy = union_us([(s, e, c) for s, e, c, _ in ev], lo, end)
     coll = union_us([(s, e, c) for s, e, c, name in ev
                      if c == "kernel" and any(k in name.lower() for k in COLLECTIVE_KERNELS)], lo, end)

@@ -248,3 +248,21 @@ def test_decode_roofline_set_adds_overrides_to_every_run():
     assert ov[-2:] == args.set
     cfg = compose_config(ov)
     assert cfg.backend.kernel == "fa2" and cfg.model.pdl is False
+
+
+def test_decode_window_ends_at_the_trace_and_spans_the_steps():
+    """bench.decode_roofline.decode_window (decode_roofline and tp_decode --profile): the GPU events of the
+    trace, and the window the decode steps' CUDA-event marks span, placed at the trace's last activity."""
+    import json as _json
+    from types import SimpleNamespace
+
+    from bench.decode_roofline import decode_window
+
+    events = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 0.0, "dur": 5.0},
+              {"ph": "X", "cat": "kernel", "name": "b", "ts": 90.0, "dur": 10.0},
+              {"ph": "X", "cat": "cpu_op", "name": "host", "ts": 200.0, "dur": 1.0}]
+    prof = SimpleNamespace(export_chrome_trace=lambda path: open(path, "w").write(_json.dumps({"traceEvents": events})))
+    start = SimpleNamespace(elapsed_time=lambda other: 0.04)  # ms: 40 us from the first mark to the last
+    dec = [SimpleNamespace(marks=(start, None)), SimpleNamespace(marks=(None, "end"))]
+    ev, lo, end = decode_window(prof, dec)
+    assert [e[3] for e in ev] == ["a", "b"] and (lo, end) == (60.0, 100.0)

@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from runtime.core.config import Fp8Compute
 from runtime.core.device import DeviceInfo
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import ModelSpec
@@ -153,8 +154,9 @@ class FusedOps:
         if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
             raise ValueError(f"model.gemv_rows: got {gemv_rows}; expected 0 .. {GEMV_MAX_ROWS}. Fix: "
                              f"model.gemv_rows={GEMV_MAX_ROWS}")
-        if fp8_compute not in ("w8a8", "w8a16"):
-            raise ValueError(f"model.fp8_compute: got {fp8_compute!r}; expected w8a8 or w8a16. Fix: "
+        known = [c.value for c in Fp8Compute]
+        if fp8_compute not in known:
+            raise ValueError(f"model.fp8_compute: got {fp8_compute!r}; expected one of {known}. Fix: "
                              "model.fp8_compute=w8a8")
         self.k, self.s, self.gemv_rows, self.pdl = decoder_ops, skinny, gemv_rows, bool(pdl)
         # stored fp8 above the few-row path: e4m3 activations (w8a8), or 16-bit ones at every size (w8a16)
