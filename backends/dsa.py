@@ -79,12 +79,15 @@ def sparse_decode_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: di
 
 def indexer_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, graph_cfg: dict,
                            device: torch.device) -> WorkspaceSpec:
-    """Score buffer [tokens, max_context] float32 and top-k values/indices of the Triton indexer."""
+    """Score buffer [tokens, max_context] float32 and top-k values/indices of the Triton indexer: the largest
+    decode batch's, and at least ``backend.indexer_prefill_mib`` MiB, since prefill scores its tokens in tiles
+    that fit the scratch (one sized for a decode batch of 4 cut a 32k-token prompt into 8192 kernel calls)."""
     nbytes = 0
     if resolve_impl(backend_cfg["impl"], device) == "triton":
         from backends.kernels.sparse.indexer import indexer_scratch_bytes
 
-        nbytes = indexer_scratch_bytes(max_decode_tokens(kv_cfg, graph_cfg), model.max_context, model.index_topk)
+        nbytes = max(indexer_scratch_bytes(max_decode_tokens(kv_cfg, graph_cfg), model.max_context, model.index_topk),
+                     int(backend_cfg["indexer_prefill_mib"]) << 20)
     return WorkspaceSpec(INDEXER_WORKSPACE, nbytes=nbytes)
 
 
@@ -133,6 +136,9 @@ class DSABackend:
             out.append(Problem("backend.impl", repr(impl), f"one of {list(IMPLS)}", "set backend.impl=auto"))
         if backend_cfg["max_splits"] < 1:
             out.append(Problem("backend.max_splits", str(backend_cfg["max_splits"]), ">= 1", "set backend.max_splits=16"))
+        if backend_cfg["indexer_prefill_mib"] < 0:
+            out.append(Problem("backend.indexer_prefill_mib", str(backend_cfg["indexer_prefill_mib"]), ">= 0 MiB",
+                               "set backend.indexer_prefill_mib=256"))
         if not model_cfg.get("index_n_heads") or "sparse" not in [str(k) for k in model_cfg["layer_pattern"]]:
             out.append(Problem(f"backend 'dsa' with model '{model_cfg['name']}'",
                                f"index_n_heads={model_cfg.get('index_n_heads')}, layer_pattern="

@@ -23,6 +23,8 @@ together under CUDA-graph replay):
   roofline / period (what a served step gets: the bubbles between kernels count, and so does the time a kernel
   launched early with PDL spends waiting for its predecessor, which the union counts as busy);
 * kernels per layer: kernels in the window per step, divided by the layer count;
+* tok_s: batch / period (tokens a served decode step gives per second); peak_gib: the most device memory the
+  run's allocator held (weights, KV pool, workspaces, graphs' pools: what the deployment needs);
 * ``--fused off auto``: ``model.fused`` values to measure (the unfused torch decoder and the fused kernels in
   one run);
 * ``--gemv-rows 16 0``: ``model.gemv_rows`` values to measure (the few-row Triton products and cuBLAS / the
@@ -238,6 +240,7 @@ def decode_window(prof, dec) -> tuple[list[tuple[float, float, str, str]], float
 
 def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overlap: str, fused: str = "auto",
             kernels: bool = False, gemv_rows: int = 16, pdl: str = "on", extra: tuple[str, ...] = ()) -> dict:
+    torch.cuda.reset_peak_memory_stats()
     rt = build(compose_config(overrides(preset, bs, layers, prompt, out_len, overlap, fused, gemv_rows, pdl, extra)))
     rt.engine.run(record_hidden=False)  # warm-up: capture, JIT, allocator caches
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -264,7 +267,9 @@ def run_one(preset: str, bs: int, layers: int, prompt: int, out_len: int, overla
            "idle_us": max(0.0, period - kernel_us), "period_us": period, "bubble_us": bubble_us,
            "host_idle_us": max(0.0, period - kernel_us - bubble_us),
            "idle_profiled_us": (span_us - busy) / n, **{f"{k}_bytes": v for k, v in b.items()},
-           "bytes": total, "kernels_per_layer": n_kernels / n / layers, "graphed": sum(s.graphed for s in dec)}
+           "bytes": total, "kernels_per_layer": n_kernels / n / layers,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "tok_s": bs * 1e6 / period,
+           "graphed": sum(s.graphed for s in dec)}
     if kernels:
         out["breakdown"] = kernel_breakdown(ev, lo, end, n, layers)
     del rt, res, prof
@@ -315,10 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         r["idle_goal"] = "ok" if r["host_idle_us"] <= 30 else "MISS"
     cols = ["weights", "fused", "gemv_rows", "pdl", "overlap", "bs", "kernel_us", "period_us", "idle_us", "bubble_us",
             "host_idle_us", "idle_profiled_us", "mb_per_step", "roofline_us", "ratio", "step_ratio",
-            "kernels_per_layer", "idle_goal"]
+            "kernels_per_layer", "tok_s", "peak_gib", "idle_goal"]
     fmt = {"kernel_us": ".1f", "period_us": ".1f", "idle_us": ".1f", "bubble_us": ".1f", "host_idle_us": ".1f",
            "idle_profiled_us": ".1f", "mb_per_step": ".1f", "roofline_us": ".1f", "ratio": ".2f", "step_ratio": ".2f",
-           "kernels_per_layer": ".1f"}
+           "kernels_per_layer": ".1f", "tok_s": ".1f", "peak_gib": ".1f"}
     title = (f"decode roofline: {args.preset}{''.join(' ' + o for o in args.set)}, {layers} layers, prompt "
              f"{args.prompt}, {args.out_len} steps, CUDA graphs; roofline = bytes / copy bandwidth")
     tables = [Table(b, f"kernels of the decode window: weights={r['weights']} fused={r['fused']} "

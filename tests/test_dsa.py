@@ -225,3 +225,25 @@ def test_cli_refuses_a_buffer_smaller_than_top_k(tmp_path):
     p = cli(tmp_path, "+deploy=cpu_dsa_hisparse", "hisparse.device_buffer_size=4")
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "device_buffer_size" in p.stderr and "Fix: set hisparse.device_buffer_size=16" in p.stderr
+
+
+def test_the_triton_indexer_scratch_holds_a_prefill_tile():
+    """The indexer's scratch is the decode batch's or ``backend.indexer_prefill_mib``, whichever is larger: sized
+    for a decode batch alone, a long prompt was scored a few tokens per kernel call (32k tokens: 8192 calls)."""
+    from backends.dsa import indexer_workspace_spec
+    from backends.kernels.sparse.indexer import indexer_scratch_bytes
+    from backends.kernels.sparse.indexer_extend import extend_tile_tokens
+
+    spec = dsa_spec(8, max_context=131072)
+    kv, graph = {"max_requests": 4}, {"enabled": True, "batch_sizes": [1, 2]}
+    cpu = torch.device("cpu")
+    nbytes = indexer_workspace_spec(spec, {"impl": "triton", "indexer_prefill_mib": 256}, kv, graph, cpu).nbytes
+    assert nbytes == 256 << 20 > indexer_scratch_bytes(4, 131072, 8)
+    assert extend_tile_tokens(nbytes, 131072, 8) >= 256
+    small = indexer_workspace_spec(spec, {"impl": "triton", "indexer_prefill_mib": 0}, kv, graph, cpu).nbytes
+    assert small == indexer_scratch_bytes(4, 131072, 8)
+    assert indexer_workspace_spec(spec, {"impl": "torch", "indexer_prefill_mib": 256}, kv, graph, cpu).nbytes == 0
+    problems = DSABackend.config_problems({"impl": "auto", "max_splits": 16, "indexer_prefill_mib": -1},
+                                          {"name": "x", "index_n_heads": 4, "layer_pattern": ["sparse"]},
+                                          DeviceInfo("cpu", "cpu", 0, False, None, "cpu"))
+    assert [p.what for p in problems] == ["backend.indexer_prefill_mib"]

@@ -232,6 +232,23 @@ def test_a_closed_server_frees_its_engine():
     assert engine() is None
 
 
+def test_hisparse_serves_the_offline_tokens(tmp_path):
+    """A sparse model with HiSparse behind the server (its page view is the device / host pools' pair: the server
+    read a page size it did not have): greedy tokens equal the offline prompts workload's."""
+    prompts = [list(range(3, 40)), [5, 9, 2, 7]]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": p, "max_new_tokens": 5}) + "\n" for p in prompts))
+    base = ("+deploy=cpu_dsa_hisparse", "check=off", "progress=false", "workload.eos_token_ids=[]")
+    rt = containers.build(compose_config(*base, "workload=prompts", f"workload.path={path}"))
+    want = [rt.engine.run(record_hidden=False).outputs[i] for i in range(len(prompts))]
+    del rt
+    srv = make_server(compose_config(*base, "serve.port=0"))
+    with Background(srv) as bg:
+        got = [httpx.post(bg.url + "/v1/completions", json={"prompt": p, "max_tokens": 5, "temperature": 0},
+                          timeout=60).json() for p in prompts]
+    assert [_ids_of(g["choices"][0]) for g in got] == want
+
+
 def _wait(cond, timeout: float = 20.0) -> None:
     ev = threading.Event()
     for _ in range(int(timeout / 0.01)):

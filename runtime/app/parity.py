@@ -78,7 +78,7 @@ def reference_config(plain: dict) -> dict:
                           "workspace_bytes": plain["backend"].get("workspace_bytes", 1)}
         ref["hisparse"]["enabled"] = False  # every CSA entry in the device pool (same token pages)
     elif "sparse" in [str(k) for k in plain["model"]["layer_pattern"]]:
-        ref["backend"] = {"name": "dsa", "impl": "torch", "max_splits": 1}
+        ref["backend"] = {"name": "dsa", "impl": "torch", "max_splits": 1, "indexer_prefill_mib": 0}
         if plain["hisparse"]["enabled"]:  # the reference keeps everything in its device pool: as many pages
             pages = plain["kv"]["num_pages"]  # (auto: its own memory plan sizes it)
             ref["kv"]["num_pages"] = pages if pages == "auto" else host_page_count(

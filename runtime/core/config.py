@@ -202,6 +202,7 @@ class DSAConfig(BackendConfig):
     name: str = "dsa"
     impl: str = "auto"  # auto (triton on CUDA, torch on the CPU) | torch | triton
     max_splits: int = 16  # split-K pieces of the sparse decode the scratch workspace holds per token
+    indexer_prefill_mib: int = 256  # the Triton indexer's scratch at least this big: prefill scores tiles of tokens
 
 
 # ----------------------------------------------------------------------------------------------- model

@@ -69,6 +69,10 @@ class PoolCapacity:
     def capacity(self) -> int:
         return self.device.capacity
 
+    @property
+    def page_size(self) -> int:
+        return self.device.page_size
+
 
 class HiSparseCoordinator:
     """Host KV pool, per-request device buffers, and the token allocator the engine uses when HiSparse is on.
