@@ -37,7 +37,7 @@ from backends.kernels.comm.peer_allreduce import make_collectives
 from backends.kernels.dsv4.emulated_dsv4 import EmulatedDSV4SparseDecode
 from backends.kernels.mla_decode.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
 from backends.linear_attention import LinearAttentionBackend
-from backends.multi_step_draft import MultiStepDraftBackend, SharedKVIndicesPass
+from backends.multi_step_draft import MultiStepDraftBackend, draft_sparse_hook, shared_kv_indices_pass
 from backends.tokenspeed_mla import TokenSpeedMLABackend
 from backends.tokenspeed_mla import load_kernel as load_tokenspeed_kernel
 from backends.torch_mla import TorchMLABackend
@@ -192,15 +192,6 @@ def _instances(factory: providers.Provider, n: int, **per_instance: str) -> list
     return [factory(**{k: v.format(i=i) for k, v in per_instance.items()}) for i in range(n)]
 
 
-def _shared_kv_indices(draft_backends: list, mode: str, req_to_token_pool: ReqToTokenPool,
-                       page_size: int) -> SharedKVIndicesPass | None:
-    """The multi-step draft's shared kv-indices pass, only when a draft step backend's capabilities say it
-    does not build its own kv indices (``shared_kv_indices=always`` forces it, for the benchmark)."""
-    steps = draft_backends[1:]
-    needed = any(not type(b).capabilities.builds_own_kv_indices for b in steps)
-    return SharedKVIndicesPass(req_to_token_pool, page_size) if steps and (needed or mode == "always") else None
-
-
 def _max_batch(max_requests: int, graph_enabled: bool, graph_sizes: list[int]) -> int:
     """The largest batch a backend runs: a request table's worth, or a larger captured (padded) graph size."""
     return max([max_requests, *(graph_sizes if graph_enabled else [])])
@@ -315,11 +306,8 @@ class Container(containers.DeclarativeContainer):
     collectives = _step(build_log, "collectives", providers.Singleton(
         make_collectives, tp_group, workspace_ledger, config.parallel, launch.provided.local_world_size))
     triton_split_kv_workspace = _step(build_log, "workspace:triton_split_kv", providers.Factory(
-        workspace_ledger.provided.acquire.call(
-            providers.Factory(split_kv_workspace_spec, model_spec, config.backend),
-            "triton_mla",
-        )
-    ))
+        workspace_ledger.provided.acquire.call(providers.Factory(split_kv_workspace_spec, model_spec, config.backend),
+                                               "triton_mla")))
     flashinfer_float_workspace = _step(build_log, "workspace:flashinfer_float", providers.Factory(
         workspace_ledger.provided.acquire.call(
             providers.Factory(float_workspace_spec, config.workspace), "flashinfer_mla")))
@@ -434,7 +422,7 @@ class Container(containers.DeclarativeContainer):
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first
     #    draft_layers layers with its own KV pool (sharing the request table, so both use the same slots);
-    #    one instance of the configured backend per draft step, over the draft pool.
+    #    one instance of the configured backend per draft step, over the draft pool (dsa: sparse drafts too).
     spec_mode = providers.Callable(_on_off, config.speculative.enabled)
     draft_spec = providers.Callable(lambda spec, n: spec.draft(n), model_spec, config.speculative.draft_layers)
     draft_kv_pool = _step(build_log, "draft_kv_pool", providers.Factory(
@@ -449,6 +437,15 @@ class Container(containers.DeclarativeContainer):
         kv_dtype=config.kv.dtype,
         scale=config.kv.scale,
     ))
+    # a sparse target's draft (dsa): its own indexer keys for its sparse layers (HiSparse and speculation exclude
+    # each other, so by device slot), read by one dsa backend per draft step (the target's scratch workspaces: the
+    # forwards run one after another on one stream)
+    draft_index_key_pool = providers.Selector(
+        providers.Callable(_has_sparse_layers, draft_spec), no=providers.Object(None),
+        yes=_step(build_log, "draft_index_key_pool", providers.Factory(
+            IndexKeyPool, draft_spec.provided.sparse_layers,
+            providers.Callable(_index_key_slots, config.kv.num_pages, config.kv.page_size, False, 1.0),
+            model_spec.provided.index_head_dim, model_spec.provided.dtype, device)))
     draft_split_kv_workspace = providers.Factory(
         workspace_ledger.provided.acquire.call(
             providers.Factory(split_kv_workspace_spec, model_spec, config.backend), "triton_mla:draft"))
@@ -460,6 +457,9 @@ class Container(containers.DeclarativeContainer):
         triton_mla=providers.Callable(_instances, providers.Factory(
             TritonMLABackend, req_to_token_pool, draft_kv_pool, model_spec, draft_split_kv_workspace,
             config.backend, config.model.pdl).provider, config.speculative.num_steps),
+        dsa=providers.Callable(_instances, providers.Factory(
+            DSABackend, req_to_token_pool, draft_kv_pool, draft_index_key_pool, None, draft_spec, dsa_decode_workspace,
+            dsa_indexer_workspace, config.backend, device).provider, config.speculative.num_steps),
         flashinfer_mla=providers.Callable(_instances, providers.Factory(
             FlashInferMLABackend, req_to_token_pool, draft_kv_pool, model_spec, flashinfer_float_workspace,
             workspace_ledger, config.backend).provider, config.speculative.num_steps, instance="draft{i}"),
@@ -473,12 +473,13 @@ class Container(containers.DeclarativeContainer):
             instance="draft{i}"),
     ))
     draft_kv_indices = providers.Singleton(
-        _shared_kv_indices, draft_backends, config.speculative.shared_kv_indices, req_to_token_pool,
+        shared_kv_indices_pass, draft_backends, config.speculative.shared_kv_indices, req_to_token_pool,
         config.kv.page_size)
     draft_attention = providers.Singleton(MultiStepDraftBackend, draft_backends, draft_kv_indices, req_to_token_pool)
     draft_weights = providers.Callable(_draft_weights, model, config.speculative.draft_layers)
     draft_model = _step(build_log, "draft_model", providers.Factory(
-        MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None, None, draft_weights,
+        MLAModel, draft_spec, device, draft_kv_pool, draft_attention, None, None,
+        providers.Callable(draft_sparse_hook, draft_attention, draft_backends), draft_weights,
         decoder_ops, collectives, shares_weights=True))
     draft_steps = providers.Singleton(DraftSteps, draft_model, draft_attention)
 

@@ -16,6 +16,12 @@ other's keys. Then:
 
 Full (non-sparse) MLA layers of a mixed model prefill and decode densely (:meth:`DSABackend.forward_extend`).
 
+Speculative decoding (without HiSparse): TARGET_VERIFY (``num_steps + 1`` tokens per request after the cached
+prefix) and DRAFT_EXTEND are extends, planned and computed as EXTEND is (each token's own top-k over its causal
+prefix), so the target's verified tokens are those of plain greedy decoding. They run eagerly (no CUDA-graph level
+for them); the draft model's own DSA backends (one per draft step, over the draft KV pool and its own indexer keys)
+decode draft tokens in the draft-decode graph when graphs are on.
+
 ``impl``: ``torch`` runs the references of ``backends/kernels`` (float32 math; the CPU path and the parity
 oracle); ``triton`` runs the Triton indexer, sparse decode and extend kernels (CUDA, or the CPU interpreter
 under ``TRITON_INTERPRET=1``); ``auto`` picks triton on CUDA. Kernels are imported when the backend is built.
@@ -113,7 +119,9 @@ class DSABackend:
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
-        forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}),
+        # verify / draft extend are extends (each token's own causal top-k); they run eagerly (no graph level)
+        forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
+                                 ForwardMode.DRAFT_EXTEND}),
         cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),
         graph_impls=frozenset({"triton"}),  # the torch impl loops on the host
         mha_chunked_prefill=False,
@@ -202,13 +210,16 @@ class DSABackend:
 
     # ------------------------------------------------------------------------------- planning
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """HiSparse bookkeeping, the indexer's column count, each extend token's request row (and the key rows
-        prefill reads, for the report), and the dense path's KV indices (full layers of a mixed model)."""
+        """HiSparse bookkeeping, the indexer's column count, each extend token's request row (EXTEND, and the
+        speculative TARGET_VERIFY / DRAFT_EXTEND, which are extends: k + 1 tokens after the cached prefix), the key
+        rows prefill reads (EXTEND only, for the report), and the dense path's KV indices (full layers of a mixed
+        model)."""
         if self.coordinator is not None:
             self.coordinator.begin_step(batch)
         self.max_len = max(1, batch.max_seq_len)
-        if batch.mode == ForwardMode.EXTEND:
+        if batch.mode != ForwardMode.DECODE:
             self._token_rows = token_rows(batch.req_pool_indices, batch.qo_indptr, batch.num_tokens)
+        if batch.mode == ForwardMode.EXTEND:
             for p, n in zip(batch.prefix_lens_cpu.tolist(), batch.extend_lens_cpu.tolist()):
                 sparse, dense = rows_read(p, n, self.top_k)
                 self.prefill_rows["tokens"] += n
@@ -315,8 +326,9 @@ class DSABackend:
         return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, kv_scale=self.kv_pool.scale)
 
     def forward_sparse_extend(self, q_nope, q_pe, index_q, index_weights, layer_id, batch):
-        """Prefill / chunked prefill of a sparse layer: each token's top-k over its causal prefix (cached prefix +
-        the chunk's tokens up to itself), then attention over those rows only.
+        """Prefill / chunked prefill of a sparse layer (and speculative verify / draft extend): each token's top-k
+        over its causal prefix (cached prefix + the step's tokens up to itself), then attention over those rows
+        only.
 
         q_nope [T, H, kv_lora] (absorbed), q_pe [T, H, rope], index_q [T, Hi, Di], index_weights [T, Hi] float32
         -> [T, H, kv_lora] in q's dtype. The torch impl scores every token at once (float32, bounded tiles); the

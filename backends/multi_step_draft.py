@@ -9,6 +9,12 @@ The shared kv-indices pass (one gather for all steps: their requests and pages a
 lengths grow) runs only when the container injects it, that is, when some step backend's capabilities say
 it does not build its own kv indices (``builds_own_kv_indices``). Backends that build their own would
 otherwise pay for a pass whose result they never read.
+
+Sparse step backends (``dsa``, for a DeepSeek-V3.2 target): the draft model's sparse layers reach the active step
+backend through this object's :class:`~backends.base.SparseDecode` methods; the container passes it as the draft
+model's sparse hook only when the step backends' capabilities say sparse (:func:`draft_sparse_hook`). Each step
+backend then keeps its own plan over the draft KV pool and the draft's own indexer keys: the draft attends sparsely,
+as the target's first layers do.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from backends.base import AttentionBackend
+from backends.base import AttentionBackend, SparseDecode
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.kv_pool import ReqToTokenPool
 
@@ -129,6 +135,22 @@ class MultiStepDraftBackend:
     def forward_extend(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch) -> torch.Tensor:
         return self._active.forward_extend(q_nope, q_pe, layer_id, batch)
 
+    # ---------------------------------------------------------- SparseDecode (sparse step backends only)
+    def store_sparse_tokens(self, kv_rows, index_k, layer_id: int, batch: ForwardBatch) -> None:
+        self._active.store_sparse_tokens(kv_rows, index_k, layer_id, batch)
+
+    def forward_sparse_decode(self, q_nope, q_pe, index_q, index_weights, layer_id: int,
+                              batch: ForwardBatch) -> torch.Tensor:
+        return self._active.forward_sparse_decode(q_nope, q_pe, index_q, index_weights, layer_id, batch)
+
+    def forward_sparse_extend(self, q_nope, q_pe, index_q, index_weights, layer_id: int,
+                              batch: ForwardBatch) -> torch.Tensor:
+        return self._active.forward_sparse_extend(q_nope, q_pe, index_q, index_weights, layer_id, batch)
+
+    def prefill_stats(self) -> dict:
+        """The draft's prefill key rows (backend 0 runs every draft extend)."""
+        return self.extend_backend.prefill_stats()
+
     # --------------------------------------------------------------------------------- GraphHooks
     def init_graph_state(self, batch: ForwardBatch) -> None:
         if batch.mode != ForwardMode.DECODE:
@@ -176,3 +198,19 @@ class MultiStepDraftBackend:
         self.step_batches = self._static_steps(batch)
         for backend, b in zip(self.step_backends, self.step_batches):
             backend.init_forward_metadata_replay(b)
+
+
+def draft_sparse_hook(draft: MultiStepDraftBackend, backends: list[AttentionBackend]) -> SparseDecode | None:
+    """The draft model's sparse-layer hook: ``draft`` (routing to the active step backend) when every step backend's
+    capabilities say sparse; else None (a dense backend's draft has no sparse layers: validation refuses a sparse
+    model on a dense backend)."""
+    return draft if backends and all(type(b).capabilities.sparse for b in backends) else None
+
+
+def shared_kv_indices_pass(draft_backends: list[AttentionBackend], mode: str, req_to_token_pool: ReqToTokenPool,
+                           page_size: int) -> SharedKVIndicesPass | None:
+    """The multi-step draft's shared kv-indices pass, only when a draft step backend's capabilities say it
+    does not build its own kv indices (``shared_kv_indices=always`` forces it, for the benchmark)."""
+    steps = draft_backends[1:]
+    needed = any(not type(b).capabilities.builds_own_kv_indices for b in steps)
+    return SharedKVIndicesPass(req_to_token_pool, page_size) if steps and (needed or mode == "always") else None

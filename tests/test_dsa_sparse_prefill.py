@@ -6,6 +6,7 @@ top-k over its causal prefix.
   on (chunks of 16 across requests, 24 tokens a step), and on the Triton kernels in the CPU interpreter.
 * The backend's sparse extend against a float64 oracle written here (every token's own top-k), chunk
   boundaries, the prefix shorter than top-k, HiSparse (the selection read through the coordinator's host pool).
+* Speculative decoding (verify: k + 1 tokens, each with its own top-k) against the same transformers tokens.
 * Retraction: with top-k far below the contexts, a retracted and recomputed request continues exactly as one
   that was never retracted (prefill now computes what decode computed).
 * The key rows prefill read (the report's ``sparse_prefill`` entry) against a dense prefill.
@@ -71,6 +72,18 @@ def test_sparse_prefill_matches_transformers(ref, chunking):
     _check(ref, tokens)
     stats = rt.container.backend().prefill_stats()
     assert stats["tokens"] == sum(map(len, ref.prompts)) and stats["sparse"] < stats["dense"] / 2
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_speculative_decoding_matches_transformers(ref, impl):
+    """Speculative decoding (3 draft tokens a round; the draft is the first layer with its own sparse state), chunked
+    prefill: each verify token attends to its own top-k, so the tokens are transformers' greedy ones (triton: the
+    64-token prompt in the CPU interpreter, which is slow)."""
+    which = (7,) if impl == "triton" else None
+    tokens, rt, _ = serve(ref, f"backend.impl={impl}", "speculative=eagle_chain", "speculative.baseline=false",
+                          *CHUNKING["chunked"], which=which, device=TRITON_DEVICE if impl == "triton" else "cpu")
+    _check(ref, tokens)
+    assert rt.container.speculative().stats.rounds > 0
 
 
 def test_sparse_prefill_on_the_triton_kernels_matches_transformers(ref):

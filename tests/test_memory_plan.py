@@ -78,16 +78,19 @@ def test_explicit_pages_win_and_the_cpu_keeps_its_fixed_default():
 
 def test_every_paged_line_and_the_engine_pools_agree():
     """The plan's per-page bytes (meta-device pools) are the bytes the built pools hold."""
-    for over in (("+deploy=cpu_dsa_hisparse",), ("+deploy=cpu_speculative",), ("model=ring_hybrid_tiny",)):
+    for over in (("+deploy=cpu_dsa_hisparse",), ("+deploy=cpu_speculative",), ("model=ring_hybrid_tiny",),
+                 ("+deploy=cpu_dsa_hisparse", "hisparse=off", "speculative=eagle_chain")):  # the draft's indexer keys
         rt = containers.build(compose_config(*over, "check=off", "kv.num_pages=77"))
         plan, c = rt.container.memory_budget(), rt.container
         built = c.index_key_pool().nbytes if c.index_key_pool() is not None else 0
-        built += c.kv_pool().nbytes + (c.draft_kv_pool().nbytes if rt.config["speculative"]["enabled"] else 0)
+        if rt.config["speculative"]["enabled"]:
+            built += c.draft_kv_pool().nbytes + (c.draft_index_key_pool().nbytes if c.draft_index_key_pool() else 0)
+        built += c.kv_pool().nbytes
         built += c.req_to_token_pool().nbytes + sum(p.nbytes for p in c.request_states())
         planned = {x.name: x.nbytes for x in plan.fixed}
         per_page = sum(x.nbytes for x in plan.paged if not x.host)
         pools = per_page * 77 + sum(planned.get(k, 0) for k in ("request table", "linear-attention states"))
-        assert pools == built if "hisparse" not in over[0] else 0 <= pools - built <= 4 * per_page, over
+        assert pools == built if c.hisparse_coordinator() is None else 0 <= pools - built <= 4 * per_page, over
         hs = c.hisparse_coordinator()
         if hs is not None:
             assert planned["hisparse device buffers"] == hs.device_bytes

@@ -1,4 +1,5 @@
-"""Speculative decoding on the CPU: lossless against plain greedy, retraction, slot accounting, validation."""
+"""Speculative decoding on the CPU: lossless against plain greedy (dense MLA and DeepSeek-V3.2 sparse layers),
+retraction, slot accounting, validation."""
 
 from __future__ import annotations
 
@@ -72,6 +73,53 @@ def test_retraction_under_speculation_loses_nothing_and_returns_every_slot():
     assert pages.available == pages.capacity
 
 
+# DeepSeek-V3.2 sparse layers (backend dsa, top-8 indexer far below the contexts of 12-76 tokens): verify and draft
+# extend are extends in which every token attends to its own causal top-k; the draft keeps its own indexer keys
+DSA = ("+deploy=cpu_dsa_hisparse", "hisparse=off", "check=off", "progress=false", "workload.num_requests=6",
+       "workload.max_running_requests=6")  # prompts 12-60 tokens prefilled in chunks of 32, batched
+
+
+@pytest.mark.parametrize("overrides", [
+    (),                                                                   # draft = the first of 2 sparse layers
+    ("kv.num_pages=30",),                                                 # retraction
+    ("model.layer_pattern=[full,sparse]", "model.num_layers=4", "speculative.num_steps=2"),  # dense full layers too
+])
+def test_speculative_on_sparse_layers_equals_plain_greedy(overrides):
+    rt = containers.build(compose_config(*DSA, "speculative=eagle_chain", *overrides))
+    spec = rt.engine.run()
+    plain = containers.build(compose_config(*DSA, *overrides)).engine.run()
+    assert spec.outputs == plain.outputs and spec.lost == 0
+    assert spec.retracted > 0 if overrides == ("kv.num_pages=30",) else spec.retracted == 0
+    st = rt.container.speculative().stats
+    assert st.rounds > 0 and 0 < st.acceptance_rate < 1
+    c = rt.container
+    assert c.backend().prefill_stats()["sparse"] < c.backend().prefill_stats()["dense"]  # really sparse
+    draft = c.draft_attention()
+    assert draft.extend_backend.prefill_stats()["sparse"] < draft.extend_backend.prefill_stats()["dense"]
+    assert c.draft_index_key_pool() is not c.index_key_pool()
+    pages = c.page_allocator()
+    assert pages.available == pages.capacity
+
+
+def test_a_sparse_draft_equal_to_the_target_is_accepted():
+    """Both layers as the draft: its own sparse state computes the target's selection (float32: the decode and
+    verify paths round differently, so a near-tie may reject one draft)."""
+    rt = containers.build(compose_config(*DSA, "speculative=eagle_chain", "speculative.draft_layers=2"))
+    spec = rt.engine.run()
+    assert spec.outputs == containers.build(compose_config(*DSA)).engine.run().outputs
+    assert rt.container.speculative().stats.acceptance_rate >= 0.95
+
+
+def test_sparse_verify_and_draft_extend_run_eagerly_when_decode_is_graphed():
+    """dsa declares no graph level for verify / draft extend: those run eagerly, the draft decode steps graph."""
+    from backends.dsa import DSABackend
+    from runtime.engine.graph_runner import decide_graphs
+
+    d = decide_graphs(True, "cuda", [object.__new__(DSABackend) for _ in range(4)], True, [1, 2])
+    assert d["draft_decode"].graphed and not d["target_verify"].graphed and not d["draft_extend"].graphed
+    assert "DSABackend: NEVER" in d["target_verify"].reason
+
+
 def test_shared_kv_indices_pass_when_forced_changes_nothing_but_runs_every_round():
     rt, forced = _run(*F64, "speculative.shared_kv_indices=always")
     kv_pass = rt.container.draft_kv_indices()
@@ -129,6 +177,7 @@ def test_report_has_acceptance_phase_times_and_baseline(tmp_path):
     (("speculative.draft_layers=9",), "speculative.draft_layers"),
     (("model=ring_hybrid_tiny",), "linear-attention layers"),
     (("model.max_context=60",), "speculative look-ahead"),  # 48 + 10 fits, + 3 + 2 does not
+    (("backend=dsa", "model=tiny_dsa", "hisparse=dsa_tiny"), "Fix: use hisparse=off to speculate on a sparse model"),
 ])
 def test_invalid_speculative_configs_are_refused_with_the_fix(overrides, fragment):
     plain = containers.to_plain(compose_config("+deploy=cpu_speculative", *overrides))
@@ -136,3 +185,12 @@ def test_invalid_speculative_configs_are_refused_with_the_fix(overrides, fragmen
     assert any(fragment in str(p) for p in problems), problems
     with pytest.raises(ConfigError):
         containers.build(plain)
+
+
+def test_sparse_layers_without_hisparse_may_speculate():
+    plain = containers.to_plain(compose_config("+deploy=cpu_speculative", "backend=dsa", "model=tiny_dsa"))
+    assert validate(plain, containers.BACKENDS, CPU) == []
+    hs = containers.to_plain(compose_config("+deploy=cpu_speculative", "backend=dsa", "model=tiny_dsa",
+                                            "hisparse=dsa_tiny"))
+    [p] = [p for p in validate(hs, containers.BACKENDS, CPU) if "speculative" in p.what]
+    assert "hisparse.enabled=true" in p.what and "not implemented" in p.expected and "hisparse=off" in p.fix

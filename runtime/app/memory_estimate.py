@@ -143,7 +143,11 @@ def pool_bytes(plain: dict, spec: ModelSpec, pages: int) -> dict[str, int]:
         slots = (host_page_count(pages, plain["hisparse"]["host_to_device_ratio"]) if hisparse else pages) * ps
         out["indexer keys"] = IndexKeyPool(spec.sparse_layers, slots, spec.index_head_dim, spec.dtype, META).nbytes
     if plain["speculative"]["enabled"]:
-        out["draft kv pool"] = latent(spec.draft(plain["speculative"]["draft_layers"]).kv_cache_layers)
+        draft = spec.draft(plain["speculative"]["draft_layers"])
+        out["draft kv pool"] = latent(draft.kv_cache_layers)
+        if draft.sparse_layers:  # a sparse target's draft keeps its own indexer keys (by device slot)
+            out["draft indexer keys"] = IndexKeyPool(draft.sparse_layers, pages * ps, spec.index_head_dim, spec.dtype,
+                                                     META).nbytes
     if spec.linear_layers:
         out["linear-attention states"] = LinearStatePool(spec.linear_layers, reqs, spec.linear_num_heads,
                                                          spec.linear_head_dim, spec.linear_head_dim, META).nbytes

@@ -178,10 +178,10 @@ def _speculative_problems(cfg, name: str, caps: BackendCapabilities | None) -> l
         add(Problem(f"speculative decoding with model '{model['name']}'", "linear-attention layers",
                     "an MLA-only model (rejected draft tokens would need the linear state rolled back, which is "
                     "not implemented)", "use speculative=off for hybrid models"))
-    if LayerKind.sparse in kinds or cfg["hisparse"]["enabled"]:
-        add(Problem("speculative decoding", "sparse layers / hisparse.enabled=true",
-                    "dense MLA layers (verify and draft extend over a HiSparse device buffer are not implemented)",
-                    "use speculative=off with sparse attention"))
+    if cfg["hisparse"]["enabled"]:  # sparse layers without HiSparse speculate (the dsa backend verifies)
+        add(Problem("speculative decoding with hisparse.enabled=true", "HiSparse offloading of the sparse layers' KV",
+                    "hisparse.enabled=false (verify and draft extend over a HiSparse device buffer are not "
+                    "implemented)", "use hisparse=off to speculate on a sparse model, or speculative=off"))
     if caps is not None:
         missing = [m.value for m in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) if m not in caps.forward_modes]
         if missing:
