@@ -316,7 +316,8 @@ class Container(containers.DeclarativeContainer):
             sparse_decode_workspace_spec, model_spec, config.backend, config.kv, config.graph, device), "dsa")))
     dsa_indexer_workspace = _step(build_log, "workspace:dsa_indexer", providers.Factory(
         workspace_ledger.provided.acquire.call(providers.Factory(
-            indexer_workspace_spec, model_spec, config.backend, config.kv, config.graph, device), "dsa")))
+            indexer_workspace_spec, model_spec, config.backend, config.kv, config.graph, config.speculative,
+            device), "dsa")))
     dsv4_decode_workspace = _step(build_log, "workspace:dsv4_decode_splits", providers.Factory(
         workspace_ledger.provided.acquire.call(providers.Factory(
             dsv4_decode_workspace_spec, dsv4_cfg.provided.attention, config.backend, device_info), "dsv4")))

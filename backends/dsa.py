@@ -17,10 +17,11 @@ other's keys. Then:
 Full (non-sparse) MLA layers of a mixed model prefill and decode densely (:meth:`DSABackend.forward_extend`).
 
 Speculative decoding (without HiSparse): TARGET_VERIFY (``num_steps + 1`` tokens per request after the cached
-prefix) and DRAFT_EXTEND are extends, planned and computed as EXTEND is (each token's own top-k over its causal
-prefix), so the target's verified tokens are those of plain greedy decoding. They run eagerly (no CUDA-graph level
-for them); the draft model's own DSA backends (one per draft step, over the draft KV pool and its own indexer keys)
-decode draft tokens in the draft-decode graph when graphs are on.
+prefix) and DRAFT_EXTEND are extends: each token attends its own top-k over its causal prefix, so the target's
+verified tokens are those of plain greedy decoding. ``impl=torch`` computes them as EXTEND; ``impl=triton`` with
+the decode kernels (the indexer scores each token up to its own position, the sparse decode attends each token's
+selection), which take fixed shapes, so verify and draft extend run in CUDA graphs (uniform batches) as decode does.
+The draft model has its own DSA backends (one per draft step, over the draft KV pool and its own indexer keys).
 
 ``impl``: ``torch`` runs the references of ``backends/kernels`` (float32 math; the CPU path and the parity
 oracle); ``triton`` runs the Triton indexer, sparse decode and extend kernels (CUDA, or the CPU interpreter
@@ -53,6 +54,8 @@ from runtime.core.model_spec import ModelSpec
 from runtime.core.sparse import IndexKeyCache, SparseKVCoordinator
 from runtime.core.workspace import WorkspaceSpec
 
+#: speculative modes with the same number of tokens per request (Triton: the decode kernels, graphed)
+UNIFORM_MODES = frozenset({ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
 DECODE_WORKSPACE = "dsa_sparse_decode"
 INDEXER_WORKSPACE = "dsa_indexer"
 IMPLS = ("auto", "torch", "triton")
@@ -71,6 +74,13 @@ def max_decode_tokens(kv_cfg: dict, graph_cfg: dict) -> int:
     return max([int(kv_cfg["max_requests"]), *sizes])
 
 
+def max_step_tokens(kv_cfg: dict, graph_cfg: dict, spec_cfg: dict) -> int:
+    """Query tokens of the largest step the decode kernels run: the largest decode batch, times ``num_steps + 1``
+    with speculation (verify and draft extend run them with that many tokens per request)."""
+    q_len = int(spec_cfg["num_steps"]) + 1 if spec_cfg["enabled"] else 1
+    return max_decode_tokens(kv_cfg, graph_cfg) * q_len
+
+
 def sparse_decode_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, graph_cfg: dict,
                                  device: torch.device) -> WorkspaceSpec:
     """Split-K partials of the Triton sparse decode (none for the torch impl)."""
@@ -83,17 +93,18 @@ def sparse_decode_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: di
     return WorkspaceSpec(DECODE_WORKSPACE, nbytes=nbytes)
 
 
-def indexer_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, graph_cfg: dict,
+def indexer_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, graph_cfg: dict, spec_cfg: dict,
                            device: torch.device) -> WorkspaceSpec:
     """Score buffer [tokens, max_context] float32 and top-k values/indices of the Triton indexer: the largest
-    decode batch's, and at least ``backend.indexer_prefill_mib`` MiB, since prefill scores its tokens in tiles
-    that fit the scratch (one sized for a decode batch of 4 cut a 32k-token prompt into 8192 kernel calls)."""
+    decode-kernel step's (:func:`max_step_tokens`), and at least ``backend.indexer_prefill_mib`` MiB, since
+    prefill scores its tokens in tiles that fit the scratch (one sized for a decode batch of 4 cut a 32k-token
+    prompt into 8192 kernel calls)."""
     nbytes = 0
     if resolve_impl(backend_cfg["impl"], device) == "triton":
         from backends.kernels.sparse.indexer import indexer_scratch_bytes
 
-        nbytes = max(indexer_scratch_bytes(max_decode_tokens(kv_cfg, graph_cfg), model.max_context, model.index_topk),
-                     int(backend_cfg["indexer_prefill_mib"]) << 20)
+        step = indexer_scratch_bytes(max_step_tokens(kv_cfg, graph_cfg, spec_cfg), model.max_context, model.index_topk)
+        nbytes = max(step, int(backend_cfg["indexer_prefill_mib"]) << 20)
     return WorkspaceSpec(INDEXER_WORKSPACE, nbytes=nbytes)
 
 
@@ -119,10 +130,12 @@ class DSABackend:
     """
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
-        # verify / draft extend are extends (each token's own causal top-k); they run eagerly (no graph level)
+        # verify / draft extend are extends (each token's own causal top-k), graphed with the decode kernels
         forward_modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY,
                                  ForwardMode.DRAFT_EXTEND}),
-        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),),
+        cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
+                    (ForwardMode.TARGET_VERIFY, CudaGraphLevel.UNIFORM_BATCH),
+                    (ForwardMode.DRAFT_EXTEND, CudaGraphLevel.UNIFORM_BATCH)),
         graph_impls=frozenset({"triton"}),  # the torch impl loops on the host
         mha_chunked_prefill=False,
         sparse=True,
@@ -307,6 +320,12 @@ class DSABackend:
     def forward_sparse_decode(self, q_nope, q_pe, index_q, index_weights, layer_id, batch):
         """Top-k positions by the indexer -> device locations (request table, or the coordinator's swap-in)
         -> attention over those rows only."""
+        return self._attend_selected(q_nope, q_pe, index_q, index_weights, layer_id, batch, batch.req_pool_indices)
+
+    def _attend_selected(self, q_nope, q_pe, index_q, index_weights, layer_id, batch, rows):
+        """The decode kernels for any tokens whose positions are their causal limits: the indexer's top-k of each
+        token (scores up to its own position), its request-table row ``rows`` [T] -> device locations, the sparse
+        decode over those rows. Fixed shapes, no host sync: decode, and (Triton) verify / draft extend graphs."""
         c = self.coordinator
         table = c.host_table if c is not None else self.req_to_token_pool.req_to_token
         args = (index_q, index_weights, self.index_keys.buffer(layer_id), table, batch.req_pool_indices,
@@ -318,7 +337,7 @@ class DSABackend:
         if c is not None:
             locs, rows = c.swap_in(batch, topk_pos, layer_id), c.device_rows(layer_id)
         else:
-            slots = self.req_to_token_pool.req_to_token[batch.req_pool_indices[:, None], topk_pos.clamp_min(0).long()]
+            slots = self.req_to_token_pool.req_to_token[rows[:, None], topk_pos.clamp_min(0).long()]
             locs, rows = torch.where(topk_pos >= 0, slots, -1).to(torch.int32), self.kv_pool.flat(layer_id)
         if self.impl == "triton":
             return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, scratch=self.decode_workspace,
@@ -336,6 +355,10 @@ class DSABackend:
         and attends with the sparse kernel (:mod:`backends.kernels.sparse.sparse_mla_extend`).
         """
         c = self.coordinator
+        if self.impl == "triton" and batch.mode in UNIFORM_MODES and c is None:  # k + 1 tokens per request
+            n = q_nope.shape[0] // batch.batch_size
+            rows = batch.req_pool_indices[:, None].expand(-1, n).reshape(-1)
+            return self._attend_selected(q_nope, q_pe, index_q, index_weights, layer_id, batch, rows)
         table = c.host_table if c is not None else self.req_to_token_pool.req_to_token
         args = (index_q, index_weights, self.index_keys.buffer(layer_id), table, batch.req_pool_indices,
                 batch.positions, batch.qo_indptr, self.top_k)

@@ -23,6 +23,7 @@ that L2 never serves an expert twice.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -198,6 +199,12 @@ def bench_case(name: str, args, ceil) -> list[dict]:
         t_bf16 = graph_ms([lambda s=s, x=x: bf16_path(c, x, s[0], s[1], s[2]) for s in sets])
         row.update(ours_us=t_ours * 1e3, bf16_us=t_bf16 * 1e3, speedup_vs_bf16=t_bf16 / t_ours,
                    ours_copy_pct=ceil.pct_copy(nbytes, t_ours), expert_MB=nbytes / 1e6)
+        if t <= 16:  # the down kernel's slot loop (Fp8ExpertConfig.down_unroll off) at the same tiles, same bits
+            from backends.kernels.gemm import fp8_moe
+
+            loop = dataclasses.replace(fp8_moe.expert_config(c["inter"]), down_unroll=False)
+            row["down_loop_us"] = graph_ms([lambda s=s, x=x, p=loop: ours(c, x, s[1], s[2], p) for s in sets]) * 1e3
+            assert torch.equal(ours(c, x, local, wts, loop), ours(c, x, local, wts)), "down_unroll changed the bits"
         if fi is None:
             row["flashinfer_us"] = f"n/a ({fi_why})"
         else:
@@ -235,12 +242,12 @@ def main(argv=None) -> None:
     for name in args.cases:
         rows += bench_case(name, args, ceil)
         torch.cuda.empty_cache()
-    short = ["case", "tokens", "ours_us", "bf16_us", "flashinfer_us", "ours_copy_pct", "rel_err", "bf16_rel_err",
+    short = ["case", "tokens", "ours_us", "down_loop_us", "bf16_us", "flashinfer_us", "ours_copy_pct", "rel_err", "bf16_rel_err",
              "flashinfer_rel_err", "speedup_vs_bf16", "expert_MB"]
     full = Table(rows, title="fp8 MoE experts, all columns", name="full")
     table = Table(rows, title="fp8 MoE experts (D 7168, top-8 of 256, graph-timed, µs; copy % over the touched "
                   "fp8 experts + scales)", columns=short + (["best_us", "fma_best_us", "best_config"] if args.sweep else []),
-                  formats={"ours_us": ".1f", "bf16_us": ".1f", "ours_copy_pct": ".0f", "rel_err": ".2e",
+                  formats={"ours_us": ".1f", "down_loop_us": ".1f", "bf16_us": ".1f", "ours_copy_pct": ".0f", "rel_err": ".2e",
                            "bf16_rel_err": ".2e", "flashinfer_rel_err": ".2e", "speedup_vs_bf16": ".2f",
                            "expert_MB": ".0f"}, name="short")
     report("fp8_moe_bench", ceil, [full, table], meta={"cases": args.cases, "tokens": args.tokens})

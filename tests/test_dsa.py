@@ -235,14 +235,18 @@ def test_the_triton_indexer_scratch_holds_a_prefill_tile():
     from backends.kernels.sparse.indexer_extend import extend_tile_tokens
 
     spec = dsa_spec(8, max_context=131072)
-    kv, graph = {"max_requests": 4}, {"enabled": True, "batch_sizes": [1, 2]}
+    kv, graph, off = {"max_requests": 4}, {"enabled": True, "batch_sizes": [1, 2]}, {"enabled": False, "num_steps": 3}
     cpu = torch.device("cpu")
-    nbytes = indexer_workspace_spec(spec, {"impl": "triton", "indexer_prefill_mib": 256}, kv, graph, cpu).nbytes
+    nbytes = indexer_workspace_spec(spec, {"impl": "triton", "indexer_prefill_mib": 256}, kv, graph, off, cpu).nbytes
     assert nbytes == 256 << 20 > indexer_scratch_bytes(4, 131072, 8)
     assert extend_tile_tokens(nbytes, 131072, 8) >= 256
-    small = indexer_workspace_spec(spec, {"impl": "triton", "indexer_prefill_mib": 0}, kv, graph, cpu).nbytes
+    small = indexer_workspace_spec(spec, {"impl": "triton", "indexer_prefill_mib": 0}, kv, graph, off, cpu).nbytes
     assert small == indexer_scratch_bytes(4, 131072, 8)
-    assert indexer_workspace_spec(spec, {"impl": "torch", "indexer_prefill_mib": 256}, kv, graph, cpu).nbytes == 0
+    # with speculation the decode kernels score num_steps + 1 tokens per request (verify, draft extend)
+    spec_on = {"enabled": True, "num_steps": 3}
+    verify = indexer_workspace_spec(spec, {"impl": "triton", "indexer_prefill_mib": 0}, kv, graph, spec_on, cpu).nbytes
+    assert verify == indexer_scratch_bytes(16, 131072, 8)
+    assert indexer_workspace_spec(spec, {"impl": "torch", "indexer_prefill_mib": 256}, kv, graph, off, cpu).nbytes == 0
     problems = DSABackend.config_problems({"impl": "auto", "max_splits": 16, "indexer_prefill_mib": -1},
                                           {"name": "x", "index_n_heads": 4, "layer_pattern": ["sparse"]},
                                           DeviceInfo("cpu", "cpu", 0, False, None, "cpu"))

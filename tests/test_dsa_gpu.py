@@ -85,3 +85,16 @@ def test_graph_replay_equals_eager_with_hisparse(tmp_path):
     assert graphed["graphs"]["decode"]["replays"] > 0 and not eager["graphs"]["decode"]["graphed"]
     assert graphed["requests"]["outputs_sha1"] == eager["requests"]["outputs_sha1"]
     assert graphed["hisparse"]["swap_ins"] == eager["hisparse"]["swap_ins"]
+
+
+def test_speculative_verify_graphed_on_the_decode_kernels_equals_plain_decoding(tmp_path):
+    """Speculation on sparse layers (no HiSparse), float32, top-64 of up to 324 tokens: verify and draft extend
+    replay CUDA graphs of the decode kernels (each verify token's own top-k up to its position), and every emitted
+    token equals plain decoding's on the same sequence (the report's replayed baseline)."""
+    rep = run_cli(tmp_path, "+deploy=h100_dsa_hisparse", *SMALL, *SELECTING, "hisparse=off", "model.dtype=float32",
+                  "speculative=eagle_chain", "check=reference")
+    g = rep["graphs"]
+    assert all(g[m]["graphed"] and g[m]["replays"] > 0 for m in ("draft_decode", "target_verify", "draft_extend")), g
+    tokens = rep["speculative"]["vs_baseline"]["tokens"]
+    assert tokens["equal"] == tokens["positions"] > 0, tokens
+    assert rep["parity"]["ok"] is True, rep["parity"]

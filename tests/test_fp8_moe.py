@@ -19,6 +19,8 @@ e4m3 roundings); grouped vs the plain float64 MoE (W8A8's activation quantizatio
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,6 +173,20 @@ def test_few_tokens_fma_kernels_match_float64():
     bf16 cast truncates (module docstring); bf16 runs in the gpu test."""
     check_few(3, 4, 199, 256, 128, 2, torch.float16, DEV, FEW_TOL, FMA)
     check_few(1, 5, 136, 128, 0, 3, torch.float16, DEV, FEW_TOL, FMA)
+
+
+@pytest.mark.parametrize("sub_i", [2, 1])
+def test_unrolled_down_slots_give_the_loops_bits(sub_i):
+    """The down kernel's unrolled slots (sub_i 2: one chunk holds I 256 and I_s 128) compute the same products in
+    the same order: the bits of the slot loop (sub_i 1: two chunks, the loop stays either way); other ranks'
+    experts and a partial last scale block included."""
+    torch.manual_seed(7)
+    routed, shared = make_experts(4, 199, 256, 128, DEV)
+    x = torch.randn(3, 199, device=DEV).half()
+    ids, wts = random_ids(3, 2, 4, DEV), torch.rand(3, 2, device=DEV)
+    outs = [fp8_moe.fp8_moe_experts(x, ids, wts, *routed, *shared, config=dataclasses.replace(
+        FMA, down_sub_i=sub_i, down_unroll=on)) for on in (True, False)]
+    assert torch.equal(*outs)
 
 
 def test_few_tokens_odd_width_default_config_and_wide_hidden():

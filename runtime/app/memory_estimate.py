@@ -184,7 +184,8 @@ def workspace_bytes(plain: dict, spec: ModelSpec, info: DeviceInfo) -> dict[str,
         return {"flashinfer_float": float_workspace_spec(plain["workspace"]).nbytes}
     if name == "dsa":
         return {"dsa_sparse_decode": sparse_decode_workspace_spec(spec, b, plain["kv"], plain["graph"], device).nbytes,
-                "dsa_indexer": indexer_workspace_spec(spec, b, plain["kv"], plain["graph"], device).nbytes}
+                "dsa_indexer": indexer_workspace_spec(spec, b, plain["kv"], plain["graph"], plain["speculative"],
+                                                      device).nbytes}
     if name == "dsv4":
         att = _dsv4_rank_attention(plain["model"], plain["parallel"]["tp"])
         out = {"dsv4_decode_splits": dsv4_decode_workspace_spec(att, b, info).nbytes}

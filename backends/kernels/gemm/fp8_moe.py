@@ -96,6 +96,7 @@ class Fp8ExpertConfig:
     num_stages: int = 4
     fma: bool = False
     down_sub_i: int = 1
+    down_unroll: bool = True  # fma: the down kernel unrolls its slots where one chunk holds the intermediate dim
 
 
 def expert_config(inter: int) -> Fp8ExpertConfig:
@@ -181,7 +182,8 @@ def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     sgu, sgus, sdn, sdns = shared if has_shared else (gate_up, gate_up_scale, down, down_scale)
     up, down_k = ((k._fp8_moe_up_fma_kernel, k._fp8_moe_down_fma_kernel) if c.fma
                   else (k._fp8_moe_up_kernel, k._fp8_moe_down_kernel))
-    down_extra = {"SUB_I": c.down_sub_i} if c.fma else {}
+    one_chunk = c.down_unroll and c.down_sub_i * BLOCK >= max(inter, s_inter)
+    down_extra = {"SUB_I": c.down_sub_i, "ONE_CHUNK": one_chunk} if c.fma else {}
     p = use_pdl(pdl, up, x.device)
     up[(h.shape[0], triton.cdiv(h.shape[1], c.up_block_i))](
         x, ids, gate_up, gate_up_scale, sgu, sgus, h, n_pairs, d, inter, s_inter, n_local, x.stride(0),

@@ -172,14 +172,38 @@ def _fp8_moe_up_fma_kernel(X, IDS, GU, GUS, SGU, SGUS, H, n_pairs, K, inter, s_i
 
 
 @triton.jit
+def _down_fma_slot(j, routed, c, H, DN, DNS, SDN, SDNS, t, slots, ids, n_pairs, inter, s_inter, n_local, rd64, srow,
+                   dmask, stride_h, stride_de, stride_dd, stride_dse, stride_dsd, stride_sd, stride_ssd,
+                   TOPK: tl.constexpr, CH: tl.constexpr):
+    """Slot ``j``'s (``routed``: one of the token's TOPK experts, else the shared experts) product over chunk ``c``
+    of the intermediate dim in :func:`_fp8_moe_down_fma_kernel`: [BLOCK_D] float32 row sums of the widened fp8
+    tile times the pair's hidden row times each column's block scale."""
+    ri = c * CH + tl.arange(0, CH)
+    p = tl.where(routed, t * TOPK + j, n_pairs + t)
+    e = tl.sum(tl.where(slots == j, ids, 0))
+    width = tl.where(routed, tl.where(e < n_local, inter, 0), s_inter)
+    rows = tl.where(routed, DN + e * stride_de + rd64[:, None] * stride_dd, SDN + rd64[:, None] * stride_sd)
+    scales = tl.where(routed, DNS + e * stride_dse + srow * stride_dsd, SDNS + srow * stride_ssd)
+    imask = ri < width
+    w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0).to(tl.float32)
+    sc = tl.load(scales + ri // QBLOCK, mask=imask, other=0.0)
+    h = tl.load(H + p * stride_h + ri, mask=imask, other=0.0).to(tl.float32)
+    return tl.sum(w * (h * sc)[None, :], axis=1)
+
+
+@triton.jit
 def _fp8_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, inter, s_inter, n_local, stride_h,
                              stride_de, stride_dd, stride_dse, stride_dsd, stride_sd, stride_ssd, stride_o,
                              TOPK: tl.constexpr, TOPK_P2: tl.constexpr, HAS_SHARED: tl.constexpr,
-                             BLOCK_D: tl.constexpr, SUB_I: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_D: tl.constexpr, SUB_I: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                             PDL: tl.constexpr):
     """:func:`_fp8_moe_down_kernel` on the CUDA cores: one loop over (slot, chunk of SUB_I 128-wide blocks of the
     intermediate dim), the shared slot last; each step's [BLOCK_D, SUB_I 128] fp8 tile widened to float32 times
     the pair's hidden row times each column's block scale (float32), row sums added into the slot's accumulator;
-    at the slot's last chunk its product is rounded and folded in as the tensor-core kernel does."""
+    at the slot's last chunk its product is rounded and folded in as the tensor-core kernel does. ONE_CHUNK (one
+    chunk holds every slot's whole intermediate row, the TP slices): the slots unrolled, the same arithmetic in
+    the same order (the whole expert call 4-6% faster on an H200; offline for sm_90a the loop spilled, this does
+    not)."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -187,32 +211,32 @@ def _fp8_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, i
     DT: tl.constexpr = OUT.dtype.element_ty
     SLOTS: tl.constexpr = TOPK + HAS_SHARED
     CH: tl.constexpr = SUB_I * QBLOCK
-    n_chunks = tl.cdiv(tl.maximum(inter, s_inter), CH)
     slots, ids, wts = token_slots(IDS, WTS, t, TOPK, TOPK_P2)
     rd64 = rd.to(tl.int64)
     srow = (tl.program_id(1) * BLOCK_D) // QBLOCK
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
     shared = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for it in range(0, SLOTS * n_chunks):
-        j = it // n_chunks
-        c = it % n_chunks
-        ri = c * CH + tl.arange(0, CH)
-        routed = j < TOPK
-        p = tl.where(routed, t * TOPK + j, n_pairs + t)
-        e = tl.sum(tl.where(slots == j, ids, 0))
-        width = tl.where(routed, tl.where(e < n_local, inter, 0), s_inter)
-        rows = tl.where(routed, DN + e * stride_de + rd64[:, None] * stride_dd, SDN + rd64[:, None] * stride_sd)
-        scales = tl.where(routed, DNS + e * stride_dse + srow * stride_dsd, SDNS + srow * stride_ssd)
-        imask = ri < width
-        w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0).to(tl.float32)
-        sc = tl.load(scales + ri // QBLOCK, mask=imask, other=0.0)
-        h = tl.load(H + p * stride_h + ri, mask=imask, other=0.0).to(tl.float32)
-        acc += tl.sum(w * (h * sc)[None, :], axis=1)
-        if c == n_chunks - 1:
-            y = acc.to(DT).to(tl.float32)
-            out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
-            acc = tl.zeros_like(acc)
+    if ONE_CHUNK:
+        for j in tl.static_range(SLOTS):
+            y = _down_fma_slot(j, j < TOPK, 0, H, DN, DNS, SDN, SDNS, t, slots, ids, n_pairs, inter, s_inter,
+                               n_local, rd64, srow, dmask, stride_h, stride_de, stride_dd, stride_dse, stride_dsd,
+                               stride_sd, stride_ssd, TOPK, CH)
+            out, shared = fold_slot(y.to(DT).to(tl.float32), j < TOPK, tl.sum(tl.where(slots == j, wts, 0.0)),
+                                    out, shared)
+    else:
+        n_chunks = tl.cdiv(tl.maximum(inter, s_inter), CH)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for it in range(0, SLOTS * n_chunks):
+            j = it // n_chunks
+            c = it % n_chunks
+            routed = j < TOPK
+            acc += _down_fma_slot(j, routed, c, H, DN, DNS, SDN, SDNS, t, slots, ids, n_pairs, inter, s_inter,
+                                  n_local, rd64, srow, dmask, stride_h, stride_de, stride_dd, stride_dse, stride_dsd,
+                                  stride_sd, stride_ssd, TOPK, CH)
+            if c == n_chunks - 1:
+                y = acc.to(DT).to(tl.float32)
+                out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
+                acc = tl.zeros_like(acc)
     store_down_sum(OUT + t * stride_o + rd, out, shared, HAS_SHARED, dmask)
 
 
