@@ -322,10 +322,10 @@ class DSABackend:
         -> attention over those rows only."""
         return self._attend_selected(q_nope, q_pe, index_q, index_weights, layer_id, batch, batch.req_pool_indices)
 
-    def _attend_selected(self, q_nope, q_pe, index_q, index_weights, layer_id, batch, rows):
+    def _attend_selected(self, q_nope, q_pe, index_q, index_weights, layer_id, batch, req_rows):
         """The decode kernels for any tokens whose positions are their causal limits: the indexer's top-k of each
-        token (scores up to its own position), its request-table row ``rows`` [T] -> device locations, the sparse
-        decode over those rows. Fixed shapes, no host sync: decode, and (Triton) verify / draft extend graphs."""
+        token (scores up to its own position), through each token's request-table row ``req_rows`` [T] to device
+        locations, the sparse decode over those rows. Fixed shapes, no host sync: decode, and (Triton) verify / draft extend graphs."""
         c = self.coordinator
         table = c.host_table if c is not None else self.req_to_token_pool.req_to_token
         args = (index_q, index_weights, self.index_keys.buffer(layer_id), table, batch.req_pool_indices,
@@ -337,7 +337,7 @@ class DSABackend:
         if c is not None:
             locs, rows = c.swap_in(batch, topk_pos, layer_id), c.device_rows(layer_id)
         else:
-            slots = self.req_to_token_pool.req_to_token[rows[:, None], topk_pos.clamp_min(0).long()]
+            slots = self.req_to_token_pool.req_to_token[req_rows[:, None], topk_pos.clamp_min(0).long()]
             locs, rows = torch.where(topk_pos >= 0, slots, -1).to(torch.int32), self.kv_pool.flat(layer_id)
         if self.impl == "triton":
             return self._sparse(q_nope, q_pe, rows, locs, self.model.sm_scale, scratch=self.decode_workspace,
@@ -357,8 +357,8 @@ class DSABackend:
         c = self.coordinator
         if self.impl == "triton" and batch.mode in UNIFORM_MODES and c is None:  # k + 1 tokens per request
             n = q_nope.shape[0] // batch.batch_size
-            rows = batch.req_pool_indices[:, None].expand(-1, n).reshape(-1)
-            return self._attend_selected(q_nope, q_pe, index_q, index_weights, layer_id, batch, rows)
+            req_rows = batch.req_pool_indices[:, None].expand(-1, n).reshape(-1)
+            return self._attend_selected(q_nope, q_pe, index_q, index_weights, layer_id, batch, req_rows)
         table = c.host_table if c is not None else self.req_to_token_pool.req_to_token
         args = (index_q, index_weights, self.index_keys.buffer(layer_id), table, batch.req_pool_indices,
                 batch.positions, batch.qo_indptr, self.top_k)

@@ -31,6 +31,7 @@ def test_serving_bench_smoke(capsys, tmp_path, host):
         assert r["ttft p50 ms"] <= r["e2e p50 ms"]
         assert 0 < r["server ttft mean ms"] <= r["ttft mean ms"] and r["server itl mean ms"] > 0
         assert r["server prefill steps"] >= 1 and 1 <= r["server decode batch"] <= 5
+        assert r["server prefill step mean ms"] > 0 and r["server decode step mean ms"] > 0  # resolved step times
     doc = json.loads(out.strip().splitlines()[-1][len(JSON_PREFIX):])
     assert doc["bench"] == "serving" and len(doc["rows"]) == 2 and "ttft p99 ms" in out
 

@@ -18,6 +18,7 @@ import itertools
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,6 +62,8 @@ class Observer(Protocol):
     def aborted(self, completion_tokens: int) -> None: ...
 
     def step(self, phase: str, requests: int, tokens: int) -> None: ...
+
+    def step_time(self, phase: str, seconds: float) -> None: ...
 
 
 @dataclass
@@ -107,6 +110,7 @@ class LiveEngine:
         self._thread: threading.Thread | None = None
         self._res = None  # the engine's RunResult of this service (Engine.begin)
         self._unflushed = False  # a step ran since the last flush
+        self._untimed: deque = deque()  # step records the observer saw whose device time is not resolved yet
         self.steps = 0
         self.errors = 0
 
@@ -193,6 +197,7 @@ class LiveEngine:
                     if self.observer is not None:  # the forwards this step launched (a speculative round: several)
                         for rec in self._res.steps[before:]:
                             self.observer.step(rec.phase, rec.batch_size, rec.tokens)
+                            self._untimed.append(rec)
                     self._unflushed = True  # with overlap, the newest step's tokens may still be pending
                 else:
                     self.engine.flush()
@@ -203,6 +208,9 @@ class LiveEngine:
 
     def _emit(self) -> None:
         now = time.perf_counter()
+        while self._untimed and self._untimed[0].marks:  # resolved (its outputs read): its device time is known
+            rec = self._untimed.popleft()
+            self.observer.step_time(rec.phase, rec.seconds)
         for rid, live in list(self._live.items()):
             r = live.request
             out = r.output
@@ -266,4 +274,5 @@ class LiveEngine:
                 self.observer.finished("error", len(live.request.prompt), live.sent, now - live.arrived)
             live.sink(Event("error", message=message))
         self._live.clear()
+        self._untimed.clear()  # the failed run's steps are never resolved
         self._res = self.engine.begin([], record_hidden=False)

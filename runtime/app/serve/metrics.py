@@ -38,6 +38,8 @@ class Metrics:
                                      "summed), by phase", ["phase"], registry=r)
         self.step_tokens = Counter(f"{PREFIX}_engine_step_tokens", "tokens those forwards processed, by phase",
                                    ["phase"], registry=r)
+        self.step_seconds = Histogram(f"{PREFIX}_engine_step_seconds", "device time of those forwards (start to end "
+                                      "event), by phase", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
         if live is not None:
@@ -64,6 +66,9 @@ class Metrics:
         self.steps.labels(phase).inc()
         self.step_requests.labels(phase).inc(requests)
         self.step_tokens.labels(phase).inc(tokens)
+
+    def step_time(self, phase: str, seconds: float) -> None:
+        self.step_seconds.labels(phase).observe(seconds)
 
     # --- handlers
     def aborted(self, completion_tokens: int) -> None:
