@@ -20,28 +20,30 @@ from dependency_injector import containers, providers
 from omegaconf import DictConfig, OmegaConf
 
 from backends.base import (
+    DRAFT_INSTANCE,
     GraphHooks,
     MHAChunkPrefill,
     decode_graph_hook,
+    max_decode_tokens,
+    max_q_len,
     mha_prefill_hook,
     sparse_hook,
 )
-from backends.dsa import DSABackend, indexer_workspace_spec, sparse_decode_workspace_spec
+from backends.dsa import DSABackend
 from backends.dsv4 import DSV4Backend
-from backends.dsv4 import decode_workspace_spec as dsv4_decode_workspace_spec
 from backends.dsv4_flashinfer import FlashInferDecode
 from backends.dsv4_flashinfer import load_kernel as load_dsv4_kernel
-from backends.flashinfer_mla import FlashInferMLABackend, float_workspace_spec
+from backends.flashinfer_mla import FlashInferMLABackend
 from backends.hybrid_linear import HybridLinearBackend
 from backends.kernels.comm.peer_allreduce import make_collectives
 from backends.kernels.dsv4.emulated_dsv4 import EmulatedDSV4SparseDecode
 from backends.kernels.mla_decode.emulated_mla import EmulatedTokenSpeedMLADecode, EmulatedTrtllmMLADecode
 from backends.linear_attention import LinearAttentionBackend
 from backends.multi_step_draft import MultiStepDraftBackend, draft_sparse_hook, shared_kv_indices_pass
-from backends.tokenspeed_mla import TokenSpeedMLABackend
+from backends.tokenspeed_mla import TokenSpeedMLABackend, sized_sm_count
 from backends.tokenspeed_mla import load_kernel as load_tokenspeed_kernel
 from backends.torch_mla import TorchMLABackend
-from backends.triton_mla import TritonMLABackend, split_kv_workspace_spec
+from backends.triton_mla import TritonMLABackend
 from backends.trtllm_mla import TrtllmMLABackend
 from backends.trtllm_mla import load_kernel as load_trtllm_kernel
 from runtime.app.memory_checks import agree_problems, memory_problems, plan_memory
@@ -59,7 +61,7 @@ from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import LaunchEnv, Sharding, device_for, make_group
 from runtime.core.sparse import OffloadedRows
 from runtime.core.state_pool import LinearStatePool
-from runtime.core.workspace import WorkspaceLedger
+from runtime.core.workspace import WorkspaceInputs, WorkspaceLedger, WorkspaceSpec
 from runtime.engine.engine import Engine
 from runtime.engine.graph_runner import (
     GraphRunner,
@@ -192,19 +194,9 @@ def _instances(factory: providers.Provider, n: int, **per_instance: str) -> list
     return [factory(**{k: v.format(i=i) for k, v in per_instance.items()}) for i in range(n)]
 
 
-def _max_batch(max_requests: int, graph_enabled: bool, graph_sizes: list[int]) -> int:
-    """The largest batch a backend runs: a request table's worth, or a larger captured (padded) graph size."""
-    return max([max_requests, *(graph_sizes if graph_enabled else [])])
-
-
-def _max_q_len(speculative: bool, num_steps: int) -> int:
-    """Most query tokens per request a decode-kernel call gets: verify / draft extend run num_steps + 1."""
-    return num_steps + 1 if speculative else 1
-
-
-def _emulated_sm_count(info: DeviceInfo, emulated: int) -> int:
-    """The GPU's SM count, or (the CPU) the count the emulation sizes for."""
-    return info.sm_count or emulated
+def _acquire(ledger: WorkspaceLedger, specs: dict[str, WorkspaceSpec], name: str, consumer: str):
+    """The ledger's buffer of workspace ``name`` of the selected backend class's ``workspace_specs``."""
+    return ledger.acquire(specs[name], consumer)
 
 
 class Container(containers.DeclarativeContainer):
@@ -228,7 +220,7 @@ class Container(containers.DeclarativeContainer):
     # the page count (kv.num_pages=auto: what memory.fraction of the memory left holds); build() refuses what cannot fit
     memory_reader = providers.Singleton(DeviceMemory)
     memory_budget = _step(build_log, "memory_plan", providers.Singleton(
-        plan_memory, config, device_info, memory_reader, tp_group))
+        plan_memory, config, BACKENDS, device_info, memory_reader, tp_group))
 
     # 2. pools ---------------------------------------------------------------------------------------
     req_to_token_pool = _step(build_log, "req_to_token_pool", providers.Factory(
@@ -299,28 +291,28 @@ class Container(containers.DeclarativeContainer):
         providers.Callable(_slots_kind, model_kind, config.hisparse.enabled),
         off=token_slots, on=hisparse_coordinator, dsv4=dsv4_token_slots)
 
-    # 4. workspaces: the ledger, then one provider per named workspace (built only if consumed) -------
+    # 4. workspaces: the ledger, then one provider per named workspace (built only if consumed), each acquiring a
+    #    spec of the selected backend class's workspace_specs (the memory plan adds up the same specs) -------
     workspace_ledger = _step(build_log, "workspace_ledger", providers.Factory(WorkspaceLedger, device, known=WORKSPACES))
     # the collectives the model calls (parallel.allreduce): NCCL / gloo, or the one-shot kernels over the symmetric
     # IPC buffers (workspace 'allreduce_ipc', exchanged here: before the model and before any graph is captured)
     collectives = _step(build_log, "collectives", providers.Singleton(
         make_collectives, tp_group, workspace_ledger, config.parallel, launch.provided.local_world_size))
+    workspace_specs = providers.Callable(
+        lambda name, inputs: BACKENDS[name].workspace_specs(inputs), config.backend.name, providers.Factory(
+            WorkspaceInputs, model_spec, config, device_info, providers.Selector(
+                model_kind, mla=providers.Object(None), hybrid=providers.Object(None),
+                dsv4=dsv4_rank_cfg.provided.attention)))  # V4: this rank's heads
     triton_split_kv_workspace = _step(build_log, "workspace:triton_split_kv", providers.Factory(
-        workspace_ledger.provided.acquire.call(providers.Factory(split_kv_workspace_spec, model_spec, config.backend),
-                                               "triton_mla")))
+        _acquire, workspace_ledger, workspace_specs, "triton_split_kv", "triton_mla"))
     flashinfer_float_workspace = _step(build_log, "workspace:flashinfer_float", providers.Factory(
-        workspace_ledger.provided.acquire.call(
-            providers.Factory(float_workspace_spec, config.workspace), "flashinfer_mla")))
+        _acquire, workspace_ledger, workspace_specs, "flashinfer_float", "flashinfer_mla"))
     dsa_decode_workspace = _step(build_log, "workspace:dsa_sparse_decode", providers.Factory(
-        workspace_ledger.provided.acquire.call(providers.Factory(
-            sparse_decode_workspace_spec, model_spec, config.backend, config.kv, config.graph, device), "dsa")))
+        _acquire, workspace_ledger, workspace_specs, "dsa_sparse_decode", "dsa"))
     dsa_indexer_workspace = _step(build_log, "workspace:dsa_indexer", providers.Factory(
-        workspace_ledger.provided.acquire.call(providers.Factory(
-            indexer_workspace_spec, model_spec, config.backend, config.kv, config.graph, config.speculative,
-            device), "dsa")))
+        _acquire, workspace_ledger, workspace_specs, "dsa_indexer", "dsa"))
     dsv4_decode_workspace = _step(build_log, "workspace:dsv4_decode_splits", providers.Factory(
-        workspace_ledger.provided.acquire.call(providers.Factory(
-            dsv4_decode_workspace_spec, dsv4_cfg.provided.attention, config.backend, device_info), "dsv4")))
+        _acquire, workspace_ledger, workspace_specs, "dsv4_decode_splits", "dsv4"))
 
     # 5. backends: the selected full-attention backend (only that one is built); for a model with
     #    linear-attention layers also the state pool, the linear backend and the wrapper that routes layers.
@@ -338,13 +330,13 @@ class Container(containers.DeclarativeContainer):
                                  config.backend),
         emulate=providers.Singleton(FlashInferDecode, providers.Singleton(EmulatedDSV4SparseDecode), workspace_ledger,
                                     config.backend))
-    tokenspeed_sm_count = providers.Callable(_emulated_sm_count, device_info, config.backend.emulated_sm_count)
+    tokenspeed_sm_count = providers.Callable(sized_sm_count, device_info, config.backend.emulated_sm_count)
     tokenspeed_kernel = providers.Selector(
         config.backend.kernel,
         real=providers.Singleton(load_tokenspeed_kernel),
         emulate=providers.Singleton(EmulatedTokenSpeedMLADecode, tokenspeed_sm_count))
-    max_batch = providers.Callable(_max_batch, config.kv.max_requests, config.graph.enabled, config.graph.batch_sizes)
-    max_q_len = providers.Callable(_max_q_len, config.speculative.enabled, config.speculative.num_steps)
+    max_batch = providers.Callable(max_decode_tokens, config.kv, config.graph)
+    max_query = providers.Callable(max_q_len, config.speculative)
 
     backend = providers.Selector(
         config.backend.name,
@@ -367,7 +359,7 @@ class Container(containers.DeclarativeContainer):
             config.backend, max_batch, device_info.provided.sm_count)),
         tokenspeed_mla=_step(build_log, "backend:tokenspeed_mla", providers.Factory(
             TokenSpeedMLABackend, req_to_token_pool, kv_pool, model_spec, workspace_ledger, tokenspeed_kernel,
-            config.backend, tokenspeed_sm_count, max_q_len)),
+            config.backend, tokenspeed_sm_count, max_query)),
     )
     backend_mha_prefill = providers.Callable(mha_prefill_hook, backend, config.attention.prefill, config.backend)
     backend_decode_graph = providers.Callable(decode_graph_hook, backend)
@@ -448,8 +440,7 @@ class Container(containers.DeclarativeContainer):
             providers.Callable(_index_key_slots, config.kv.num_pages, config.kv.page_size, False, 1.0),
             model_spec.provided.index_head_dim, model_spec.provided.dtype, device)))
     draft_split_kv_workspace = providers.Factory(
-        workspace_ledger.provided.acquire.call(
-            providers.Factory(split_kv_workspace_spec, model_spec, config.backend), "triton_mla:draft"))
+        _acquire, workspace_ledger, workspace_specs, "triton_split_kv", "triton_mla:draft")
     draft_backends = _step(build_log, "backend:draft_steps", providers.Selector(
         config.backend.name,
         torch_mla=providers.Callable(_instances, providers.Factory(
@@ -463,15 +454,15 @@ class Container(containers.DeclarativeContainer):
             dsa_indexer_workspace, config.backend, device).provider, config.speculative.num_steps),
         flashinfer_mla=providers.Callable(_instances, providers.Factory(
             FlashInferMLABackend, req_to_token_pool, draft_kv_pool, model_spec, flashinfer_float_workspace,
-            workspace_ledger, config.backend).provider, config.speculative.num_steps, instance="draft{i}"),
+            workspace_ledger, config.backend).provider, config.speculative.num_steps, instance=DRAFT_INSTANCE),
         trtllm_mla=providers.Callable(_instances, providers.Factory(
             TrtllmMLABackend, req_to_token_pool, draft_kv_pool, model_spec, workspace_ledger, trtllm_kernel,
             config.backend, max_batch, device_info.provided.sm_count).provider, config.speculative.num_steps,
-            instance="draft{i}"),
+            instance=DRAFT_INSTANCE),
         tokenspeed_mla=providers.Callable(_instances, providers.Factory(
             TokenSpeedMLABackend, req_to_token_pool, draft_kv_pool, model_spec, workspace_ledger, tokenspeed_kernel,
-            config.backend, tokenspeed_sm_count, max_q_len).provider, config.speculative.num_steps,
-            instance="draft{i}"),
+            config.backend, tokenspeed_sm_count, max_query).provider, config.speculative.num_steps,
+            instance=DRAFT_INSTANCE),
     ))
     draft_kv_indices = providers.Singleton(
         shared_kv_indices_pass, draft_backends, config.speculative.shared_kv_indices, req_to_token_pool,

@@ -15,6 +15,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.workspace import WorkspaceInputs, WorkspaceSpec
+
+DRAFT_INSTANCE = "draft{i}"  # the name of speculative draft step i's backend instance (its own workspaces)
 
 
 class CudaGraphLevel(enum.IntEnum):
@@ -115,6 +118,37 @@ class BackendCapabilities:
         return dict(self.cuda_graph).get(mode, CudaGraphLevel.NEVER)
 
 
+# ------------------------------------------------------------------ workspaces: sized once, from the config
+
+def max_decode_tokens(kv_cfg: dict, graph_cfg: dict) -> int:
+    """The largest decode batch: the request table's rows, or a larger captured graph size (padded)."""
+    sizes = graph_cfg["batch_sizes"] if graph_cfg["enabled"] else []
+    return max([int(kv_cfg["max_requests"]), *sizes])
+
+
+def max_q_len(spec_cfg: dict) -> int:
+    """Most query tokens per request a decode-kernel call gets: verify / draft extend run ``num_steps + 1``."""
+    return int(spec_cfg["num_steps"]) + 1 if spec_cfg["enabled"] else 1
+
+
+def instances(spec_cfg: dict) -> list[str]:
+    """The instance names of a backend that takes workspaces per instance: the target's (""), and with speculation
+    one per draft step (:data:`DRAFT_INSTANCE`), as the container builds them."""
+    steps = int(spec_cfg["num_steps"]) if spec_cfg["enabled"] else 0
+    return ["", *(DRAFT_INSTANCE.format(i=i) for i in range(steps))]
+
+
+def by_name(*specs: WorkspaceSpec) -> dict[str, WorkspaceSpec]:
+    """Ledger name -> spec."""
+    return {s.name: s for s in specs}
+
+
+def no_workspaces(cls: type, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+    """``workspace_specs`` of a backend that takes nothing from the ledger:
+    ``workspace_specs = classmethod(no_workspaces)``."""
+    return {}
+
+
 @runtime_checkable
 class AttentionBackend(Protocol):
     """Absorbed-MLA attention over the paged latent KV cache.
@@ -130,6 +164,13 @@ class AttentionBackend(Protocol):
         """Every reason this backend's own config cannot run here (a list of runtime.core.errors.Problem), checked
         by validation before anything is allocated; rules the capabilities cannot express (e.g. a kernel
         variant that needs a newer GPU). ``device`` is a runtime.core.device.DeviceInfo."""
+        ...
+
+    @classmethod
+    def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+        """Ledger name -> spec of every workspace this backend's instances acquire for ``inputs`` (names within
+        ``capabilities.workspaces``, per-instance ones suffixed ``:<instance>``; 0 bytes where an impl needs none).
+        The one source of their sizes: the container acquires from it, the memory plan adds it up."""
         ...
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 
 from backends import mla_math
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, by_name, max_decode_tokens, max_q_len
 from backends.kernels.sparse.sparse_mla_extend import (
     REF_TOKENS_PER_STEP,
     rows_read,
@@ -52,7 +52,7 @@ from runtime.core.errors import Problem
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import ModelSpec
 from runtime.core.sparse import IndexKeyCache, SparseKVCoordinator
-from runtime.core.workspace import WorkspaceSpec
+from runtime.core.workspace import WorkspaceInputs, WorkspaceSpec
 
 #: speculative modes with the same number of tokens per request (Triton: the decode kernels, graphed)
 UNIFORM_MODES = frozenset({ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})
@@ -68,17 +68,10 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return ("triton" if torch.device(device).type == "cuda" else "torch") if impl == "auto" else impl
 
 
-def max_decode_tokens(kv_cfg: dict, graph_cfg: dict) -> int:
-    """The largest decode batch: the request table's rows, or a larger captured graph size (padded)."""
-    sizes = graph_cfg["batch_sizes"] if graph_cfg["enabled"] else []
-    return max([int(kv_cfg["max_requests"]), *sizes])
-
-
 def max_step_tokens(kv_cfg: dict, graph_cfg: dict, spec_cfg: dict) -> int:
     """Query tokens of the largest step the decode kernels run: the largest decode batch, times ``num_steps + 1``
     with speculation (verify and draft extend run them with that many tokens per request)."""
-    q_len = int(spec_cfg["num_steps"]) + 1 if spec_cfg["enabled"] else 1
-    return max_decode_tokens(kv_cfg, graph_cfg) * q_len
+    return max_decode_tokens(kv_cfg, graph_cfg) * max_q_len(spec_cfg)
 
 
 def sparse_decode_workspace_spec(model: ModelSpec, backend_cfg: dict, kv_cfg: dict, graph_cfg: dict,
@@ -148,6 +141,14 @@ class DSABackend:
         workspaces=frozenset({DECODE_WORKSPACE, INDEXER_WORKSPACE}),
         packages=("triton",),  # backends.kernels imports it (the torch impl runs its reference functions)
     )
+
+    @classmethod
+    def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+        """The sparse decode's split-K partials and the indexer's scratch (0 bytes each for the torch impl); the
+        target and its draft steps share them (their forwards run one after another on one stream)."""
+        c, device = inputs.cfg, inputs.device.torch_device
+        return by_name(sparse_decode_workspace_spec(inputs.model, c["backend"], c["kv"], c["graph"], device),
+                       indexer_workspace_spec(inputs.model, c["backend"], c["kv"], c["graph"], c["speculative"], device))
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:

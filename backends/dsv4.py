@@ -50,9 +50,10 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, by_name
 from backends.dsv4_extend_plan import ExtendPlan, plan_extend
-from backends.dsv4_flashinfer import DECODE_IMPLS, FlashInferDecode, flashinfer_problems
+from backends.dsv4_flashinfer import DECODE_IMPLS, FlashInferDecode, flashinfer_problems, workspace_spec
+from backends.dsv4_flashinfer import WORKSPACE as FLASHINFER_WORKSPACE
 from backends.kernels.dsv4.dsv4_decode import CPU_SM_COUNT, decode_workspace_bytes, dsv4_decode
 from backends.kernels.dsv4.dsv4_extend import dsv4_extend
 from backends.kernels.dsv4.dsv4_indexer import indexer_topk_paged, triton_indexer_fits
@@ -64,7 +65,7 @@ from runtime.core.dsv4_spec import DSV4AttentionSpec, DSV4LayerType
 from runtime.core.errors import Problem
 from runtime.core.model_spec import TORCH_DTYPES
 from runtime.core.sparse import SparseKVCoordinator
-from runtime.core.workspace import WorkspaceSpec
+from runtime.core.workspace import WorkspaceInputs, WorkspaceSpec
 
 
 @runtime_checkable
@@ -150,8 +151,18 @@ class DSV4Backend:
         min_compute_capability=None,
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64}),
         devices=frozenset({"cpu", "cuda"}),
+        workspaces=frozenset({DECODE_WORKSPACE, FLASHINFER_WORKSPACE}),
         model_families=frozenset({"dsv4"}),
     )
+
+    @classmethod
+    def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+        """The Triton decode's split partials (:func:`decode_workspace_spec`, sized for this rank's heads:
+        ``inputs.v4_attention``), and with impl=flashinfer its kernel's workspace (acquired by
+        :class:`~backends.dsv4_flashinfer.FlashInferDecode`)."""
+        b = inputs.cfg["backend"]
+        specs = by_name(decode_workspace_spec(inputs.v4_attention, b, inputs.device))
+        return specs | (by_name(workspace_spec(b)) if str(b["impl"]) == "flashinfer" else {})
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:

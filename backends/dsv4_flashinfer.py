@@ -125,13 +125,17 @@ def _front(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid.gather(1, order), idx.gather(1, order), 0), valid.sum(dim=1)
 
 
+def workspace_spec(backend_cfg: dict) -> WorkspaceSpec:
+    """The kernel's own zero-initialised workspace (uint8 [backend.workspace_bytes]), unshared."""
+    return WorkspaceSpec(WORKSPACE, int(backend_cfg["workspace_bytes"]), zero_init=True, shareable=False)
+
+
 class FlashInferDecode:
     """Prepares the arguments of ``trtllm_batch_decode_sparse_mla_dsv4`` and calls the injected ``kernel``."""
 
     def __init__(self, kernel: Callable, ledger: WorkspaceLedger, config: dict):
         self.kernel = kernel
-        self.workspace = ledger.acquire(
-            WorkspaceSpec(WORKSPACE, int(config["workspace_bytes"]), zero_init=True, shareable=False), "dsv4")
+        self.workspace = ledger.acquire(workspace_spec(config), "dsv4")
 
     def decode(self, q: torch.Tensor, ring: torch.Tensor, win_idx: torch.Tensor, cmp_pages: torch.Tensor,
                cmp_idx: torch.Tensor, sinks: torch.Tensor, sm_scale: float, positions: torch.Tensor) -> torch.Tensor:

@@ -36,12 +36,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, by_name
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.errors import ConfigError, Problem
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import ModelSpec
-from runtime.core.workspace import WorkspaceLedger, WorkspaceSpec
+from runtime.core.workspace import WorkspaceInputs, WorkspaceLedger, WorkspaceSpec
 
 FLOAT_WORKSPACE = "flashinfer_float"
 # FlashInfer's wrappers size their pinned host mirror at 8 MiB and copy the plan through it, so the int
@@ -175,6 +175,12 @@ class FlashInferMLABackend:
         workspaces=frozenset({FLOAT_WORKSPACE}),
         packages=("flashinfer",),
     )
+
+    @classmethod
+    def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+        """The shared float workspace (:func:`float_workspace_spec`). The per-wrapper int workspaces and graph
+        metadata (``flashinfer_int:*``, ``flashinfer_graph_meta:*``) are acquired as wrappers are made: not listed."""
+        return by_name(float_workspace_spec(inputs.cfg["workspace"]))
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list[Problem]:

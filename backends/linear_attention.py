@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from backends import linear_attn_ops as ops
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, no_workspaces
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.state_pool import LinearStatePool
 
@@ -57,6 +57,7 @@ class LinearAttentionBackend:
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
         devices=frozenset({"cpu", "cuda"}),
     )
+    workspace_specs = classmethod(no_workspaces)
 
     def __init__(
         self, state_pool: LinearStatePool, num_heads: int, head_k_dim: int, head_v_dim: int, impl: str

@@ -31,15 +31,16 @@ from typing import ClassVar
 import torch
 
 from backends import mla_math
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, by_name, instances, max_q_len
 from backends.block_tables import BlockTables
 from backends.kernels.mla_decode.emulated_mla import tokenspeed_workspace_bound
 from backends.trtllm_mla import latent_problems
 from runtime.core.batch import ForwardBatch, ForwardMode
+from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import ModelSpec
-from runtime.core.workspace import WorkspaceLedger, WorkspaceSpec
+from runtime.core.workspace import WorkspaceInputs, WorkspaceLedger, WorkspaceSpec
 
 WORKSPACE = "tokenspeed_mla_workspace"
 PREFILL_ROWS = 64  # query rows per torch prefill block (bounds the [rows, H, L] score tensor)
@@ -50,6 +51,11 @@ def load_kernel() -> Callable:
     from tokenspeed_mla import tokenspeed_mla_decode
 
     return tokenspeed_mla_decode
+
+
+def sized_sm_count(info: DeviceInfo, emulated: int) -> int:
+    """The GPU's SM count, or (the CPU) the count the emulation sizes for (``backend.emulated_sm_count``)."""
+    return info.sm_count or emulated
 
 
 def workspace_spec(sm_count: int, model: ModelSpec, max_q_len: int, instance: str = "") -> WorkspaceSpec:
@@ -98,6 +104,15 @@ class TokenSpeedMLABackend:
         install="pip install 'mla-runtime[blackwell]' (on a Blackwell machine)",
         emulation=True,
     )
+
+    @classmethod
+    def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+        """Every instance's split-KV scratch (:func:`workspace_spec`): the target's, and one per speculative draft
+        step; acquired by each instance at construction."""
+        c = inputs.cfg
+        sms = sized_sm_count(inputs.device, c["backend"]["emulated_sm_count"])
+        return by_name(*(workspace_spec(sms, inputs.model, max_q_len(c["speculative"]), i)
+                         for i in instances(c["speculative"])))
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list[Problem]:

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 
 from backends import mla_math
-from backends.base import BackendCapabilities
+from backends.base import BackendCapabilities, no_workspaces
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import TORCH_DTYPES, ModelSpec
@@ -40,6 +40,7 @@ class TorchMLABackend:
         kv_dtypes=frozenset({"auto", "fp8_e4m3"}),
         devices=frozenset({"cpu", "cuda"}),
     )
+    workspace_specs = classmethod(no_workspaces)
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:

@@ -13,12 +13,12 @@ from typing import ClassVar
 
 import torch
 
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, by_name
 from backends.kernels.mla_decode.mla_decode_workspace import decode_work_ints
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import ModelSpec
-from runtime.core.workspace import WorkspaceSpec
+from runtime.core.workspace import WorkspaceInputs, WorkspaceSpec
 
 WORKSPACE = "triton_split_kv"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -80,6 +80,11 @@ class TritonMLABackend:
         workspaces=frozenset({WORKSPACE}),
         packages=("triton",),
     )
+
+    @classmethod
+    def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+        """The split-KV scratch (:func:`split_kv_workspace_spec`), shared by the target and every draft step."""
+        return by_name(split_kv_workspace_spec(inputs.model, inputs.cfg["backend"]))
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list:

@@ -37,14 +37,14 @@ from typing import ClassVar
 
 import torch
 
-from backends.base import BackendCapabilities, CudaGraphLevel
+from backends.base import BackendCapabilities, CudaGraphLevel, by_name, instances, max_decode_tokens
 from backends.block_tables import BlockTables
 from backends.kernels.mla_decode.emulated_mla import trtllm_counter_bytes
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.errors import Problem
 from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import ModelSpec
-from runtime.core.workspace import WorkspaceLedger, WorkspaceSpec
+from runtime.core.workspace import WorkspaceInputs, WorkspaceLedger, WorkspaceSpec
 
 WORKSPACE = "trtllm_mla_workspace"
 COUNTERS = "trtllm_mla_counters"
@@ -65,6 +65,18 @@ def latent_problems(name: str, model_cfg: dict) -> list[Problem]:
                     f"kv_lora_rank={model_cfg['kv_lora_rank']}, qk_rope_head_dim={model_cfg['qk_rope_head_dim']}",
                     "kv_lora_rank=512, qk_rope_head_dim=64 (the kernels are built for DeepSeek's latent shape)",
                     "use a DeepSeek-shaped model config, or backend=triton_mla / torch_mla")]
+
+
+def workspace_specs(config: dict, model: ModelSpec, max_batch: int, sm_count: int,
+                    instance: str = "") -> tuple[WorkspaceSpec, WorkspaceSpec]:
+    """One instance's kernel workspace (``backend.workspace_bytes``) and its multi-CTA counters (sized for
+    ``max_batch`` requests), both zero-initialised and unshared; named ``...:<instance>`` for a draft step's."""
+    def named(base: str) -> str:
+        return f"{base}:{instance}" if instance else base
+
+    counters = trtllm_counter_bytes(max(1, int(max_batch)), model.num_heads, int(sm_count))
+    return (WorkspaceSpec(named(WORKSPACE), int(config["workspace_bytes"]), zero_init=True, shareable=False),
+            WorkspaceSpec(named(COUNTERS), counters, zero_init=True, shareable=False))
 
 
 class TrtllmMLABackend:
@@ -110,6 +122,15 @@ class TrtllmMLABackend:
     )
 
     @classmethod
+    def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
+        """Every instance's workspace and counters (:func:`workspace_specs`): the target's, and one pair per
+        speculative draft step; acquired by each instance at construction."""
+        c = inputs.cfg
+        batch = max_decode_tokens(c["kv"], c["graph"])
+        return by_name(*(s for i in instances(c["speculative"])
+                         for s in workspace_specs(c["backend"], inputs.model, batch, inputs.device.sm_count, i)))
+
+    @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list[Problem]:
         name = backend_cfg.get("name", "trtllm_mla")
         out = latent_problems(name, model_cfg)
@@ -133,15 +154,9 @@ class TrtllmMLABackend:
         self.page_size = kv_pool.page_size
         self.tables = BlockTables(req_to_token_pool, self.page_size, align=max(1, 128 // self.page_size))
 
-        def named(base: str) -> str:
-            return f"{base}:{instance}" if instance else base
-
-        self.workspace = ledger.acquire(
-            WorkspaceSpec(named(WORKSPACE), int(config["workspace_bytes"]), zero_init=True, shareable=False),
-            self.consumer)
-        counters = trtllm_counter_bytes(max(1, int(max_batch)), model.num_heads, int(sm_count))
-        self.counters = ledger.acquire(WorkspaceSpec(named(COUNTERS), counters, zero_init=True, shareable=False),
-                                       self.consumer)
+        workspace, counters = workspace_specs(config, model, max_batch, sm_count, instance)
+        self.workspace = ledger.acquire(workspace, self.consumer)
+        self.counters = ledger.acquire(counters, self.consumer)
 
     # ------------------------------------------------------------------------------------- metadata
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -10,7 +10,7 @@ from conftest import compose_config
 from dependency_injector import providers
 
 import containers
-from backends.base import AttentionBackend, BackendCapabilities
+from backends.base import AttentionBackend, BackendCapabilities, no_workspaces
 from runtime.app.validation import validate
 from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo
@@ -64,6 +64,8 @@ class RecordingBackend:
     @classmethod
     def config_problems(cls, backend_cfg, model_cfg, device):
         return []
+
+    workspace_specs = classmethod(no_workspaces)
 
     def __init__(self):
         object.__setattr__(self, "calls", [])

@@ -16,10 +16,11 @@ from dependency_injector import providers
 
 import containers
 from runtime.app.memory_checks import memory_problems, plan_memory
-from runtime.app.memory_estimate import weight_bytes
+from runtime.app.memory_estimate import weight_bytes, workspace_inputs
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import ConfigError
 from runtime.core.memory_plan import CPU_NUM_PAGES, FixedMemory, GiB, agree_pages
+from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import SingleRank
 from runtime.engine.oom import OOMGuard, OutOfMemoryStop
 
@@ -98,6 +99,36 @@ def test_every_paged_line_and_the_engine_pools_agree():
             assert abs(host - hs.host_pool.numel() * hs.host_pool.element_size()) <= hs.host_pool[0, 0].nbytes * 2 * 8
 
 
+BLACKWELL_ON_CPU = ("backend.kernel=emulate", "model.dtype=bfloat16", "speculative=eagle_chain")
+
+
+@pytest.mark.parametrize("over", [
+    ("backend=triton_mla", "speculative=eagle_chain"), ("model=tiny_dsa", "backend=dsa", "backend.impl=triton"),
+    ("backend=trtllm_mla", "kv.page_size=32", "backend.workspace_bytes=65536", *BLACKWELL_ON_CPU),
+    ("backend=tokenspeed_mla", "kv.page_size=16", *BLACKWELL_ON_CPU)])
+def test_the_workspace_lines_are_what_the_ledger_holds(over):
+    """One source: the plan's workspace lines and what the container acquires both come from the backend class's
+    ``workspace_specs`` (the draft steps' own workspaces included)."""
+    rt = containers.build(compose_config(*over, "device=cpu", "check=off", "kv.num_pages=64"))
+    planned = {x.name.removeprefix("workspace: "): x.nbytes for x in rt.container.memory_budget().fixed
+               if x.name.startswith("workspace: ") and x.nbytes}
+    assert planned and planned == {k: n for k, n in rt.container.workspace_ledger().report().items() if n}
+
+
+@pytest.mark.parametrize("over", [("backend=torch_mla",), ("backend=triton_mla",), ("backend=flashinfer_mla",),
+                                  ("backend=trtllm_mla",), ("backend=tokenspeed_mla",),
+                                  ("backend=dsa", "model=tiny_dsa", "backend.impl=triton"),
+                                  ("backend=dsv4", "model=deepseek_v4_flash", "backend.impl=triton", "parallel.tp=2"),
+                                  ("backend=dsv4", "model=deepseek_v4_flash", "backend.impl=flashinfer")])
+def test_workspace_specs_are_the_ones_the_capabilities_name(over):
+    plain = containers.to_plain(compose_config(*over, "speculative=eagle_chain"))
+    cls = containers.BACKENDS[plain["backend"]["name"]]
+    spec = ModelSpec.from_config(plain["model"]).for_rank(plain["parallel"]["tp"])
+    specs = cls.workspace_specs(workspace_inputs(plain, spec, H100))
+    assert {name.split(":")[0] for name in specs} <= cls.capabilities.workspaces
+    assert all(name == s.name for name, s in specs.items())
+
+
 @pytest.mark.parametrize("over", [(), ("model.weights=fp8",), ("model=tiny_dsa", "backend=dsa"),
                                   ("model=ring_hybrid_tiny",)])
 def test_weight_estimate_is_what_the_model_holds(over):
@@ -109,8 +140,8 @@ def test_tensor_parallel_ranks_take_the_smallest_count():
     assert agree_pages(500, FakeGroup([300, 700])) == 300
     assert agree_pages(500, SingleRank(torch.device("cpu"))) == 500
     plain = containers.to_plain(compose_config("check=off"))
-    mine = plan_memory(plain, H100, FixedMemory(80 * GiB, 70 * GiB), SingleRank(torch.device("cpu")))
-    low = plan_memory(plain, H100, FixedMemory(80 * GiB, 70 * GiB), FakeGroup([1000]))
+    mine = plan_memory(plain, containers.BACKENDS, H100, FixedMemory(80 * GiB, 70 * GiB), SingleRank(torch.device("cpu")))
+    low = plan_memory(plain, containers.BACKENDS, H100, FixedMemory(80 * GiB, 70 * GiB), FakeGroup([1000]))
     assert mine.num_pages > 1000 and low.num_pages == 1000
 
 

@@ -46,8 +46,10 @@ def _weight_fix(plain: dict, weights: int, budget: int, rest: int) -> str:
     return ", or ".join(fixes)
 
 
-def plan_memory(plain: dict, info: DeviceInfo, reader: MemoryReader, group, reference: bool = True) -> MemoryPlan:
-    """The memory plan of ``plain`` (resolved config; ``kv.num_pages`` may be ``auto``) on this rank."""
+def plan_memory(plain: dict, backends: dict[str, type], info: DeviceInfo, reader: MemoryReader, group,
+                reference: bool = True) -> MemoryPlan:
+    """The memory plan of ``plain`` (resolved config; ``kv.num_pages`` may be ``auto``) on this rank; ``backends``:
+    name -> backend class (its ``workspace_specs`` size the workspace lines)."""
     tp, moe = plain["parallel"]["tp"], plain["parallel"]["moe"]
     spec = ModelSpec.from_config(plain["model"]).for_rank(tp)
     kv, mem, work = plain["kv"], plain["memory"], plain["workload"]
@@ -58,7 +60,7 @@ def plan_memory(plain: dict, info: DeviceInfo, reader: MemoryReader, group, refe
     weights = weight_bytes(plain["model"], tp, moe, group.rank)
     for dtype, n in sorted(weights.items(), key=lambda kv_: -kv_[1]):
         plan.fixed.append(PlanLine(f"weights: {dtype}", n, "weights"))  # the fix is filled below (needs the rest)
-    for name, n in workspace_bytes(plain, spec, info).items():
+    for name, n in workspace_bytes(plain, backends, spec, info).items():
         plan.fixed.append(PlanLine(f"workspace: {name}", n, "a smaller workspace (backend / workspace keys)"))
     if ipc := allreduce_bytes(plain["parallel"], info.kind):  # the all-reduce's symmetric buffer (one-shot / fused)
         plan.fixed.append(PlanLine("workspace: allreduce_ipc", ipc, "parallel.ipc_buffer_bytes or parallel.allreduce=nccl"))
@@ -96,7 +98,7 @@ def plan_memory(plain: dict, info: DeviceInfo, reader: MemoryReader, group, refe
                   if x.fix == "weights" else x for x in plan.fixed]
     if reference and plain["check"] != "off":
         ref_cfg = reference_config({**plain, "kv": {**kv}})
-        plan.reference = plan_memory(ref_cfg, info, reader, group, reference=False)
+        plan.reference = plan_memory(ref_cfg, backends, info, reader, group, reference=False)
         skip = memory_problems(plan.reference, ref_cfg)
         if skip:
             plan.reference_skip = ("the float32 reference does not fit this device even after this run's model is "

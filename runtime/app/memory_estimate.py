@@ -4,7 +4,7 @@
   (block-fp8 values + float32 scales, packed fp4, the model dtype, float32 routers): the same bytes per dtype as
   ``ModelWeights.bytes_by_dtype`` reports after the build (tests compare them);
 * pools: built on the ``meta`` device (shapes, no memory) at two page counts: fixed bytes and bytes per page;
-* workspaces: the backends' own workspace spec functions;
+* workspaces: the selected backend class's ``workspace_specs`` (what the container acquires);
 * activations: an estimate of the largest step's transient tensors (a full prefill batch, the largest decode or
   verify batch), and of the CUDA graph pool (the largest captured batch of each graphed mode).
 """
@@ -16,10 +16,6 @@ from pathlib import Path
 
 import torch
 
-from backends.dsa import indexer_workspace_spec, sparse_decode_workspace_spec
-from backends.dsv4 import decode_workspace_spec as dsv4_decode_workspace_spec
-from backends.flashinfer_mla import float_workspace_spec
-from backends.triton_mla import split_kv_workspace_spec
 from runtime.core.config import LayerKind
 from runtime.core.device import DeviceInfo
 from runtime.core.dsv4_pools import DSV4Pools
@@ -28,6 +24,7 @@ from runtime.core.kv_pool import MLAKVPool, ReqToTokenPool
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import Sharding
 from runtime.core.state_pool import LinearStatePool
+from runtime.core.workspace import WorkspaceInputs
 from runtime.engine.hisparse import host_page_count
 from runtime.model.deepseek.checkpoint import checkpoint_index, expected_tensors
 from runtime.model.deepseek.sharding import local_shape, tensor_cut
@@ -174,27 +171,17 @@ def hisparse_bytes(plain: dict, spec: ModelSpec, pages: int) -> tuple[int, int]:
     return device, host
 
 
-def workspace_bytes(plain: dict, spec: ModelSpec, info: DeviceInfo) -> dict[str, int]:
-    """name -> bytes of the named workspaces the selected backend will acquire (the container's wiring)."""
-    b, name = plain["backend"], plain["backend"]["name"]
-    device = info.torch_device
-    if name == "triton_mla":
-        return {"triton_split_kv": split_kv_workspace_spec(spec, b).nbytes}
-    if name == "flashinfer_mla":
-        return {"flashinfer_float": float_workspace_spec(plain["workspace"]).nbytes}
-    if name == "dsa":
-        return {"dsa_sparse_decode": sparse_decode_workspace_spec(spec, b, plain["kv"], plain["graph"], device).nbytes,
-                "dsa_indexer": indexer_workspace_spec(spec, b, plain["kv"], plain["graph"], plain["speculative"],
-                                                      device).nbytes}
-    if name == "dsv4":
-        att = _dsv4_rank_attention(plain["model"], plain["parallel"]["tp"])
-        out = {"dsv4_decode_splits": dsv4_decode_workspace_spec(att, b, info).nbytes}
-        if str(b.get("impl")) == "flashinfer":
-            out["dsv4_flashinfer"] = int(b["workspace_bytes"])
-        return out
-    if name in ("trtllm_mla", "tokenspeed_mla"):
-        return {name: int(b.get("workspace_bytes", 128 << 20))}
-    return {}
+def workspace_inputs(plain: dict, spec: ModelSpec, info: DeviceInfo) -> WorkspaceInputs:
+    """What the backend class sizes its workspaces from (the container builds the same from its providers)."""
+    v4 = _dsv4_rank_attention(plain["model"], plain["parallel"]["tp"]) if spec.is_dsv4 else None
+    return WorkspaceInputs(spec, plain, info, v4)
+
+
+def workspace_bytes(plain: dict, backends: dict[str, type], spec: ModelSpec, info: DeviceInfo) -> dict[str, int]:
+    """name -> bytes of the named workspaces the selected backend will acquire: its class's ``workspace_specs``,
+    the specs the container acquires (``backends``: name -> backend class)."""
+    specs = backends[plain["backend"]["name"]].workspace_specs(workspace_inputs(plain, spec, info))
+    return {name: s.nbytes for name, s in specs.items()}
 
 
 def _longest(plain: dict, spec: ModelSpec) -> int:

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from runtime.core.errors import ConfigError, Problem
+
+if TYPE_CHECKING:
+    from runtime.core.device import DeviceInfo
+    from runtime.core.dsv4_spec import DSV4AttentionSpec
+    from runtime.core.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,29 @@ class WorkspaceSpec:
     nbytes: int
     zero_init: bool = False
     shareable: bool = False
+
+
+@dataclass(frozen=True)
+class WorkspaceInputs:
+    """What a backend class sizes its workspaces from (its ``workspace_specs`` classmethod). The container and the
+    memory plan build it from the same resolved config, so the plan's bytes are the bytes the ledger allocates.
+
+    Attributes
+    ----------
+    model : ModelSpec
+        This rank's model (its share of the heads).
+    cfg : dict
+        The resolved plain root config (``backend``, ``kv``, ``graph``, ``speculative``, ``workspace`` sections).
+    device : DeviceInfo
+        The device the workspaces live on (its kind resolves ``impl=auto``; its SM count sizes split scratch).
+    v4_attention : DSV4AttentionSpec or None
+        DeepSeek-V4: this rank's attention spec (``num_heads / tp``); None for other models.
+    """
+
+    model: ModelSpec
+    cfg: dict
+    device: DeviceInfo
+    v4_attention: DSV4AttentionSpec | None = None
 
 
 class WorkspaceLedger:
