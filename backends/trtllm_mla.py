@@ -67,8 +67,8 @@ def latent_problems(name: str, model_cfg: dict) -> list[Problem]:
                     "use a DeepSeek-shaped model config, or backend=triton_mla / torch_mla")]
 
 
-def workspace_specs(config: dict, model: ModelSpec, max_batch: int, sm_count: int,
-                    instance: str = "") -> tuple[WorkspaceSpec, WorkspaceSpec]:
+def instance_workspaces(config: dict, model: ModelSpec, max_batch: int, sm_count: int,
+                        instance: str = "") -> tuple[WorkspaceSpec, WorkspaceSpec]:
     """One instance's kernel workspace (``backend.workspace_bytes``) and its multi-CTA counters (sized for
     ``max_batch`` requests), both zero-initialised and unshared; named ``...:<instance>`` for a draft step's."""
     def named(base: str) -> str:
@@ -123,12 +123,12 @@ class TrtllmMLABackend:
 
     @classmethod
     def workspace_specs(cls, inputs: WorkspaceInputs) -> dict[str, WorkspaceSpec]:
-        """Every instance's workspace and counters (:func:`workspace_specs`): the target's, and one pair per
+        """Every instance's workspace and counters (:func:`instance_workspaces`): the target's, and one pair per
         speculative draft step; acquired by each instance at construction."""
         c = inputs.cfg
         batch = max_decode_tokens(c["kv"], c["graph"])
         return by_name(*(s for i in instances(c["speculative"])
-                         for s in workspace_specs(c["backend"], inputs.model, batch, inputs.device.sm_count, i)))
+                         for s in instance_workspaces(c["backend"], inputs.model, batch, inputs.device.sm_count, i)))
 
     @classmethod
     def config_problems(cls, backend_cfg: dict, model_cfg: dict, device) -> list[Problem]:
@@ -154,7 +154,7 @@ class TrtllmMLABackend:
         self.page_size = kv_pool.page_size
         self.tables = BlockTables(req_to_token_pool, self.page_size, align=max(1, 128 // self.page_size))
 
-        workspace, counters = workspace_specs(config, model, max_batch, sm_count, instance)
+        workspace, counters = instance_workspaces(config, model, max_batch, sm_count, instance)
         self.workspace = ledger.acquire(workspace, self.consumer)
         self.counters = ledger.acquire(counters, self.consumer)
 
