@@ -105,10 +105,10 @@ class Problem:
         return indexer_topk_extend(self.iq[:c], self.iw[:c], self.keys, self.table, self.rows, pos, indptr, TOPK,
                                    max_len=p + c, scratch=self.scratch)[0]
 
-    def attention(self, p: int, c: int, topk: torch.Tensor):
+    def attention(self, p: int, c: int, topk: torch.Tensor, **tiling):
         locs = topk_locations(topk, self.table, self.rows[:1].expand(c))
         return sparse_mla_extend(self.q_nope[:c], self.q_pe[:c], self.kv, locs, SCALE, self.attn_scratch,
-                                 out=self.out[:c])
+                                 out=self.out[:c], **tiling)
 
     def sparse(self, p: int, c: int):
         return self.attention(p, c, self.indexer(p, c))
@@ -158,11 +158,44 @@ class DenseMHA:
         return eager_ms(lambda: w.run(q, k, v))
 
 
+#: (block_h, block_n, num_warps, num_stages) of the sparse extend kernel that ``--tilings`` times
+TILINGS = ((64, 32, 8, 2), (64, 16, 4, 2), (64, 16, 8, 3), (64, 32, 8, 1), (64, 32, 8, 3), (64, 32, 4, 2),
+           (64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 4, 2), (32, 64, 8, 3), (32, 32, 4, 3), (16, 64, 4, 3),
+           (128, 16, 8, 2), (128, 32, 8, 1))
+
+
+def time_tilings(ceil, gen) -> None:
+    """The sparse extend kernel's tilings on the last chunk of a 32k prompt (one chunk, the same selection for
+    each; each checked against the default tiling first): ms, TFLOP/s and % of the matmul ceiling."""
+    n = LENGTHS_QUICK[-1]
+    pr = Problem(n, gen)
+    p, c = pr.chunks()[-1]
+    topk = pr.indexer(p, c)
+    want = pr.attention(p, c, topk).clone()
+    flops = c * TOPK * H * (D_CKV + D_PE + D_CKV) * 2
+    rows = []
+    for bh, bn, nw, ns in TILINGS:
+        tiling = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+        try:
+            err = rel_err(pr.attention(p, c, topk, **tiling), want)
+            ms = eager_ms(lambda t=tiling: pr.attention(p, c, topk, **t))
+        except Exception as e:  # noqa: BLE001  (a tiling that does not compile or fit is a row, not a stop)
+            log(f"    {tiling}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            continue
+        rows.append({"block_h": bh, "block_n": bn, "warps": nw, "stages": ns, "ms": ms,
+                     "tflops": tflop_per_s(flops, ms), "pct_matmul": ceil.pct_matmul(flops, ms), "rel_err": err})
+    title = f"sparse extend tilings: {c} tokens after a {p}-token prefix, H {H}, top-{TOPK}, bf16 (first row: default)"
+    report("dsa_prefill_tilings", ceil, Table(rows, title=title, formats={"ms": ".3g", "tflops": ".3g",
+                                                                          "pct_matmul": ".3g", "rel_err": ".1e"}),
+           meta={"tokens": c, "prefix": p})
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8k and 32k only")
     ap.add_argument("--smoke", action="store_true", help="the CPU interpreter, tiny sizes, no numbers")
     ap.add_argument("--no-fi", action="store_true", help="skip the FlashInfer dense prefill")
+    ap.add_argument("--tilings", action="store_true", help="only the sparse extend kernel's tilings (last 32k chunk)")
     return ap
 
 
@@ -172,6 +205,8 @@ def main(argv=None) -> None:
     ceil = measure_ceilings(DEV)
     log(f"ceilings: {ceil.summary()}")
     gen = torch.Generator(device=DEV).manual_seed(0)
+    if args.tilings:
+        return time_tilings(ceil, gen)
     mha = None
     if not (SMOKE or args.no_fi):
         try:

@@ -36,6 +36,10 @@ import numpy as np
 
 from bench.harness import Ceilings, Table, json_line
 
+# the one-prompt TTFT is also timed after this much GPU idle (a low rate's gap between requests): how much of the
+# server's TTFT at a low rate is the GPU waking up rather than the server
+IDLE_BEFORE_PROMPT_S = 0.4
+
 
 @dataclass
 class Job:
@@ -191,7 +195,9 @@ def summarize(rate: float, outcomes: list[Outcome], seconds: float) -> dict:
 
 def offline_figures(plain: dict, jobs: list[Job]) -> dict:
     """The same requests through the offline engine (all queued at once), timed on a second run after a warm-up
-    run of the same requests (as the server is warm when the first request comes): output tokens/s, step times."""
+    run of the same requests (as the server is warm when the first request comes): output tokens/s, step times;
+    then the first prompt alone for one token, five times back to back and five times after
+    ``IDLE_BEFORE_PROMPT_S`` of idle."""
     import containers
     from runtime.app.memory_checks import release
     from runtime.engine.workload import RequestSpec, Workload
@@ -208,20 +214,25 @@ def offline_figures(plain: dict, jobs: list[Job]) -> dict:
     seconds = time.perf_counter() - start
     steps = {ph: [s.seconds for s in res.steps if s.phase == ph] for ph in ("prefill", "decode")}
     decode_batches = [s.batch_size for s in res.steps if s.phase == "decode"]
+    out_tokens = sum(len(v) for v in res.outputs.values())
     engine.requests = Workload((RequestSpec(specs[0].prompt, 1),), frozenset(), tok)  # one prompt: TTFT's match
-    alone, walls = [], []  # its prefill forwards' device time; the wall time to its one token (host planning too)
-    for _ in range(5):
+    alone, walls, idle_walls = [], [], []  # its prefill's device time; wall time to its one token (host too)
+    for i in range(10):
+        if i >= 5:  # as at a low request rate: the GPU idle before the prompt comes
+            time.sleep(IDLE_BEFORE_PROMPT_S)
         t0 = time.perf_counter()
-        res = engine.run(record_hidden=False)
-        walls.append(time.perf_counter() - t0)
-        alone.append(sum(s.seconds for s in res.steps if s.phase == "prefill"))
+        one = engine.run(record_hidden=False)
+        (walls if i < 5 else idle_walls).append(time.perf_counter() - t0)
+        if i < 5:
+            alone.append(sum(s.seconds for s in one.steps if s.phase == "prefill"))
     release(rt)  # the server's memory plan reads the device after this
-    return {"offline out tok/s": sum(len(v) for v in res.outputs.values()) / seconds,
+    return {"offline out tok/s": out_tokens / seconds,
             "offline prefill step p50 ms": _pct(steps["prefill"], 50),
             "offline decode step p50 ms": _pct(steps["decode"], 50), "offline seconds": seconds,
             "offline prefill steps": len(steps["prefill"]),
             "offline decode batch": float(np.mean(decode_batches)) if decode_batches else math.nan,
-            "offline one-prompt prefill ms": _pct(alone, 50), "offline one-prompt TTFT ms": _pct(walls, 50)}
+            "offline one-prompt prefill ms": _pct(alone, 50), "offline one-prompt TTFT ms": _pct(walls, 50),
+            "offline one-prompt TTFT after idle ms": _pct(idle_walls, 50)}
 
 
 def goal_ratios(rows: list[dict], meta: dict) -> dict:

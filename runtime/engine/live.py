@@ -199,6 +199,8 @@ class LiveEngine:
                             self.observer.step(rec.phase, rec.batch_size, rec.tokens)
                             self._untimed.append(rec)
                     self._unflushed = True  # with overlap, the newest step's tokens may still be pending
+                    if self._first_pending():  # read it back now: a first token waits for no decode launch
+                        self.engine.flush()
                 else:
                     self.engine.flush()
                     self._unflushed = False
@@ -206,7 +208,19 @@ class LiveEngine:
             except Exception as e:  # noqa: BLE001  (a failed step must not stop the service)
                 self._fail_all(e)
 
+    def _first_pending(self) -> bool:
+        """A live request's first token was sampled and is not read back yet, and no prompt waits for a prefill.
+        With overlap the engine reads a step back only after launching the next one; after a prefill that would
+        add the next decode step's planning and launch to the time to first token, so the loop reads it back at
+        once (that launch then follows the prefill's kernels: one decode step's planning not overlapped, once per
+        prefill). While prompts wait, the next step is their prefill, whose host work overlapping this one's
+        kernels is worth more (eager prefills are launch-bound): the first tokens then go out after it."""
+        if self._inbox or self.engine.load[0]:
+            return False
+        return any(not live.sent and live.request.output for live in self._live.values())
+
     def _emit(self) -> None:
+        """Send every live request its resolved tokens; finish those that are done."""
         now = time.perf_counter()
         while self._untimed and self._untimed[0].marks:  # resolved (its outputs read): its device time is known
             rec = self._untimed.popleft()
