@@ -205,6 +205,43 @@ def test_live_engine_finishes_the_last_request_while_its_token_is_still_pending(
         live.stop()
 
 
+@pytest.mark.parametrize("budget,want", [(64, {"a": 1}), (3, {"a": 2, "b": 2})])
+def test_live_engine_sends_a_first_token_before_the_next_launch(budget, want, monkeypatch):
+    """With overlap a step is read back after the next launch (the device here never reports a step done on its
+    own, as a GPU behind the host); a first token is read back at once when no prompt waits: alone, its event
+    follows the prefill step, not the decode steps launched behind it (it came after 3 steps before). With a second
+    prompt waiting (a batch budget of one 3-token prompt), the first prefill's token waits for the second
+    prefill's launch (overlap kept), then both go out."""
+    import threading
+
+    from runtime.engine.live import LiveEngine
+    from runtime.engine.step_outputs import StepOutputs
+
+    monkeypatch.setattr(StepOutputs, "_ready", lambda self, step: False)
+
+    rt = containers.build(compose_config("device=cpu", "kv.num_pages=64", "engine.overlap=on",
+                                         f"workload.max_tokens_per_batch={budget}",
+                                         f"workload.chunked_prefill_size={budget}"))
+    live = LiveEngine(rt.engine, None, frozenset(), 8)
+    firsts, seen = {}, threading.Event()
+
+    def sink_for(name):
+        def sink(ev):
+            if ev.kind == "tokens" and name not in firsts:
+                firsts[name] = live.steps  # steps launched when the first token went out
+                if len(firsts) == len(want):
+                    seen.set()
+        return sink
+
+    for name in want:
+        live.submit([3, 1, 4], 6, SamplingParams(), sink_for(name))
+    live.start()
+    try:
+        assert seen.wait(20) and firsts == want
+    finally:
+        live.stop()
+
+
 def test_live_engine_survives_a_failing_step():
     """A step that raises fails the requests in flight with an error event, returns their pages, and the engine
     thread goes on serving the next request."""
