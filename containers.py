@@ -410,7 +410,7 @@ class Container(containers.DeclarativeContainer):
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,
         decoder_ops, collectives))
     dsv4_model = _step(build_log, "model", providers.Factory(
-        DSV4Model, model_spec, dsv4_rank_cfg, model_weights, dsv4_pools, backend, collectives))
+        DSV4Model, model_spec, dsv4_rank_cfg, model_weights, dsv4_pools, backend, collectives, decoder_ops))
     model = providers.Selector(model_kind, mla=mla_model, hybrid=mla_model, dsv4=dsv4_model)
 
     # 7. speculative decoding (built only when speculative.enabled): the draft model is the target's first

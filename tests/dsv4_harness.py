@@ -11,6 +11,7 @@ from runtime.core.batch import ForwardMode, make_batch
 from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import SingleRank
+from runtime.model.deepseek.ops import TorchOps
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.model import DSV4Model
 from runtime.model.dsv4.weights import ModelWeights
@@ -70,17 +71,19 @@ def tiny_pair(seed: int = 0, dtype=torch.float64, **over):
 
 
 class Driver:
-    """Our V4 model over fresh pools; runs steps of several requests."""
+    """Our V4 model over fresh pools; runs steps of several requests. ``ops``: the decoder ops (default the torch
+    ones, the reference)."""
 
     def __init__(self, cfg: DSV4Config, weights: ModelWeights, max_requests: int = 4, max_context: int = 64,
-                 dtype=torch.float64, entry_page_size: int = 3, impl: str = "torch"):
+                 dtype=torch.float64, entry_page_size: int = 3, impl: str = "torch", ops=None):
         self.pools = DSV4Pools.build(cfg.attention, max_requests, max_context, entry_pages=64,
                                      entry_page_size=entry_page_size, dtype=dtype, device=torch.device("cpu"))
         self.backend = DSV4Backend(self.pools, "float64" if dtype == torch.float64 else "float32", impl=impl)
         spec = ModelSpec.from_config({"name": "tiny_v4", "num_layers": cfg.attention.num_layers,
                                       "hidden_size": cfg.hidden_size, "num_heads": cfg.attention.num_heads,
                                       "vocab_size": cfg.vocab_size, "dtype": str(dtype).removeprefix("torch.")})
-        self.model = DSV4Model(spec, cfg, weights, self.pools, self.backend, SingleRank(torch.device("cpu")))
+        self.model = DSV4Model(spec, cfg, weights, self.pools, self.backend, SingleRank(torch.device("cpu")),
+                               ops or TorchOps())
         self.lens: dict[int, int] = {}
 
     def admit(self, row: int) -> None:

@@ -12,22 +12,27 @@ o_lora_rank 128 (o_a_proj 256 rows, o_b_proj 256 columns), expert width 256 (sha
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
 from conftest import compose_config
+from dependency_injector import providers
 from hf_models import prompt_overrides
 from test_dsv4_config import TINY
 
-from containers import build, to_plain
+from containers import BACKENDS, Container, build, to_plain
 from runtime.app.report import memory_plan
+from runtime.app.validation import validate
 from runtime.app.weights_checks import weights_problems
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import CheckpointError
 from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.hf_config import resolve_model_config
+from runtime.model.deepseek.ops import TorchOps
 from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights
 from runtime.model.dsv4.hf_config import dsv4_config
+from runtime.model.dsv4.layer import grouped_output
 from runtime.model.dsv4.stored import StoredFormat
 from runtime.model.quantized import (
     E2M1_VALUES,
@@ -50,6 +55,7 @@ from test_dsv4_tp_sharding import assert_reassembles  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CPU = torch.device("cpu")
+H100 = DeviceInfo("cuda", "cuda", 0, True, (9, 0), "NVIDIA H100")
 # even experts / vocabulary (tp=2), and dims whose tp=2 cuts keep every fp8 block whole (see the docstring)
 DIMS = {"n_routed_experts": 6, "vocab_size": 98, "o_lora_rank": 128, "moe_intermediate_size": 256}
 PROMPTS, NEW = [[5, 17, 3, 60, 8], [41, 2, 2, 90, 33, 7, 12, 71, 19]], 5
@@ -144,8 +150,7 @@ def test_auto_is_stored_for_a_quantized_v4_checkpoint(release):
                                   "model.weights=dequantize"))
     assert deq["model"]["weights"] == "dequantize" and not weights_problems(deq, a100)
     graphed = to_plain(compose_config("model=hf", f"model.path={release[0]}", "backend=dsv4", "graph=decode"))
-    (p,) = weights_problems(graphed, DeviceInfo("cuda", "cuda", 0, True, (9, 0), "NVIDIA H100"))
-    assert p.what == "graph.enabled=true" and p.fix == "graph=off, or model.weights=dequantize"  # the expert loop
+    assert not weights_problems(graphed, H100)  # fp4 experts: the fp4 kernels, no host sync
 
 
 def test_stored_weights_keep_the_release_formats(release):
@@ -167,24 +172,81 @@ def test_stored_weights_keep_the_release_formats(release):
     assert "mlp.gate_up_proj" not in stored.unquantized_bytes() and "mlp.gate_up_proj" in deq.unquantized_bytes()
 
 
-def _serve(release, weights: str):
+def _serve(release, weights: str, container: Container | None = None):
     folder = release[0]
     rt = build(compose_config("model=hf", f"model.path={folder}", "backend=dsv4", "model.dtype=float32",
                               "backend.compute_dtype=float32", "device=cpu", "check=off", "progress=false",
-                              f"model.weights={weights}", *prompt_overrides(folder, PROMPTS, NEW)))
+                              f"model.weights={weights}", *prompt_overrides(folder, PROMPTS, NEW)), container)
     res = rt.engine.run()
     return [res.outputs[i] for i in range(len(PROMPTS))], rt
 
 
-def test_stored_serves_the_dequantized_tokens(release):
+@pytest.fixture(scope="module")
+def served(release):
+    """(tokens, runtime) of the release served as stored on the CPU (the torch decoder ops)."""
+    return _serve(release, "stored")
+
+
+def test_stored_serves_the_dequantized_tokens(release, served):
     """Same checkpoint, same compute dtype (float32): stored and dequantize give the same greedy tokens; the stored
     one holds fewer bytes (the fp4 experts 1/8 of float32 plus a scale per 32, the fp8 matrices 1/4)."""
-    tokens, rt = _serve(release, "stored")
+    tokens, rt = served
     want, rt_deq = _serve(release, "dequantize")
     assert tokens == want and all(len(t) == NEW for t in tokens)
     w, w_deq = rt.container.model().weights, rt_deq.container.model().weights
     assert isinstance(w.layers[0].mlp.down_proj, PackedFP4) and not rt.container.model().grouped_mm
     assert memory_plan(rt.container)["weights_bytes"] == w.nbytes < 0.5 * w_deq.nbytes
+
+
+class CountingOps(TorchOps):
+    """The torch ops, counting the block-fp8 weights ``linear`` multiplies: (values' data_ptr, shape) -> calls."""
+
+    def __init__(self):
+        self.fp8 = Counter()
+
+    def linear(self, x, w):
+        if isinstance(w, BlockFP8):
+            self.fp8[w.weight.data_ptr(), tuple(w.shape)] += 1
+        return super().linear(x, w)
+
+
+def test_stored_fp8_matrices_go_through_the_injected_ops(release, served):
+    """The container gives the V4 model its decoder ops (the CPU: TorchOps); a recording stand-in sees every stored
+    fp8 matrix of every layer (o_a_proj once per output group, on the group's 128 rows) and serves the same tokens."""
+    want, rt = served
+    assert type(rt.container.decoder_ops()) is TorchOps and rt.container.model().ops is rt.container.decoder_ops()
+    ops, container = CountingOps(), Container()
+    container.decoder_ops.override(providers.Object(ops))
+    tokens, rt = _serve(release, "stored", container)
+    assert tokens == want
+    seen = {ptr for ptr, _ in ops.fp8}
+    for layer in rt.container.model().weights.layers:
+        fp8 = {name: w for name, w in layer.named() if isinstance(w, BlockFP8)}
+        assert {"attn.q_a_proj", "attn.q_b_proj", "attn.kv_proj", "attn.o_a_proj", "attn.o_b_proj",
+                "mlp.shared_gate_proj", "mlp.shared_up_proj", "mlp.shared_down_proj"} <= set(fp8)
+        assert all(w.weight.data_ptr() in seen for w in fp8.values()), [n for n, w in fp8.items()
+                                                                         if w.weight.data_ptr() not in seen]
+        o_a = layer.attn.o_a_proj
+        rows, cols = o_a.shape[0] // 2, o_a.shape[1]
+        calls = [ops.fp8[o_a.weight.data_ptr() + g * rows * cols, (rows, cols)] for g in range(2)]
+        assert calls[0] == calls[1] > 0  # one product per group and step
+
+
+def test_grouped_output_multiplies_a_block_fp8_o_a_per_group():
+    """o_a [G * R, H * D / G] in block-fp8 with R = 128 (whole blocks): one ``ops.linear`` per group, within float32
+    rounding of the dequantized einsum; R = 8 (a cut through a block: tiny shapes) takes that einsum itself."""
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(5, 4, 96, generator=g)  # [T, H, D], 2 groups of 2 heads: 192 inputs per group
+    o_b = torch.randn(40, 256, generator=g) / 16
+    for rows, calls in ((128, 2), (8, 0)):
+        o_a = BlockFP8.quantize(torch.randn(2 * rows, 192, generator=g) / 14)
+        ops = CountingOps()
+        got = grouped_output(o, o_a, o_b[:, : 2 * rows], 2, ops)
+        want = grouped_output(o, o_a.dequantize(torch.float32), o_b[:, : 2 * rows], 2)
+        assert sum(ops.fp8.values()) == calls and all(shape == (rows, 192) for _, shape in ops.fp8)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        if not calls:
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("moe", ["tp", "ep"])
@@ -264,6 +326,30 @@ def test_a_preset_cut_through_an_fp4_group_or_fp8_block_is_refused_with_the_vali
     assert any("shared_experts.gate_proj" in p.what and "128 x 128 fp8" in p.expected for p in probs)
     ep = _problems(*flash, "model.moe_intermediate_size=2064", "parallel.tp=2", "parallel.moe=ep")
     assert ep and not [p for p in ep if p.what.startswith("fp4")]  # ep: whole experts
+
+
+def test_graphs_are_refused_only_for_routed_experts_that_loop_on_the_host():
+    """graph=decode with V4 weights held as stored: fp4 routed experts (the release's, the preset's default) take the
+    fp4 kernels and the fp8 matrices the fused ops' fp8 kernels, no host sync: accepted; fp8 routed experts still
+    loop over the active experts (a host sync): refused, naming the fix."""
+    flash = ("model=deepseek_v4_flash", "backend=dsv4", "model.weights=fp8", "graph=decode", *TINY)
+    fp4, fp8 = (to_plain(compose_config(*flash, f"model.v4.expert_dtype={e}")) for e in ("fp4", "fp8"))
+    assert not weights_problems(fp4, H100)
+    (p,) = weights_problems(fp8, H100)
+    assert p.what == "graph.enabled=true" and "block-fp8 routed experts" in p.got and "host sync" in p.expected
+    assert p.fix == "graph=off, or model.weights=bf16, or model.v4.expert_dtype=fp4 (the release's)"
+    assert not weights_problems({**fp8, "model": {**fp8["model"], "weights": "bf16"}}, H100)  # the grouped GEMMs
+    no_limit = {**fp4, "model": {**fp4["model"], "v4": {**fp4["model"]["v4"], "swiglu_limit": 0.0}}}
+    (p,) = weights_problems(no_limit, H100)  # the fp4 kernels clamp with a positive limit only
+    assert "swiglu_limit=0.0" in p.got and p.fix == "graph=off, or model.weights=bf16"
+
+
+def test_fused_ops_mode_is_validated_for_v4():
+    """model.fused picks the V4 model's decoder ops too: =on on the CPU is refused before anything is built."""
+    plain = to_plain(compose_config("model=deepseek_v4_flash", "backend=dsv4", "device=cpu", "model.fused=on", *TINY))
+    text = "\n".join(map(str, validate(plain, BACKENDS, DeviceInfo("cpu", "cpu", 0, False, None, "cpu"),
+                                       package_present=lambda name: True)))
+    assert "model.fused=on" in text and "model.fused=auto" in text
 
 
 def test_a_checkpoint_cut_through_a_block_is_refused_before_reading(release):

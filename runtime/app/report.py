@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.table import Table
 
 from runtime.app.spec_compare import summary_line
-from runtime.core.model_spec import DSV4_MODEL_TYPE
 from runtime.engine.engine import RunResult
 
 
@@ -188,11 +187,10 @@ def _graphs(runner) -> dict:
 
 def fp8_compute(runtime) -> str | None:
     """How the model's stored block-fp8 weights meet activations above 16 rows: its decoder ops' ``fp8_compute``
-    (``"w8a8"``: e4m3 activations, ``"w8a16"``: 16-bit ones) when it holds fp8 weights, else None (also for
-    DeepSeek-V4, whose layers do not run those ops)."""
-    m = runtime.config["model"]
+    (``"w8a8"``: e4m3 activations, ``"w8a16"``: 16-bit ones) when it holds fp8 weights (MLA and DeepSeek-V4
+    layers alike multiply them through those ops), else None."""
     w = runtime.container.model().weights
-    if m.get("model_type") == DSV4_MODEL_TYPE or "float8_e4m3fn" not in w.bytes_by_dtype():
+    if "float8_e4m3fn" not in w.bytes_by_dtype():
         return None
     return runtime.container.decoder_ops().fp8_compute
 

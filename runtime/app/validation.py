@@ -90,19 +90,21 @@ def validate(
                                     f"(model_type {model.get('model_type')})", "model.v4 only for a DeepSeek-V4 model",
                                     "drop the model.v4 overrides"))
         problems += _model_problems(model, name, caps)
-        fused = str(model.get("fused", "auto"))
-        for reason in ops_problems(fused, device, TORCH_DTYPES[str(model["dtype"])]):
-            add(Problem(f"model.fused={fused}", f"device {device.kind} ({device.name}), model.dtype={model['dtype']}",
-                        f"the fused decoder kernels' requirement: {reason}",
-                        "use model.fused=auto (fused where supported, torch elsewhere) or model.fused=off"))
-        rows = model.get("gemv_rows", GEMV_MAX_ROWS)
-        if not 0 <= int(rows) <= GEMV_MAX_ROWS:
-            add(Problem("model.gemv_rows", str(rows), f"0 .. {GEMV_MAX_ROWS} (the few-row kernels use one "
-                        f"{GEMV_MAX_ROWS}-row tile; 0 turns them off)", f"model.gemv_rows={GEMV_MAX_ROWS}"))
         if any(LayerKind(k) == LayerKind.linear for k in model["layer_pattern"]):
             problems += _linear_problems(cfg, linear_backend, device, package_present)
         if cfg["hisparse"]["enabled"]:
             problems += _hisparse_problems(cfg, name, caps, serving)
+
+    # --- the decoder ops (MLA and V4 layers multiply their weights through them)
+    fused = str(model.get("fused", "auto"))
+    for reason in ops_problems(fused, device, TORCH_DTYPES[str(model["dtype"])]):
+        add(Problem(f"model.fused={fused}", f"device {device.kind} ({device.name}), model.dtype={model['dtype']}",
+                    f"the fused decoder kernels' requirement: {reason}",
+                    "use model.fused=auto (fused where supported, torch elsewhere) or model.fused=off"))
+    rows = model.get("gemv_rows", GEMV_MAX_ROWS)
+    if not 0 <= int(rows) <= GEMV_MAX_ROWS:
+        add(Problem("model.gemv_rows", str(rows), f"0 .. {GEMV_MAX_ROWS} (the few-row kernels use one "
+                    f"{GEMV_MAX_ROWS}-row tile; 0 turns them off)", f"model.gemv_rows={GEMV_MAX_ROWS}"))
 
     # --- speculative decoding
     if cfg["speculative"]["enabled"]:

@@ -2,7 +2,8 @@
 source, the GPU computes fp8, and a preset's fp8 blocks (DeepSeek-V4: also its fp4 experts' 32-input scale groups)
 survive its tensor-parallel cuts. A checkpoint's own fp8 / fp4 tensors are checked against the cuts from their
 headers (:func:`runtime.model.deepseek.checkpoint.scan_checkpoint`,
-:func:`runtime.model.dsv4.checkpoint.scan_dsv4_checkpoint`).
+:func:`runtime.model.dsv4.checkpoint.scan_dsv4_checkpoint`). DeepSeek-V4 held as stored refuses CUDA graphs only
+for routed experts that loop on the host (block-fp8 ones: :func:`_dsv4_graph_problems`).
 """
 
 from __future__ import annotations
@@ -60,10 +61,7 @@ def weights_problems(cfg: Mapping[str, Any], device: DeviceInfo) -> list[Problem
                            f"a GPU with fp8 tensor cores (compute capability >= {FP8_MIN_CC[0]}.{FP8_MIN_CC[1]})",
                            f"model.weights={'dequantize' if path else 'bf16'}"))
     if v4 and (cfg.get("graph") or {}).get("enabled"):
-        out.append(Problem("graph.enabled=true", f"DeepSeek-V4 weights held as stored (model.weights={value})",
-                           "graph=off: V4's stored fp8 / fp4 experts run the torch loop over the active experts (a "
-                           "host sync per MoE layer; no fp8 / fp4 expert kernel for V4 yet)",
-                           f"graph=off, or model.weights={'dequantize' if path else 'bf16'}"))
+        out += _dsv4_graph_problems(model, value, bool(path))
     if value == "fp8" and v4:
         out += _dsv4_preset_layout(cfg)
     elif value == "fp8":  # a preset: every tensor the release stores in fp8 (a checkpoint's: scan_checkpoint)
@@ -72,6 +70,30 @@ def weights_problems(cfg: Mapping[str, Any], device: DeviceInfo) -> list[Problem
         par = cfg.get("parallel") or {}
         out += block_layout_problems(spec, Sharding(0, int(par.get("tp", 1)), str(par.get("moe", "tp"))), tensors)
     return out
+
+
+def _dsv4_graph_problems(model: Mapping[str, Any], value: str, checkpoint: bool) -> list[Problem]:
+    """Graphed decode of a V4 model held as stored: the routed experts that still loop over the active experts on
+    the host (:func:`runtime.model.deepseek.moe.routed_expert_sum`: one GEMM pair per expert after a host sync,
+    which a graph capture refuses) are refused. Those are block-fp8 expert stacks (``model.v4.expert_dtype: fp8``;
+    a checkpoint's quantization_config without expert_dtype means fp8), and packed fp4 ones whose clamped SwiGLU the
+    fp4 kernels do not take (``swiglu_limit <= 0``). Packed fp4 experts on CUDA in bf16 run the fp4 expert kernels and
+    the fp8 matrices the decoder ops' fp8 kernels, neither with a host sync: accepted."""
+    v4 = model.get("v4") or {}
+    experts = StoredFormat.of(model).expert_dtype or (None if checkpoint else StoredKind.fp4.value)
+    limit = v4.get("swiglu_limit")
+    if experts == StoredKind.fp8.value:
+        why = "block-fp8 routed experts (model.v4.expert_dtype: fp8)"
+    elif experts == StoredKind.fp4.value and limit is not None and limit <= 0:
+        why = f"packed fp4 routed experts with model.v4.swiglu_limit={limit} (the fp4 kernels take a limit > 0)"
+    else:
+        return []
+    fix = "graph=off, or model.weights=" + ("dequantize" if checkpoint else "bf16")
+    fix += "" if checkpoint or experts != StoredKind.fp8.value else ", or model.v4.expert_dtype=fp4 (the release's)"
+    return [Problem("graph.enabled=true", f"DeepSeek-V4 {why} held as stored (model.weights={value})",
+                    "graph=off for these experts: they run the torch loop over the active experts (a host sync per "
+                    "MoE layer, which a CUDA graph capture refuses; V4 has fp4 expert kernels, no fp8 expert "
+                    "kernel)", fix)]
 
 
 def _dsv4_preset_layout(cfg: Mapping[str, Any]) -> list[Problem]:

@@ -10,8 +10,9 @@ scales (``<module>.scale``) and fp4 e2m1 routed experts, as config.json's ``quan
 (:mod:`runtime.model.dsv4.stored` checks them from the headers). ``model.weights=dequantize`` expands them to the
 model dtype as each tensor is read (:mod:`runtime.model.quantized`: the loaded model holds ~2x the fp8 bytes in
 bf16 and ~4x the fp4 bytes); ``model.weights=stored`` (the default for a quantized checkpoint) keeps fp8 matrices
-as :class:`~runtime.model.quantized.BlockFP8` and fp4 experts as :class:`~runtime.model.quantized.PackedFP4`, every
-product through the torch path (dequantize per weight, then the matmul; no fp8 / fp4 kernel for V4 yet). A
+as :class:`~runtime.model.quantized.BlockFP8` and fp4 experts as :class:`~runtime.model.quantized.PackedFP4` (on
+the CPU every product dequantizes per weight, then multiplies; on CUDA the decoder ops' fp8 kernels and the fp4
+expert kernels, see :mod:`runtime.model.dsv4.layer` and :mod:`runtime.model.deepseek.moe`). A
 preset with ``model.weights=fp8`` generates the same formats (:func:`runtime.model.dsv4.stored.release_kind`).
 Layers past ``num_layers`` and the MTP layers are not read.
 

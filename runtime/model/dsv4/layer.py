@@ -13,6 +13,11 @@ Attention block (per step, T new tokens of B requests, flattened as in :class:`r
 4. inverse RoPE (at the query position) on the output's rope channels; grouped low-rank output projection
    (``o_a_proj`` block-diagonal over ``o_groups`` head groups, then ``o_b_proj``).
 
+Every product with a weight matrix goes through the injected decoder ops' ``linear``
+(:mod:`runtime.model.deepseek.ops`): :class:`TorchOps` (the CPU, ``model.fused=off``: a stored block-fp8 weight
+dequantized, then the matmul, exactly :func:`runtime.model.quantized.linear`) or :class:`FusedOps` (CUDA: block-fp8
+weights through the block-fp8 Triton kernels, bf16 / fp16 ones at few rows through the skinny GEMV kernels).
+
 Decoder layer: mHC collapse -> RMSNorm -> attention -> mHC expand; mHC collapse -> RMSNorm -> MoE -> mHC expand.
 
 Tensor parallelism: ``cfg`` and the weights are this rank's (its heads, their sinks and output groups; its experts
@@ -29,31 +34,46 @@ from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.dsv4_pools import CompressorStatePool, DSV4Pools
 from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.parallel import SingleRank, TPGroup
+from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.rope import apply_rope_tail, cos_sin
 from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_post, hc_pre
-from runtime.model.dsv4.moe import moe_forward
+from runtime.model.dsv4.moe import TORCH_OPS, moe_forward
 from runtime.model.dsv4.norms import rms_norm, unweighted_rms_norm
 from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, LayerWeights
-from runtime.model.quantized import Weight, dense, linear
+from runtime.model.quantized import BlockFP8, Weight, dense
+
+#: the decoder ops (:mod:`runtime.model.deepseek.ops`): one interface, the class chosen by ``model.fused``
+Ops = TorchOps | FusedOps
 
 
-def grouped_output(o: torch.Tensor, o_a: Weight, o_b: Weight, groups: int) -> torch.Tensor:
+def grouped_output(o: torch.Tensor, o_a: Weight, o_b: Weight, groups: int, ops: Ops = TORCH_OPS) -> torch.Tensor:
     """o [T, H, D] -> [T, hidden]: group g of the flattened heads through block g of o_a [G * R, H * D / G],
-    the concatenated [T, G * R] through o_b [hidden, G * R] (stored weights dequantized per use)."""
+    the concatenated [T, G * R] through o_b [hidden, G * R] (``ops.linear``).
+
+    A block-fp8 o_a whose R rows per group are whole scale blocks (V4-Flash: R = 1024) runs ``ops.linear`` once per
+    group on that group's rows (the fused ops' fp8 kernels on CUDA); a float o_a, or one whose groups would cut a
+    block (tiny test shapes), one einsum over the groups (a stored one dequantized first)."""
     t = o.shape[0]
     x = o.reshape(t, groups, -1)
-    y = torch.einsum("tgi,gri->tgr", x, dense(o_a, x.dtype).view(groups, -1, x.shape[-1]))
-    return linear(y.reshape(t, -1), o_b)
+    rows = o_a.shape[0] // groups
+    if isinstance(o_a, BlockFP8) and (groups == 1 or rows % o_a.block[0] == 0):
+        parts = [x[:, g] if x.stride(-1) == 1 else x[:, g].contiguous() for g in range(groups)]
+        y = torch.cat([ops.linear(p, o_a[g * rows : (g + 1) * rows]) for g, p in enumerate(parts)], dim=1)
+    else:
+        y = torch.einsum("tgi,gri->tgr", x, dense(o_a, x.dtype).view(groups, -1, x.shape[-1])).reshape(t, -1)
+    return ops.linear(y, o_b)
 
 
 class DSV4Attention:
-    """One V4 attention layer's math; weights and collaborators arrive in the constructor."""
+    """One V4 attention layer's math; weights and collaborators (the decoder ops: every weight product) arrive in
+    the constructor."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, weights: AttentionWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend):
+                 backend: DSV4AttentionBackend, ops: Ops):
         self.cfg, self.layer_id, self.w, self.pools, self.backend = cfg, layer_id, weights, pools, backend
+        self.ops = ops
         self.kind = cfg.attention.layer_types[layer_id]
         self.rope = cfg.rope_main if self.kind == DSV4LayerType.sliding else cfg.rope_compress
 
@@ -62,7 +82,7 @@ class DSV4Attention:
         """Feed the step's tokens to one compressor; closed windows' entries (RoPE applied) go to the backend,
         which stores them where this layer's entries live (the pool, or HiSparse's host pool)."""
         spec, eps = self.cfg.attention, self.cfg.rms_norm_eps
-        kv, gate = linear(x, comp.kv_proj), linear(x, comp.gate_proj)  # the whole step's tokens at once
+        kv, gate = self.ops.linear(x, comp.kv_proj), self.ops.linear(x, comp.gate_proj)  # the step's tokens at once
         if batch.mode == ForwardMode.DECODE:  # the whole batch at once: candidate entries, see compress_decode
             ent = compress_decode(kv, gate, comp.position_bias, comp.kv_norm, eps, state, self.layer_id,
                                   batch.req_pool_indices.long(), batch.positions)
@@ -81,7 +101,7 @@ class DSV4Attention:
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] (normalized layer input) -> [T, hidden]."""
-        cfg, spec, w, eps = self.cfg, self.cfg.attention, self.w, self.cfg.rms_norm_eps
+        cfg, spec, w, eps, linear = self.cfg, self.cfg.attention, self.w, self.cfg.rms_norm_eps, self.ops.linear
         t = x.shape[0]
         cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions, x.dtype)
         q_res = rms_norm(linear(x, w.q_a_proj), w.q_a_norm, eps)
@@ -101,18 +121,20 @@ class DSV4Attention:
         attend = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
         o = attend(q, kv, w.sinks, topk, self.layer_id, batch)
         o = apply_rope_tail(o, cos, -sin)
-        return grouped_output(o, w.o_a_proj, w.o_b_proj, cfg.o_groups)
+        return grouped_output(o, w.o_a_proj, w.o_b_proj, cfg.o_groups, self.ops)
 
 
 class DSV4DecoderLayer:
     """mHC around attention and MoE. ``forward(streams [T, n, hidden], input_ids [T], batch)``; ``group`` sums the
-    attention and MoE outputs over the tensor-parallel ranks; ``grouped_mm``: the routed experts run as two grouped
-    GEMMs (see :mod:`runtime.model.dsv4.moe`)."""
+    attention and MoE outputs over the tensor-parallel ranks; ``ops``: the decoder ops whose ``linear`` multiplies
+    every weight matrix (the routed experts excepted); ``grouped_mm``: the routed experts run as two grouped GEMMs
+    (see :mod:`runtime.model.dsv4.moe`)."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, weights: LayerWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup, grouped_mm: bool = False):
+                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup, ops: Ops, grouped_mm: bool = False):
         self.cfg, self.layer_id, self.w, self.group, self.grouped_mm = cfg, layer_id, weights, group, grouped_mm
-        self.attention = DSV4Attention(cfg, layer_id, weights.attn, pools, backend)
+        self.ops = ops
+        self.attention = DSV4Attention(cfg, layer_id, weights.attn, pools, backend, ops)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg, w = self.cfg, self.w
@@ -122,5 +144,5 @@ class DSV4DecoderLayer:
         streams = hc_post(post, comb, a, streams)
         post, comb, x = hc_pre(w.ffn_hc, streams, it, he, ne)
         m = self.group.all_reduce(moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg,
-                                              self.grouped_mm))
+                                              self.grouped_mm, self.ops))
         return hc_post(post, comb, m, streams)

@@ -23,7 +23,7 @@ from runtime.core.parallel import SingleRank, TPGroup
 from runtime.model.deepseek.moe import GROUPED_MM
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_head
-from runtime.model.dsv4.layer import DSV4DecoderLayer
+from runtime.model.dsv4.layer import DSV4DecoderLayer, Ops
 from runtime.model.dsv4.norms import rms_norm
 from runtime.model.dsv4.weights import ModelWeights
 from runtime.model.layers import embed_vocab_parallel, vocab_parallel_top2
@@ -42,10 +42,14 @@ class DSV4Model:
     backend : DSV4AttentionBackend
     group : SingleRank or TPGroup
         The tensor-parallel group (:class:`SingleRank` with one rank: no communication).
+    ops : TorchOps or FusedOps
+        The decoder ops (``model.fused`` and the device's capabilities chose the class): their ``linear`` multiplies
+        every weight matrix of the layers (block-fp8 ones through the fp8 kernels on CUDA); the routed experts and
+        the LM head do not use them.
     """
 
     def __init__(self, spec: ModelSpec, cfg: DSV4Config, weights: ModelWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup):
+                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup, ops: Ops):
         a = cfg.attention
         if len(weights.layers) != a.num_layers:
             raise ValueError(f"DeepSeek-V4 model: got {len(weights.layers)} layers of weights; expected "
@@ -55,14 +59,14 @@ class DSV4Model:
             raise ValueError(f"DeepSeek-V4 model: got weights of {heads} query heads; expected {a.num_heads} (this "
                              "rank's). Fix: give the model the rank's config (sharding.rank_config) and weights.")
         self.spec, self.cfg, self.w, self.weights = spec, cfg, weights, weights
-        self.group = group
+        self.group, self.ops = group, ops
         self.device = weights.embed_tokens.device
         down = weights.layers[0].mlp.down_proj
         dims = (cfg.hidden_size, down.shape[2])  # the expert width this rank holds
         # torch._grouped_mm multiplies float experts (bf16 ones on SM90); stored ones take the fp4 expert kernels
         # (packed fp4 on CUDA) or the per-expert loop, each expert dequantized as it runs: see deepseek/moe.py
         self.grouped_mm = GROUPED_MM.usable(self.device, down.dtype, dims)
-        self.layers = [DSV4DecoderLayer(cfg, i, lw, pools, backend, self.group, self.grouped_mm)
+        self.layers = [DSV4DecoderLayer(cfg, i, lw, pools, backend, self.group, ops, self.grouped_mm)
                        for i, lw in enumerate(weights.layers)]
 
     @property

@@ -14,6 +14,9 @@ and the CPU's reference for PackedFP4: each expert dequantized as it runs, see
 :func:`runtime.model.deepseek.moe.routed_expert_sum`). The k outputs of a token are weighted and summed in float32
 (float64 for a float64 model).
 
+The shared expert's three products go through the injected decoder ops' ``linear`` (block-fp8 kernels on CUDA, the
+torch product elsewhere: :mod:`runtime.model.deepseek.ops`).
+
 Tensor parallelism (the caller all-reduces the output): with moe=tp every expert and the shared expert hold a
 slice of their intermediate dim (the clamps and SwiGLU are per channel, so each rank's down projection gives a
 partial sum); with moe=ep a rank holds experts ``first_expert ..`` whole and the (token, expert) pairs of other
@@ -27,10 +30,13 @@ import torch.nn.functional as F
 
 from runtime.model.deepseek import routing
 from runtime.model.deepseek.moe import GatedAct, routed_expert_sum
+from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.routing import Router
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.weights import MoEWeights
-from runtime.model.quantized import linear
+
+#: the torch products (the reference) for callers that inject no ops
+TORCH_OPS = TorchOps()
 
 
 def v4_router(cfg: DSV4Config) -> Router:
@@ -55,14 +61,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config,
-                grouped_mm: bool = False) -> torch.Tensor:
+                grouped_mm: bool = False, ops: TorchOps | FusedOps = TORCH_OPS) -> torch.Tensor:
     """x [T, hidden] -> routed + shared expert output [T, hidden] in x's dtype (a rank's partial sum under tensor
     parallelism, see the module docstring). ``grouped_mm`` only for float expert stacks (the caller decides from
-    their dtype)."""
+    their dtype); ``ops.linear`` multiplies the shared expert."""
     ids, weights = route(w, x, input_ids, cfg)
     limit = cfg.swiglu_limit
     acc = torch.promote_types(x.dtype, torch.float32)
     routed = routed_expert_sum(x, weights, ids, w.gate_up_proj, w.down_proj, w.first_expert, cfg.n_routed_experts,
                                GatedAct(limit), grouped_mm, acc)
-    shared = swiglu(linear(x, w.shared_gate_proj), linear(x, w.shared_up_proj), limit)
-    return (routed + linear(shared, w.shared_down_proj).to(acc)).to(x.dtype)
+    shared = swiglu(ops.linear(x, w.shared_gate_proj), ops.linear(x, w.shared_up_proj), limit)
+    return (routed + ops.linear(shared, w.shared_down_proj).to(acc)).to(x.dtype)

@@ -12,8 +12,9 @@ with this rank's heads, output groups, vocabulary rows, experts or expert width;
 
 Matrices are float tensors, or with ``model.weights=stored`` / ``fp8`` held as the release stores them
 (:class:`~runtime.model.quantized.BlockFP8` fp8 matrices, :class:`~runtime.model.quantized.PackedFP4` routed
-experts: a :data:`~runtime.model.quantized.Weight`); the code that multiplies them goes through
-:func:`runtime.model.quantized.linear` / ``dense``.
+experts: a :data:`~runtime.model.quantized.Weight`); the layers multiply them through the injected decoder ops'
+``linear`` (:mod:`runtime.model.deepseek.ops`), the routed experts through
+:func:`runtime.model.deepseek.moe.routed_expert_sum`.
 """
 
 from __future__ import annotations
