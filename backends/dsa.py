@@ -231,7 +231,8 @@ class DSABackend:
         if self.coordinator is not None:
             self.coordinator.begin_step(batch)
         self.max_len = max(1, batch.max_seq_len)
-        if batch.mode != ForwardMode.DECODE:
+        uniform = self.impl == "triton" and batch.mode in UNIFORM_MODES and self.coordinator is None
+        if batch.mode != ForwardMode.DECODE and not uniform:  # (a uniform batch's rows come from the request rows)
             self._token_rows = token_rows(batch.req_pool_indices, batch.qo_indptr, batch.num_tokens)
         if batch.mode == ForwardMode.EXTEND:
             for p, n in zip(batch.prefix_lens_cpu.tolist(), batch.extend_lens_cpu.tolist()):
