@@ -13,7 +13,7 @@ the weighted sum; both through ``runtime.model.deepseek.moe.routed_expert_sum`` 
 bf16 path µs (the same ``routed_expert_sum`` on the dequantized bf16 stacks with ``torch._grouped_mm``; at T <= 16
 also ``skinny.moe_experts``, the bf16 decode kernels, V3's activation: same bytes), the torch loop µs (the stored
 path before these kernels: each active expert dequantized, one host sync; eager, not graphable), ours as % of the
-copy bandwidth for the packed bytes the routing touches (e2m1 bytes + float32 scales, each touched expert once, plus
+copy bandwidth for the packed bytes the routing touches (e2m1 bytes + ue8m0 scales, each touched expert once, plus
 x / out), and the relative error of ours and of bf16 against float64 on the dequantized weights. Graph-timed
 (``bench/harness.py graph_ms``) rotating over enough routings that L2 never serves an expert twice; the copy
 ceiling is measured in the same run (``measure_ceilings``).

@@ -5,8 +5,11 @@ packed two per byte) is loaded as stored (BlockFP8 / PackedFP4) and dequantized;
 (the stored product is dequantize-then-matmul, so the numbers are the same) and the stored one holds fewer bytes.
 Tensor parallelism cuts the stored bytes with their scale blocks / groups; a cut through an fp8 block or an fp4
 group is refused at startup with the parallel.tp values that work. ``quantize_fp4`` (the fp8 preset's experts)
-round-trips values on the e2m1 grid exactly. The release's dims are chosen so that tp=2 keeps every block whole:
-o_lora_rank 128 (o_a_proj 256 rows, o_b_proj 256 columns), expert width 256 (shared expert 128 rows per rank).
+round-trips values on the e2m1 grid exactly. fp4 scales stay ue8m0 bytes (uint8, 1 byte per 32 weights: the
+release's F8_E8M0 / U8 as stored, float powers of two converted; other float scales float32) with the values of
+float32 scales bit for bit, and the memory plan counts them as ``ue8m0 scales``. The release's dims are chosen so
+that tp=2 keeps every block whole: o_lora_rank 128 (o_a_proj 256 rows, o_b_proj 256 columns), expert width 256
+(shared expert 128 rows per rank).
 """
 
 from __future__ import annotations
@@ -22,14 +25,17 @@ from hf_models import prompt_overrides
 from test_dsv4_config import TINY
 
 from containers import BACKENDS, Container, build, to_plain
+from runtime.app.memory_estimate import weight_bytes
 from runtime.app.report import memory_plan
 from runtime.app.validation import validate
 from runtime.app.weights_checks import weights_problems
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import CheckpointError
 from runtime.core.parallel import ONE_RANK, Sharding
+from runtime.model.deepseek.checkpoint import TensorInfo, _Reader
 from runtime.model.deepseek.hf_config import resolve_model_config
 from runtime.model.deepseek.ops import TorchOps
+from runtime.model.deepseek.sharding import Cut
 from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights
 from runtime.model.dsv4.hf_config import dsv4_config
 from runtime.model.dsv4.layer import grouped_output
@@ -39,17 +45,21 @@ from runtime.model.quantized import (
     BlockFP8,
     BlockLayoutError,
     PackedFP4,
+    ScaledTensor,
+    StoredKind,
     bytes_by_dtype,
     cat_rows,
     dequantize_fp4,
     linear,
     quantize_fp4,
+    scale_values,
     stack_weights,
+    ue8m0_bytes,
     unpack_fp4,
 )
 
 pytest.importorskip("transformers")
-from dsv4_release import fp4_rows, write_release  # noqa: E402
+from dsv4_release import fp4_rows, stored_scale, write_release  # noqa: E402
 from test_dsv4_tp_sharding import assert_reassembles  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,11 +107,13 @@ def test_quantize_fp4_round_trips_the_e2m1_grid_and_bounds_the_error():
     exps = torch.randint(-6, 6, (5, 3), generator=g).float()
     w = grid[nib] * exps.exp2().repeat_interleave(32, dim=1)
     q, s = quantize_fp4(w)
-    assert q.dtype == torch.uint8 and q.shape == (5, 48) and s.shape == (5, 3) and torch.equal(s, exps.exp2())
+    assert q.dtype == s.dtype == torch.uint8 and q.shape == (5, 48) and s.shape == (5, 3)
+    assert torch.equal(s, (exps + 127).to(torch.uint8)) and torch.equal(scale_values(s), exps.exp2())  # ue8m0
     assert torch.equal(dequantize_fp4(q, s, torch.float32), w)
     x = torch.randn(7, 160, generator=g) * 3
     q, s = quantize_fp4(x)
     back = dequantize_fp4(q, s, torch.float32)
+    s = scale_values(s)
     scaled = (x / s.repeat_interleave(32, dim=1)).abs()
     step = torch.where(scaled <= 2, 0.5, torch.where(scaled <= 4, 1.0, 2.0))
     assert ((back - x).abs() <= step / 2 * s.repeat_interleave(32, dim=1) + 1e-7).all()
@@ -133,8 +145,68 @@ def test_packed_fp4_indexes_experts_rows_and_whole_groups_only():
     x = torch.randn(4, 96, generator=g)
     assert torch.equal(linear(x, w[0]), torch.nn.functional.linear(x, full[0]))
     by = bytes_by_dtype([w, torch.zeros(4)])
-    assert by == {"fp4 e2m1 (packed)": 3 * 40 * 48, "float32 scales": 3 * 40 * 3 * 4, "float32": 16}
-    assert w.nbytes == 3 * 40 * 48 + 3 * 40 * 3 * 4
+    assert by == {"fp4 e2m1 (packed)": 3 * 40 * 48, "ue8m0 scales": 3 * 40 * 3, "float32": 16}
+    assert w.nbytes == 3 * 40 * 48 + 3 * 40 * 3
+    as_f32 = PackedFP4(w.weight, scale_values(w.scale))
+    assert bytes_by_dtype([as_f32])["float32 scales"] == 3 * 40 * 3 * 4
+
+
+def test_packed_fp4_keeps_ue8m0_bytes_with_the_float32_values():
+    """quantize gives uint8 exponents (at float32's extremes: byte 25, 2^-102, for a subnormal or all-zero group;
+    253 for 3e38) whose dequantized weights are those of the float32 scales bit for bit; float scales become bytes
+    only when every value is a power of two in range; parts of mixed storage join as float32; a store converts or
+    refuses."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 4, 64, generator=g)
+    x[0, 0, :32], x[0, 1, :32], x[1, 2, 32:] = 1e-45, 3e38, 0.0
+    w = PackedFP4.quantize(x)
+    assert w.scale.dtype == torch.uint8 and w.scale[0, 0, 0] == w.scale[1, 2, 1] == 25 and w.scale[0, 1, 0] == 253
+    exps = torch.ceil(torch.log2(x.view(2, 4, 2, 32).abs().amax(-1).clamp_min(2.0**-100) / 6)).clamp(-127, 127)
+    f32 = PackedFP4(w.weight, exps.exp2())  # today's float32 scales
+    assert torch.equal(scale_values(w.scale), f32.scale)
+    assert torch.equal(w.dequantize(torch.float32), f32.dequantize(torch.float32))
+    assert torch.equal(w.dequantize(torch.bfloat16), f32.dequantize(torch.bfloat16))
+    assert torch.equal(ue8m0_bytes(f32.scale), w.scale) and torch.equal(ue8m0_bytes(f32.scale.bfloat16()), w.scale)
+    for bad in (1.5, 0.0, -1.0, 2.0**-128, float("inf")):
+        assert ue8m0_bytes(torch.tensor([1.0, bad])) is None, bad
+    odd = PackedFP4(w.weight[1], scale_values(w.scale[1]) * 1.5)  # float32 scales that are no powers of two
+    for joined in (cat_rows([w[0], odd]), stack_weights([w[0], odd])):
+        assert joined.scale.dtype == torch.float32
+        assert torch.equal(joined.dequantize(torch.float32).view(8, 64)[:4], w[0].dequantize(torch.float32))
+    stack = PackedFP4.empty((2, 4, 64), CPU)
+    stack[0], stack[1] = f32[0], w[1]  # float powers of two stored as bytes
+    assert torch.equal(stack.scale, w.scale)
+    with pytest.raises(BlockLayoutError, match="not all powers of two"):
+        stack[1] = odd
+
+
+@pytest.mark.parametrize("as_", ["e8m0", "u8", "f32", "bf16", "f32 * 1.5", "mixed"])
+def test_the_reader_keeps_fp4_scales_as_ue8m0_bytes_where_it_can(as_, tmp_path):
+    """An fp4 weight with its scales stored as F8_E8M0 / U8 (the release) or float (F32 / BF16, powers of two)
+    is held with uint8 scales; float scales that are no powers of two stay float32 ("mixed": the last group's
+    only, so the two pieces of a cut differ and join as float32). Whole and cut in two pieces (tensor
+    parallelism): the dequantized weight is the float32 dequantization of the stored tensors."""
+    from safetensors.torch import save_file
+
+    packed, e = fp4_rows(torch.randn(4, 128, generator=torch.Generator().manual_seed(3)))
+    scale = {"bf16": e.exp2().bfloat16(), "f32 * 1.5": e.exp2() * 1.5,
+             "mixed": e.exp2() * torch.tensor([1.0, 1.0, 1.0, 1.5])}.get(as_)
+    scale = stored_scale(e, as_) if scale is None else scale
+    path = tmp_path / "w.safetensors"
+    save_file({"w": packed, "w.scale": scale}, str(path))
+    dtype = {"e8m0": "F8_E8M0", "u8": "U8", "bf16": "BF16"}.get(as_, "F32")
+    index = {"w": TensorInfo(path, "I8", (4, 64)), "w.scale": TensorInfo(path, dtype, (4, 4))}
+    reader = _Reader(index, CPU, torch.float32, {"w": ScaledTensor(StoredKind.fp4, "w.scale", (1, 32))},
+                     keep=lambda name: True)
+    want = dequantize_fp4(packed, scale_values(scale), torch.float32)
+    for cut in (Cut(((slice(None), slice(None)),)), Cut(((slice(None), slice(0, 32)), (slice(None), slice(96, 128))),
+                                                        dim=1)):
+        got = reader.get("w", cut=cut)
+        floats = as_ in ("f32 * 1.5", "mixed")
+        assert isinstance(got, PackedFP4) and got.scale.dtype == (torch.float32 if floats else torch.uint8)
+        assert torch.equal(got.dequantize(torch.float32), want[:, :got.shape[1]] if len(cut.pieces) == 1
+                           else torch.cat([want[:, :32], want[:, 96:]], dim=1))
+    reader.close()
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -167,7 +239,9 @@ def test_stored_weights_keep_the_release_formats(release):
     for got, want in zip(dequantized(stored).tensors, deq.tensors):
         assert torch.equal(got, want)
     by = stored.bytes_by_dtype()
-    assert {"float8_e4m3fn", "fp4 e2m1 (packed)", "float32 scales", "float32"} <= set(by)
+    assert {"float8_e4m3fn", "fp4 e2m1 (packed)", "ue8m0 scales", "float32 scales", "float32"} <= set(by)
+    assert m.gate_up_proj.scale.dtype == m.down_proj.scale.dtype == torch.uint8  # the release's F8_E8M0, as stored
+    assert by["ue8m0 scales"] * 16 == by["fp4 e2m1 (packed)"]  # a byte per 32 weights (16 packed bytes)
     assert stored.nbytes == sum(by.values()) < deq.nbytes
     assert "mlp.gate_up_proj" not in stored.unquantized_bytes() and "mlp.gate_up_proj" in deq.unquantized_bytes()
 
@@ -196,6 +270,7 @@ def test_stored_serves_the_dequantized_tokens(release, served):
     w, w_deq = rt.container.model().weights, rt_deq.container.model().weights
     assert isinstance(w.layers[0].mlp.down_proj, PackedFP4) and not rt.container.model().grouped_mm
     assert memory_plan(rt.container)["weights_bytes"] == w.nbytes < 0.5 * w_deq.nbytes
+    assert weight_bytes(rt.config["model"], 1, "tp") == w.bytes_by_dtype()  # the plan's prediction
 
 
 class CountingOps(TorchOps):
@@ -272,6 +347,11 @@ def test_fp8_preset_generates_the_release_formats_and_serves():
     assert res.lost == 0 and res.finished == 2
     w = rt.container.model().weights
     assert isinstance(w.layers[0].mlp.gate_up_proj, PackedFP4) and isinstance(w.layers[0].attn.o_b_proj, BlockFP8)
+    by = w.bytes_by_dtype()
+    assert w.layers[0].mlp.gate_up_proj.scale.dtype == torch.uint8 and by["ue8m0 scales"] > 0
+    lines = rt.container.memory_budget().as_dict()["fixed"]  # the plan: predicted before allocating, as held
+    assert lines["weights: ue8m0 scales"] == by["ue8m0 scales"] and lines["weights: float32 scales"] == by[
+        "float32 scales"] and weight_bytes(rt.config["model"], 1, "tp") == by
     assert isinstance(w.layers[0].attn.compressor.kv_proj, torch.Tensor)
     cfg = dsv4_config(to_plain(compose_config("model=deepseek_v4_flash", *TINY))["model"])
     bf16 = random_dsv4_weights(cfg, 0, torch.float32, CPU)

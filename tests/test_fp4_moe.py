@@ -5,7 +5,8 @@ decode path, the W4A16 grouped path, and ``routed_expert_sum``'s use of them, ag
 CPU: Triton's interpreter at tiny widths, in float16 (the interpreter's ``tl.dot`` is wrong for bfloat16; e2m1 times
 a power-of-two scale is exact in float16 at these scales). Odd shapes: D 96 (a partial 128-input tile), I 48
 (partial row / column tiles and a partial last scale group of the down projection), experts with no tokens, one
-expert for every token, other ranks' experts. ``gpu`` tests: DeepSeek-V4-Flash widths (D 4096, I 2048 cut by tp 2 / 8, and
+expert for every token, other ranks' experts. Scales as ``PackedFP4`` holds them (ue8m0 bytes); float32 scales of the
+same values give the same bits. ``gpu`` tests: DeepSeek-V4-Flash widths (D 4096, I 2048 cut by tp 2 / 8, and
 moe=ep's 32 whole experts) in bf16, CUDA-graph replays equal eager runs.
 
 Tolerances (relative Frobenius error, float16, measured on the interpreter, bound about 3x the measurement): decode
@@ -17,14 +18,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from triton_env import DEV, needs_gpu, rel_err
 
 from backends.kernels.gemm import fp4_moe
+from backends.kernels.gemm import fp4_moe_kernels as kernels
 from runtime.model.deepseek import moe as ds_moe
 from runtime.model.deepseek.mlp import swiglu as v3_swiglu
 from runtime.model.deepseek.moe import GatedAct, routed_expert_sum, sort_by_expert
 from runtime.model.dsv4.moe import swiglu as v4_swiglu
-from runtime.model.quantized import PackedFP4
+from runtime.model.quantized import PackedFP4, scale_values
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 2e-3
@@ -102,16 +106,48 @@ def check_few(t, e, d, i, k, limit, dtype, dev, tol, config=None, ids=None, more
 
 # ---------------------------------------------------------------------------------------- CPU (interpreter)
 def test_widening_is_exact_for_every_byte_and_scale():
-    """Every byte (both nibbles, -0 included) times powers of two from 2^-20 to 2^10: the grouped GEMM against an
-    identity activation gives the dequantized weight back bit for bit."""
+    """Every byte (both nibbles, -0 included) times powers of two from 2^-20 to 2^10, as float32 scales and as
+    ue8m0 bytes: the grouped GEMM against an identity activation gives the dequantized weight back bit for bit."""
     torch.manual_seed(0)
     w = torch.arange(256, dtype=torch.uint8, device=DEV).view(1, 8, 32)  # [E 1, N 8, K 64 / 2]
-    s = torch.randint(-20, 11, (1, 8, 2), device=DEV).float().exp2()
-    packed = PackedFP4(w, s)
+    exps = torch.randint(-20, 11, (1, 8, 2), device=DEV)
     a = torch.eye(64, device=DEV).half()
-    out = fp4_moe.fp4_grouped_gemm(a, w, s, torch.tensor([64], dtype=torch.int32, device=DEV),
-                                   config=fp4_moe.GroupedConfig(16, 16, 64))
-    assert torch.equal(out.float(), packed.dequantize(torch.float32)[0].T)
+    for s in (exps.float().exp2(), (exps + 127).to(torch.uint8)):
+        out = fp4_moe.fp4_grouped_gemm(a, w, s, torch.tensor([64], dtype=torch.int32, device=DEV),
+                                       config=fp4_moe.GroupedConfig(16, 16, 64))
+        assert torch.equal(out.float(), PackedFP4(w, s).dequantize(torch.float32)[0].T), s.dtype
+
+
+@triton.jit
+def _ue8m0_probe(S, OUT, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(OUT + i, kernels._ue8m0(tl.load(S + i), True))
+
+
+def test_ue8m0_bytes_widen_to_the_values_of_scale_values():
+    """Every byte 0 .. 255 (0: the subnormal 2^-127, 255: inf) -> the float32 bits ``scale_values`` gives."""
+    b = torch.arange(256, dtype=torch.uint8, device=DEV)
+    out = torch.empty(256, dtype=torch.float32, device=DEV)
+    _ue8m0_probe[(1,)](b, out, N=256)
+    assert torch.equal(out.view(torch.int32), scale_values(b).view(torch.int32))
+
+
+def test_ue8m0_scales_give_the_float32_scales_bits():
+    """Both paths with the scales as ue8m0 bytes (as PackedFP4 holds them), as float32 values, and mixed (gate_up
+    bytes, down float32): the same bits."""
+    torch.manual_seed(3)
+    t, e, d, i, k = 3, 3, 96, 48, 2
+    gu, dn = make_experts(e, d, i, DEV)
+    assert gu.scale.dtype == dn.scale.dtype == torch.uint8
+    gu32, dn32 = (PackedFP4(w.weight, scale_values(w.scale)) for w in (gu, dn))
+    x, ids, wts = torch.randn(t, d, device=DEV).half(), random_ids(t, k, e, DEV), torch.rand(t, k, device=DEV)
+    few = [fp4_moe.fp4_moe_experts(x, ids, wts, *args(g, n), 0.6, out_dtype=torch.float32, config=SMALL)
+           for g, n in ((gu, dn), (gu32, dn32), (gu, dn32))]
+    assert torch.equal(few[0], few[1]) and torch.equal(few[0], few[2])
+    xs, offsets = torch.randn(17, d, device=DEV).half(), torch.tensor([5, 5, 17], dtype=torch.int32, device=DEV)
+    grouped = [fp4_moe.fp4_grouped_expert_mlp(xs, *args(g, n), offsets, limit=0.6, config=GSMALL)
+               for g, n in ((gu, dn), (gu32, dn32))]
+    assert torch.equal(grouped[0], grouped[1])
 
 
 @pytest.mark.parametrize("t,limit", [(1, None), (1, 0.6), (3, 0.6), (16, None)])
@@ -147,8 +183,10 @@ def test_few_tokens_refuse_what_they_cannot_take():
         fp4_moe.fp4_moe_experts(x.float(), ids, wts, *args(gu, dn))
     with pytest.raises(ValueError, match="gate_up \\[2, 64, 32\\] uint8"):
         fp4_moe.fp4_moe_experts(x, ids, wts, gu.weight.view(torch.int8), *args(gu, dn)[1:])
-    with pytest.raises(ValueError, match="gate_up_scale \\[2, 64, 2\\] float32"):
+    with pytest.raises(ValueError, match="gate_up_scale \\[2, 64, 2\\] uint8 \\(ue8m0 bytes\\) or float32"):
         fp4_moe.fp4_moe_experts(x, ids, wts, gu.weight, gu.scale[..., :1].contiguous(), dn.weight, dn.scale)
+    with pytest.raises(ValueError, match="down_scale .* got \\(\\(2, 64, 1\\), 'bfloat16'\\)"):
+        fp4_moe.fp4_moe_experts(x, ids, wts, gu.weight, gu.scale, dn.weight, scale_values(dn.scale).bfloat16())
     with pytest.raises(ValueError, match="int64"):
         fp4_moe.fp4_moe_experts(x, ids.int(), wts, *args(gu, dn))
     with pytest.raises(ValueError, match="positive float"):

@@ -1,8 +1,10 @@
 """What each line of the memory plan holds, computed from the config alone (nothing is allocated).
 
 * weights: every tensor the model reads (the checkpoint layout), this rank's cut of it, in the precision it is held
-  (block-fp8 values + float32 scales, packed fp4, the model dtype, float32 routers): the same bytes per dtype as
-  ``ModelWeights.bytes_by_dtype`` reports after the build (tests compare them);
+  (block-fp8 values + float32 scales, packed fp4 + ue8m0 scales, the model dtype, float32 routers): the same bytes
+  per dtype as ``ModelWeights.bytes_by_dtype`` reports after the build (tests compare them; a V4 checkpoint whose
+  fp4 scales are stored as floats is counted at float32, the upper bound: the loader keeps them as ue8m0 bytes when
+  every value is a power of two, :func:`runtime.model.quantized.fp4_scales`);
 * pools: built on the ``meta`` device (shapes, no memory) at two page counts: fixed bytes and bytes per page;
 * workspaces: the selected backend class's ``workspace_specs`` (what the container acquires);
 * activations: an estimate of the largest step's transient tensors (a full prefill batch, the largest decode or
@@ -32,13 +34,15 @@ from runtime.model.deepseek.stored import kept_fp8, release_fp8
 from runtime.model.dsv4.checkpoint import expected_tensors as dsv4_expected_tensors
 from runtime.model.dsv4.hf_config import dsv4_config
 from runtime.model.dsv4.sharding import dsv4_tensor_cut, rank_config
-from runtime.model.dsv4.stored import StoredFormat, release_kind
+from runtime.model.dsv4.stored import FP4_DTYPES, StoredFormat, release_kind, scale_names
 from runtime.model.indexer import IndexKeyPool
+from runtime.model.quantized import FLOAT32_SCALES, UE8M0_SCALES
 
 META = torch.device("meta")
 FP8_BLOCK = 128  # fp8 e4m3 weights: one float32 scale per 128 x 128 block
-FP4_GROUP = 32  # packed fp4 experts: one float32 scale per row and 32 inputs
+FP4_GROUP = 32  # packed fp4 experts: one scale per row and 32 inputs, a ue8m0 byte (float32 for float scales)
 F32 = 4
+UE8M0_DTYPES = ("F8_E8M0", "U8")  # fp4 scales the loader keeps as ue8m0 bytes whatever their values
 
 
 def _add(out: dict[str, int], key: str, n: int) -> None:
@@ -49,12 +53,26 @@ def _add(out: dict[str, int], key: str, n: int) -> None:
 def _fp8(out: dict[str, int], shape: tuple[int, ...]) -> None:
     *lead, r, c = shape
     _add(out, "float8_e4m3fn", math.prod(shape))
-    _add(out, "float32 scales", math.prod(lead) * math.ceil(r / FP8_BLOCK) * math.ceil(c / FP8_BLOCK) * F32)
+    _add(out, FLOAT32_SCALES, math.prod(lead) * math.ceil(r / FP8_BLOCK) * math.ceil(c / FP8_BLOCK) * F32)
 
 
-def _fp4(out: dict[str, int], shape: tuple[int, ...]) -> None:
+def _fp4(out: dict[str, int], shape: tuple[int, ...], ue8m0: bool = True) -> None:
     _add(out, "fp4 e2m1 (packed)", math.prod(shape) // 2)
-    _add(out, "float32 scales", math.prod(shape) // FP4_GROUP * F32)
+    *lead, c = shape  # one scale per row and 32 inputs, a partial last group included
+    _add(out, UE8M0_SCALES if ue8m0 else FLOAT32_SCALES,
+         math.prod(lead) * math.ceil(c / FP4_GROUP) * (1 if ue8m0 else F32))
+
+
+def _fp4_ue8m0(spec: ModelSpec) -> bool:
+    """Whether the fp4 experts' scales are held as ue8m0 bytes: always for a preset (``quantize_fp4``); for a
+    checkpoint when every fp4 weight's scale is stored as ``F8_E8M0`` / ``U8`` (float scales: False, the float32
+    upper bound)."""
+    if not spec.path:
+        return True
+    index, _ = checkpoint_index(Path(spec.path))
+    scales = scale_names(index)
+    fp4 = [scales[n] for n, info in index.items() if n in scales and info.dtype in FP4_DTYPES]
+    return all(index[s].dtype in UE8M0_DTYPES for s in fp4)
 
 
 def _quantized(model: dict, spec: ModelSpec) -> bool:
@@ -83,6 +101,7 @@ def weight_bytes(model: dict, tp: int, moe: str, rank: int = 0) -> dict[str, int
     if spec.is_dsv4:
         cfg, fmt = dsv4_config(model), StoredFormat.of(model)
         experts = fmt.expert_dtype or ("fp4" if not spec.path else None)
+        ue8m0 = quantized and experts == "fp4" and _fp4_ue8m0(spec)
         for name, shape in dsv4_expected_tensors(cfg).items():
             cut = dsv4_tensor_cut(name, shape, cfg, shard)
             local = local_shape(shape, cut) if cut is not None else shape
@@ -90,7 +109,7 @@ def weight_bytes(model: dict, tp: int, moe: str, rank: int = 0) -> dict[str, int
             if name.endswith("tid2eid"):
                 _add(out, "int64", math.prod(local) * 8)
             elif kind is not None and kind.value == "fp4":
-                _fp4(out, local)
+                _fp4(out, local, ue8m0)
             elif kind is not None:
                 _fp8(out, local)
             else:

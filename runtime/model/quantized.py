@@ -14,9 +14,11 @@ loaded from fp8 then holds twice its fp8 bytes in bf16). ``model.weights=stored`
 checkpoint) keeps each fp8 matrix as a :class:`BlockFP8`: the e4m3 values and float32 block scales, on the device
 as shipped; :func:`linear` is its torch product (per-weight dequantize, then the matmul: exactly the dequantize
 path's numbers), the fused ops run the block-fp8 kernels of :mod:`backends.kernels.gemm.fp8_gemm` on the GPU.
-DeepSeek-V4's fp4 routed experts stay packed as a :class:`PackedFP4` (e2m1 bytes and float32 scales per row and
-32 inputs); on the CPU their product is the torch one (dequantize per weight, then the matmul), on CUDA in bf16 /
-fp16 the routed experts take the fp4 expert kernels of :mod:`backends.kernels.gemm.fp4_moe` (not yet run on a GPU).
+DeepSeek-V4's fp4 routed experts stay packed as a :class:`PackedFP4` (e2m1 bytes and one scale per row and
+32 inputs, kept as the release stores it: a ue8m0 byte, 1 byte per 32 weights; float32 only for a checkpoint whose
+float scales are not all powers of two, see :func:`fp4_scales`); on the CPU their product is the torch one
+(dequantize per weight, then the matmul), on CUDA in bf16 / fp16 the routed experts take the fp4 expert kernels of
+:mod:`backends.kernels.gemm.fp4_moe` (not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 
 FP8_BLOCK = (128, 128)  # DeepSeek's fp8 block (rows, cols)
 FP4_GROUP = 32  # fp4 inputs per scale
+UE8M0_BIAS = 127  # ue8m0 byte b -> 2 ** (b - 127); b = 0 .. 254 (255 is NaN)
 E4M3_MAX = 448.0
 # e2m1 nibble -> value: sign bit 3, exponent bits 2..1, mantissa bit 0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -60,6 +63,34 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
         return (scale.view(torch.uint8).float() - 127.0).exp2()
     return scale.float()
+
+
+def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor | None:
+    """Scales as ue8m0 bytes (uint8 b, the value ``2 ** (b - 127)``): ``float8_e8m0fnu`` / ``uint8`` as stored (a
+    view); float scales when every value is exactly a power of two in 2**-127 .. 2**127 (then
+    ``scale_values(bytes)`` equals ``scale.float()`` bit for bit), else None (a zero, a negative, a non-power of
+    two, a value out of range, NaN / inf)."""
+    if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        return scale.view(torch.uint8)
+    s = scale.float()
+    _, e = torch.frexp(s)  # s = m * 2 ** e, m in [0.5, 1): a power of two has m = 0.5, 2 ** (e - 1)
+    b = (e.long() - 1 + UE8M0_BIAS).clamp(0, 2 * UE8M0_BIAS).to(torch.uint8)
+    return b if torch.equal(scale_values(b), s) else None
+
+
+def fp4_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A :class:`PackedFP4`'s scales as held: ue8m0 bytes where :func:`ue8m0_bytes` can keep every value (the
+    release's, and any float powers of two), else float32 values."""
+    b = ue8m0_bytes(scale)
+    return scale_values(scale) if b is None else b
+
+
+def _scales_alike(scales: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Scales of parts joined into one weight, in one dtype: as they are when they agree, else all float32 (a
+    float checkpoint's part whose scales are not all powers of two)."""
+    if len({t.dtype for t in scales}) == 1:
+        return scales
+    return [scale_values(t) for t in scales]
 
 
 def apply_block_scales(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype,
@@ -109,11 +140,12 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> tuple[t
 
 
 def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., out, in] (``in`` even) -> (packed e2m1 uint8 [..., out, in / 2], low nibble first; float32 scales
+    """[..., out, in] (``in`` even) -> (packed e2m1 uint8 [..., out, in / 2], low nibble first; ue8m0 scales, uint8
     [..., out, ceil(in / group)]) as DeepSeek-V4's release stores its experts: per row and ``group`` inputs the
-    scale is amax / 6 rounded up to a power of two (ue8m0), each value the nearest e2m1 one (ties toward zero).
-    Values already on that grid come back exactly from :func:`dequantize_fp4`; otherwise the error is at most half
-    an e2m1 step: ``scale / 4`` below 2, ``scale / 2`` up to 4, ``scale`` above (``scale <= amax / 3``)."""
+    scale is amax / 6 rounded up to a power of two (2 ** -127 .. 2 ** 127, the byte ``log2(scale) + 127``), each
+    value the nearest e2m1 one (ties toward zero). Values already on that grid come back exactly from
+    :func:`dequantize_fp4`; otherwise the error is at most half an e2m1 step: ``scale / 4`` below 2, ``scale / 2``
+    up to 4, ``scale`` above (``scale <= amax / 3``)."""
     in_dim = w.shape[-1]
     if in_dim % 2:
         raise ValueError(f"quantize_fp4: got an input dim of {in_dim}; expected an even one (two values per byte)")
@@ -122,11 +154,11 @@ def quantize_fp4(w: torch.Tensor, group: int = FP4_GROUP) -> tuple[torch.Tensor,
     padded[..., :in_dim] = w.float()
     grouped = padded.view(*w.shape[:-1], groups, group)
     amax = grouped.abs().amax(dim=-1)  # [..., out, groups]
-    scale = torch.ceil(torch.log2(amax.clamp_min(2.0**-100) / E2M1_VALUES[7])).clamp(-127, 127).exp2()
-    x = (grouped / scale[..., None]).flatten(-2)[..., :in_dim]
+    exp = torch.ceil(torch.log2(amax.clamp_min(2.0**-100) / E2M1_VALUES[7])).clamp(-UE8M0_BIAS, UE8M0_BIAS)
+    x = (grouped / exp.exp2()[..., None]).flatten(-2)[..., :in_dim]
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=w.device)  # between the e2m1 magnitudes
     nibble = torch.bucketize(x.abs(), mids) | ((x < 0).to(torch.int64) << 3)
-    return (nibble[..., 0::2] | (nibble[..., 1::2] << 4)).to(torch.uint8), scale
+    return (nibble[..., 0::2] | (nibble[..., 1::2] << 4)).to(torch.uint8), (exp + UE8M0_BIAS).to(torch.uint8)
 
 
 class BlockLayoutError(ValueError):
@@ -201,7 +233,16 @@ class _Stored:
             raise BlockLayoutError(f"{type(self).__name__} store: got {type(value).__name__} with scale layout "
                                    f"{value.layout if isinstance(value, _Stored) else None}; expected {self.layout}")
         self.weight[w_idx] = value.weight
-        self.scale[s_idx] = value.scale
+        if value.scale.dtype == self.scale.dtype:
+            self.scale[s_idx] = value.scale
+        elif self.scale.dtype == torch.float32:
+            self.scale[s_idx] = scale_values(value.scale)
+        elif (b := ue8m0_bytes(value.scale)) is not None:
+            self.scale[s_idx] = b
+        else:
+            raise BlockLayoutError(f"{type(self).__name__} store: got scales that are not all powers of two in "
+                                   f"2**-127 .. 2**127; expected values the ue8m0 storage holds. Fix: allocate "
+                                   f"it with float32 scales")
 
     def contiguous(self):
         return self._with(self.weight.contiguous(), self.scale.contiguous())
@@ -278,9 +319,10 @@ class BlockFP8(_Stored):
 @dataclass(frozen=True)
 class PackedFP4(_Stored):
     """A weight as DeepSeek-V4's release stores its routed experts: e2m1 values packed two per byte (low nibble
-    first) and a float32 scale (a power of two: ue8m0 as stored, read with :func:`scale_values`) per row and
-    ``group`` inputs; ``value = e2m1 * scale``. ``weight`` uint8 [N, K / 2] or [E, N, K / 2] (stacked experts);
-    ``scale`` [..., N, ceil(K / group)]. :attr:`shape` is the unpacked one ([..., N, K]).
+    first) and a scale per row and ``group`` inputs; ``value = e2m1 * scale``. ``weight`` uint8 [N, K / 2] or
+    [E, N, K / 2] (stacked experts); ``scale`` [..., N, ceil(K / group)], ue8m0 as the release stores it (uint8 b:
+    ``2 ** (b - 127)``, 1 byte) or float32 values (a float checkpoint whose scales are not all powers of two: see
+    :func:`fp4_scales`), both read with :func:`scale_values`. :attr:`shape` is the unpacked one ([..., N, K]).
 
     Indexing takes an expert (``w[e]``), any rows (each row has its own scales) and whole groups of columns
     (``w[:, c0:c1]``: 16 bytes per 32-input group); a cut through a group raises :class:`BlockLayoutError`."""
@@ -290,10 +332,12 @@ class PackedFP4(_Stored):
     group: int = FP4_GROUP
 
     @classmethod
-    def empty(cls, shape: tuple[int, ...], device: torch.device | str, group: int = FP4_GROUP) -> PackedFP4:
-        """Uninitialized storage for a weight (or stack) of unpacked ``shape``: fill it with ``w[i] = part``."""
+    def empty(cls, shape: tuple[int, ...], device: torch.device | str, group: int = FP4_GROUP,
+              scale_dtype: torch.dtype = torch.uint8) -> PackedFP4:
+        """Uninitialized storage for a weight (or stack) of unpacked ``shape``, ue8m0 scales (or float32 ones):
+        fill it with ``w[i] = part``."""
         return cls(torch.empty((*shape[:-1], shape[-1] // 2), dtype=torch.uint8, device=device),
-                   torch.empty((*shape[:-1], -(-shape[-1] // group)), dtype=torch.float32, device=device), group)
+                   torch.empty((*shape[:-1], -(-shape[-1] // group)), dtype=scale_dtype, device=device), group)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, group: int = FP4_GROUP) -> PackedFP4:
@@ -353,9 +397,11 @@ Weight = torch.Tensor | BlockFP8 | PackedFP4
 def stored_weight(kind: StoredKind, block: tuple[int, int], weight: torch.Tensor, scale: torch.Tensor
                   ) -> BlockFP8 | PackedFP4:
     """A checkpoint's stored tensors (fp8 e4m3, or packed fp4 bytes in any 1-byte dtype) and their scales (any
-    storage :func:`scale_values` reads) -> the weight as held: scales as float32."""
+    storage :func:`scale_values` reads) -> the weight as held: fp8 scales as float32; fp4 scales as ue8m0 bytes
+    (the release's ``F8_E8M0`` / ``U8`` as stored, float powers of two converted), else float32
+    (:func:`fp4_scales`)."""
     if kind == StoredKind.fp4:
-        return PackedFP4(weight.contiguous().view(torch.uint8), scale_values(scale), block[1])
+        return PackedFP4(weight.contiguous().view(torch.uint8), fp4_scales(scale), block[1])
     return BlockFP8(weight, scale_values(scale), tuple(block))
 
 
@@ -373,15 +419,17 @@ def cat_rows(parts: list[Weight], dim: int = 0) -> Weight:
             raise BlockLayoutError(
                 f"fusing stored weights along dim {dim}: got a part of {p.shape[dim]} rows; expected a multiple of the "
                 f"scale block ({b}) for every part but the last. Fix: model.weights=dequantize")
-    return first._with(torch.cat([p.weight for p in parts], dim=dim), torch.cat([p.scale for p in parts], dim=dim))
+    return first._with(torch.cat([p.weight for p in parts], dim=dim),
+                       torch.cat(_scales_alike([p.scale for p in parts]), dim=dim))
 
 
 def stack_weights(parts: list[Weight]) -> Weight:
-    """Weights of one shape stacked along a new expert dim: ``torch.stack``, or values and scales stacked."""
+    """Weights of one shape stacked along a new expert dim: ``torch.stack``, or values and scales stacked (fp4
+    scales of mixed storage as float32)."""
     first = parts[0]
     if not isinstance(first, QUANTIZED):
         return torch.stack(parts)
-    return first._with(torch.stack([p.weight for p in parts]), torch.stack([p.scale for p in parts]))
+    return first._with(torch.stack([p.weight for p in parts]), torch.stack(_scales_alike([p.scale for p in parts])))
 
 
 def dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -403,16 +451,22 @@ def weight_tensors(w: Weight | None) -> list[torch.Tensor]:
 
 
 STORED_KEYS = {BlockFP8: "float8_e4m3fn", PackedFP4: "fp4 e2m1 (packed)"}
+FLOAT32_SCALES, UE8M0_SCALES = "float32 scales", "ue8m0 scales"
+
+
+def scale_key(scale: torch.Tensor) -> str:
+    """The :func:`bytes_by_dtype` key of a stored weight's scales: ue8m0 bytes, or float32 values."""
+    return UE8M0_SCALES if scale.dtype in (torch.uint8, torch.float8_e8m0fnu) else FLOAT32_SCALES
 
 
 def bytes_by_dtype(weights) -> dict[str, int]:
     """dtype -> bytes of ``weights`` (tensors, BlockFP8s and PackedFP4s, each counted once): ``float8_e4m3fn`` for
-    stored fp8 values, ``fp4 e2m1 (packed)`` for packed fp4 bytes, ``float32 scales`` for their scales, the float
-    dtypes of every other tensor."""
+    stored fp8 values, ``fp4 e2m1 (packed)`` for packed fp4 bytes, ``float32 scales`` for fp8 (and float fp4)
+    scales, ``ue8m0 scales`` for fp4 scales kept as ue8m0 bytes, the float dtypes of every other tensor."""
     out: dict[str, int] = {}
     seen: set[int] = set()
     for v in weights:
-        parts = [(STORED_KEYS[type(v)], v.weight), ("float32 scales", v.scale)] if isinstance(v, QUANTIZED) \
+        parts = [(STORED_KEYS[type(v)], v.weight), (scale_key(v.scale), v.scale)] if isinstance(v, QUANTIZED) \
             else [(str(v.dtype).removeprefix("torch."), v)]
         for key, t in parts:
             if id(t) not in seen:

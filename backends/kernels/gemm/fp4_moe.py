@@ -1,7 +1,8 @@
 """Launchers of the fp4 MoE expert kernels (:mod:`backends.kernels.gemm.fp4_moe_kernels`): DeepSeek-V4's routed
-experts computed from their storage format (e2m1 packed two per byte, one power-of-two float32 scale per row and
-32 inputs: ``runtime.model.quantized.PackedFP4``), without a 16-bit copy of the weights. Hopper has no fp4
-tensor-core product: the kernels widen the nibbles in registers and multiply in bf16 / fp16 (W4A16).
+experts computed from their storage format (e2m1 packed two per byte, one power-of-two scale per row and 32 inputs:
+``runtime.model.quantized.PackedFP4``), without a 16-bit copy of the weights. Scales are read as stored: ue8m0 bytes
+(uint8 b, ``2 ** (b - 127)``, widened to float32 in registers) or float32 values, the same bits either way. Hopper
+has no fp4 tensor-core product: the kernels widen the nibbles in registers and multiply in bf16 / fp16 (W4A16).
 
 * :func:`fp4_moe_experts`: decode at few tokens (T <= 16), the routed experts' weighted sum in two kernels (gate/up
   + activation, then down + routing weights), each pair's packed expert read once.
@@ -13,7 +14,8 @@ The activation: ``limit=None`` is V3's silu(gate) * up, a float is V4's clamped 
 silu(min(gate, limit)) * clamp(up, -limit, limit) (``runtime.model.dsv4.moe.swiglu``).
 
 Layout (experts stacked): gate_up [E, 2 I, D / 2] uint8 (gate rows, then up rows) with scales
-[E, 2 I, cdiv(D, 32)]; down [E, D, I / 2] uint8 with scales [E, D, cdiv(I, 32)]. D and I even (two inputs per
+[E, 2 I, cdiv(D, 32)]; down [E, D, I / 2] uint8 with scales [E, D, cdiv(I, 32)] (each scale tensor uint8 ue8m0 or
+float32, on its own). D and I even (two inputs per
 byte); any row count (each row has its own scales). A partial last scale group is read masked.
 
 CUDA-graph safe (outputs from ``torch.empty``, grids from shapes, no host sync). Not yet run on a GPU: validated in
@@ -37,6 +39,8 @@ from backends.kernels.pdl import use_pdl
 MAX_TOKENS = 16
 #: inputs per scale
 GROUP = 32
+#: the scale storages the kernels read: ue8m0 bytes (True: the kernels' ``*_UE8M0`` constexpr) or float32 values
+SCALE_DTYPES = {torch.uint8: True, torch.float32: False}
 DOT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -54,8 +58,9 @@ def _act_code(limit: float | None, fused: bool = True) -> int:
 
 
 def _check_fp4(name: str, w: torch.Tensor, scale: torch.Tensor, lead: tuple[int, ...], rows: int,
-               cols: int) -> None:
-    """w [*lead, rows, cols / 2] uint8 contiguous, scale [*lead, rows, cdiv(cols, 32)] float32 contiguous."""
+               cols: int) -> bool:
+    """w [*lead, rows, cols / 2] uint8 contiguous, scale [*lead, rows, cdiv(cols, 32)] uint8 (ue8m0) or float32
+    contiguous; returns whether the scales are ue8m0 bytes."""
     require(cols % 2 == 0 and cols > 0, f"{name}'s input width even and positive (two e2m1 values per byte); got "
             f"{cols}. Fix: dequantize the weight (model.weights=dequantize)")
     want_w, want_s = (*lead, rows, cols // 2), (*lead, rows, triton.cdiv(cols, GROUP))
@@ -63,9 +68,11 @@ def _check_fp4(name: str, w: torch.Tensor, scale: torch.Tensor, lead: tuple[int,
             f"{name} {list(want_w)} uint8 (packed e2m1, low nibble first), contiguous; got {_shape(w)}, contiguous "
             f"{w.is_contiguous()}. Fix: pass PackedFP4.weight (.contiguous(); torch.float4_e2m1fn_x2 / int8 bytes: "
             f".view(torch.uint8))")
-    require(tuple(scale.shape) == want_s and scale.dtype == torch.float32 and scale.is_contiguous(),
-            f"{name}_scale {list(want_s)} float32 (one power-of-two scale per row and {GROUP} inputs), contiguous; "
-            f"got {_shape(scale)}. Fix: pass PackedFP4.scale (ue8m0 bytes: runtime.model.quantized.scale_values)")
+    require(tuple(scale.shape) == want_s and scale.dtype in SCALE_DTYPES and scale.is_contiguous(),
+            f"{name}_scale {list(want_s)} uint8 (ue8m0 bytes) or float32 (one power-of-two scale per row and {GROUP} "
+            f"inputs), contiguous; got {_shape(scale)}. Fix: pass PackedFP4.scale (float8_e8m0fnu: "
+            f".view(torch.uint8); other floats: runtime.model.quantized.scale_values)")
+    return SCALE_DTYPES[scale.dtype]
 
 
 @dataclass(frozen=True)
@@ -112,9 +119,9 @@ def fp4_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     weights : torch.Tensor
         [T, k] float32 routing weights, contiguous.
     gate_up, gate_up_scale : torch.Tensor
-        [E, 2 I, D / 2] uint8 (gate rows, then up rows), [E, 2 I, cdiv(D, 32)] float32.
+        [E, 2 I, D / 2] uint8 (gate rows, then up rows), [E, 2 I, cdiv(D, 32)] uint8 (ue8m0) or float32.
     down, down_scale : torch.Tensor
-        [E, D, I / 2] uint8, [E, D, cdiv(I, 32)] float32.
+        [E, D, I / 2] uint8, [E, D, cdiv(I, 32)] uint8 (ue8m0) or float32.
     limit : float or None
         None: silu(gate) * up (V3); a float: V4's clamped SwiGLU.
     out_dtype : torch.dtype, optional
@@ -137,8 +144,8 @@ def fp4_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     inter = two_i // 2
     require(two_i % 2 == 0 and inter > 0, f"gate_up [E, 2 I, D / 2] with 2 I even and positive (gate rows, then up "
             f"rows); got {_shape(gate_up)}")
-    _check_fp4("gate_up", gate_up, gate_up_scale, (n_local,), two_i, d)
-    _check_fp4("down", down, down_scale, (n_local,), d, inter)
+    gu_ue8m0 = _check_fp4("gate_up", gate_up, gate_up_scale, (n_local,), two_i, d)
+    dn_ue8m0 = _check_fp4("down", down, down_scale, (n_local,), d, inter)
     out_dtype = out_dtype or x.dtype
     require(out_dtype in (*DOT_DTYPES, torch.float32), f"out_dtype bfloat16 / float16 / float32; got {out_dtype}")
     act = _act_code(limit)
@@ -157,13 +164,13 @@ def fp4_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     k._fp4_moe_up_kernel[(n_pairs, triton.cdiv(inter, c.up_block_i))](
         x, ids, gate_up, gate_up_scale, h, d, inter, n_local, lim, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0), TOPK=top_k,
-        BLOCK_I=c.up_block_i, BLOCK_K=_block_k(c.up_block_k, d), ACT=act, PDL=p, launch_pdl=p,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        BLOCK_I=c.up_block_i, BLOCK_K=_block_k(c.up_block_k, d), ACT=act, PDL=p, GUS_UE8M0=gu_ue8m0,
+        launch_pdl=p, num_warps=c.num_warps, num_stages=c.num_stages)
     k._fp4_moe_down_kernel[(t, triton.cdiv(d, c.down_block_d))](
         h, ids, weights, down, down_scale, out, d, inter, n_local, h.stride(0), down.stride(0), down.stride(1),
         down_scale.stride(0), down_scale.stride(1), out.stride(0), TOPK=top_k,
         TOPK_P2=triton.next_power_of_2(top_k), BLOCK_D=c.down_block_d, BLOCK_I=_block_k(c.down_block_i, inter),
-        PDL=p, launch_pdl=p, num_warps=c.num_warps, num_stages=c.num_stages)
+        PDL=p, DNS_UE8M0=dn_ue8m0, launch_pdl=p, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
@@ -201,7 +208,7 @@ def fp4_grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, of
     a : torch.Tensor
         [rows, K] bfloat16 / float16 grouped by expert (contiguous rows), last dim contiguous.
     w, w_scale : torch.Tensor
-        [E, N, K / 2] uint8 packed e2m1, [E, N, cdiv(K, 32)] float32.
+        [E, N, K / 2] uint8 packed e2m1, [E, N, cdiv(K, 32)] uint8 (ue8m0) or float32.
     offsets : torch.Tensor
         [E] int32, inclusive cumulative rows per expert (read on the device; no host sync).
     fused_act : bool
@@ -221,7 +228,7 @@ def fp4_grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, of
     require(a.dim() == 2 and a.shape[1] == kd and a.dtype in DOT_DTYPES and a.stride(-1) == 1,
             f"a [rows, K = {kd}] bfloat16 / float16, last dim contiguous; got {_shape(a)}. Fix: a.to(torch.bfloat16)")
     rows = a.shape[0]
-    _check_fp4("w", w, w_scale, (n_experts,), n, kd)
+    ue8m0 = _check_fp4("w", w, w_scale, (n_experts,), n, kd)
     require(tuple(offsets.shape) == (n_experts,) and offsets.dtype == torch.int32 and offsets.is_contiguous(),
             f"offsets [E = {n_experts}] int32 (inclusive cumulative rows per expert), contiguous; got "
             f"{_shape(offsets)}. Fix: counts.cumsum(0).to(torch.int32)")
@@ -243,7 +250,7 @@ def fp4_grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, of
         a, w, w_scale, out, offsets, n_experts, n, kd, n_out, float(limit or 0.0), a.stride(0), w.stride(0),
         w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0), E_P2=triton.next_power_of_2(n_experts),
         BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=_block_k(c.block_k, kd), GROUP_M=c.group_m, ACT=act,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        BS_UE8M0=ue8m0, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
@@ -260,9 +267,9 @@ def fp4_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
     xs : torch.Tensor
         [rows, D] bfloat16 / float16 grouped by expert, last dim contiguous.
     gate_up, gate_up_scale : torch.Tensor
-        [E, 2 I, D / 2] uint8, [E, 2 I, cdiv(D, 32)] float32.
+        [E, 2 I, D / 2] uint8, [E, 2 I, cdiv(D, 32)] uint8 (ue8m0) or float32.
     down, down_scale : torch.Tensor
-        [E, D, I / 2] uint8, [E, D, cdiv(I, 32)] float32.
+        [E, D, I / 2] uint8, [E, D, cdiv(I, 32)] uint8 (ue8m0) or float32.
     offsets : torch.Tensor
         [E] int32, inclusive cumulative rows per expert.
     act : callable, optional

@@ -1,12 +1,13 @@
 """Triton kernels for DeepSeek-V4's fp4 routed experts, launchers in :mod:`backends.kernels.gemm.fp4_moe`.
 
 Weights are e2m1 values packed two per byte (low nibble first: input column 2 j is byte j's low nibble, 2 j + 1
-its high one) with one float32 power-of-two scale per row and 32 inputs (``dequantized = e2m1 * scale``, the
-layout of ``runtime.model.quantized.PackedFP4``). Hopper has no fp4 tensor-core product, so every kernel reads
-the packed bytes and widens them in registers (:func:`_widen`: the e2m1 value built from its bits as a float32,
-times its group's scale, cast to the activation dtype). The widening is exact: every e2m1 value times a power of
-two is a bf16 / fp16 value (within their exponent ranges), so the products are those of the dequantized weights
-up to float32 summation order.
+its high one) with one power-of-two scale per row and 32 inputs (``dequantized = e2m1 * scale``, the layout of
+``runtime.model.quantized.PackedFP4``): ue8m0 bytes as the release stores them (uint8 b, ``2 ** (b - 127)``; the
+``*_UE8M0`` constexprs) or float32 values. Hopper has no fp4 tensor-core product, so every kernel reads the packed
+bytes and widens them in registers (:func:`_widen`: the e2m1 value built from its bits as a float32, times its
+group's scale (a ue8m0 byte widened to float32 by :func:`_ue8m0`), cast to the activation dtype). The widening is
+exact: every e2m1 value times a power of two is a bf16 / fp16 value (within their exponent ranges), so the products
+are those of the dequantized weights up to float32 summation order.
 
 A byte tile is read as [rows, groups, 16] (16 bytes = one 32-input scale group), so a group's one scale
 broadcasts over its 16 bytes without a gather. The two nibbles of a byte are two input columns:
@@ -51,11 +52,24 @@ def _e2m1(nib):
 
 
 @triton.jit
-def _widen(packed, scale, DT: tl.constexpr):
-    """packed [R, G, 16] uint8 and scale [R, G] float32 -> (low nibbles, high nibbles) [R, G, 16] of ``DT``, each
-    times its group's scale (exact)."""
+def _ue8m0(scale, UE8M0: tl.constexpr):
+    """Scales as loaded -> float32: ue8m0 bytes b (``UE8M0``) -> ``2 ** (b - 127)`` built from its float32 bits
+    (b << 23; b = 0 is the subnormal 2 ** -127, 0x400000; b = 255 is inf), exact, the value of
+    ``runtime.model.quantized.scale_values``; float32 scales as they are."""
+    if UE8M0:  # one return (the compiler types every return of a function, taken or not)
+        b = scale.to(tl.uint32)
+        out = tl.where(b > 0, b << 23, 0x400000).to(tl.float32, bitcast=True)
+    else:
+        out = scale
+    return out
+
+
+@triton.jit
+def _widen(packed, scale, DT: tl.constexpr, UE8M0: tl.constexpr):
+    """packed [R, G, 16] uint8 and scale [R, G] (ue8m0 uint8 with ``UE8M0``, else float32) -> (low nibbles, high
+    nibbles) [R, G, 16] of ``DT``, each times its group's scale (exact)."""
     b = packed.to(tl.uint32)
-    s = scale[:, :, None]
+    s = _ue8m0(scale, UE8M0)[:, :, None]
     return (_e2m1(b & 15) * s).to(DT), (_e2m1(b >> 4) * s).to(DT)
 
 
@@ -73,11 +87,12 @@ def _act(g, u, limit, ACT: tl.constexpr, DT: tl.constexpr):
 @triton.jit
 def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, stride_ge, stride_gn, stride_gse,
                        stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ACT: tl.constexpr, PDL: tl.constexpr):
+                       ACT: tl.constexpr, PDL: tl.constexpr, GUS_UE8M0: tl.constexpr):
     """Program (p, i-block): pair p is (token p // TOPK, expert IDS[p]) over GU[e] [2 I, K / 2] packed bytes with
-    scales GUS[e] [2 I, cdiv(K, 32)]. H[p, i] = act(gate, up) (see :func:`_act`), each GEMM output rounded to H's
-    dtype. Other ranks' experts (IDS[p] >= n_local) compute nothing (their rows of H are written, unused). Each
-    loop step reads BLOCK_K inputs (BLOCK_K / 32 groups of 16 bytes) of BLOCK_I gate and BLOCK_I up rows."""
+    scales GUS[e] [2 I, cdiv(K, 32)] (ue8m0 bytes with ``GUS_UE8M0``, else float32). H[p, i] = act(gate, up) (see
+    :func:`_act`), each GEMM output rounded to H's dtype. Other ranks' experts (IDS[p] >= n_local) compute nothing
+    (their rows of H are written, unused). Each loop step reads BLOCK_K inputs (BLOCK_K / 32 groups of 16 bytes) of
+    BLOCK_I gate and BLOCK_I up rows."""
     pdl_enter(PDL)
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -109,10 +124,10 @@ def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, s
         ms = live[:, None] & (grp < n_groups)[None, :]
         wg = tl.load(g_rows + byte[None, :, :], mask=m3, other=0)
         wu = tl.load(u_rows + byte[None, :, :], mask=m3, other=0)
-        sg = tl.load(gs_rows + grp[None, :], mask=ms, other=0.0)
-        su = tl.load(us_rows + grp[None, :], mask=ms, other=0.0)
-        glo, ghi = _widen(wg, sg, DT)
-        ulo, uhi = _widen(wu, su, DT)
+        sg = tl.load(gs_rows + grp[None, :], mask=ms, other=0)
+        su = tl.load(us_rows + grp[None, :], mask=ms, other=0)
+        glo, ghi = _widen(wg, sg, DT, GUS_UE8M0)
+        ulo, uhi = _widen(wu, su, DT, GUS_UE8M0)
         col = k0 + 2 * jj
         x_ev = tl.where(row0, tl.load(x_row + col, mask=col < K, other=0.0)[None, :], 0.0).to(DT)  # token row 0
         x_od = tl.where(row0, tl.load(x_row + col + 1, mask=col < K, other=0.0)[None, :], 0.0).to(DT)
@@ -128,10 +143,10 @@ def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, s
 @triton.jit
 def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h, stride_de, stride_dd, stride_dse,
                          stride_dsd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_I: tl.constexpr, PDL: tl.constexpr):
-    """Program (t, d-block): OUT[t] = sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j]) in float32, j in order
-    (other ranks' experts add 0), stored in OUT's dtype. DN [E, D, I / 2] packed bytes with scales
-    DNS [E, D, cdiv(I, 32)]; the product of each slot rounded to H's dtype.
+                         BLOCK_I: tl.constexpr, PDL: tl.constexpr, DNS_UE8M0: tl.constexpr):
+    """Program (t, d-block): OUT[t] = sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j]) in float32, j in order (other
+    ranks' experts add 0), stored in OUT's dtype. DN [E, D, I / 2] packed bytes with scales DNS [E, D, cdiv(I, 32)]
+    (ue8m0 bytes with ``DNS_UE8M0``, else float32); the product of each slot rounded to H's dtype.
 
     One loop over (slot, BLOCK_I-wide chunk of the hidden dim), so the weight loads stay pipelined across experts
     (as ``fp8_moe_kernels._fp8_moe_down_kernel``); at a slot's last chunk its product is rounded and folded in."""
@@ -164,8 +179,8 @@ def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h,
         w = tl.load(DN + e * stride_de + rd64[:, None, None] * stride_dd + byte[None, :, :],
                     mask=dmask[:, None, None] & (byte < width // 2)[None, :, :], other=0)
         sc = tl.load(DNS + e * stride_dse + rd64[:, None] * stride_dsd + grp[None, :],
-                     mask=dmask[:, None] & (grp * GROUP < width)[None, :], other=0.0)
-        lo, hi = _widen(w, sc, DT)
+                     mask=dmask[:, None] & (grp * GROUP < width)[None, :], other=0)
+        lo, hi = _widen(w, sc, DT, DNS_UE8M0)
         col = c * BLOCK_I + 2 * jj
         h_row = H + p * stride_h + col
         h_ev = tl.where(row0, tl.load(h_row, mask=col < width, other=0.0)[None, :], 0.0).to(DT)  # the pair's row 0
@@ -181,29 +196,31 @@ def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h,
 
 @triton.jit
 def _fp4_tile(B, BS, e64, rows64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse, stride_bsn,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr, UE8M0: tl.constexpr):
     """Rows ``rows64`` of expert e's packed weight, inputs k0 .. k0 + BLOCK_K, widened: [BLOCK_N, BLOCK_K] of DT
-    in column order (the nibbles joined back: low, high, low, high ...)."""
+    in column order (the nibbles joined back: low, high, low, high ...); ``UE8M0``: BS holds ue8m0 bytes."""
     G: tl.constexpr = BLOCK_K // GROUP
     grp = k0 // GROUP + tl.arange(0, G)
     byte = grp[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES)[None, :]
     w = tl.load(B + e64 * stride_be + rows64[:, None, None] * stride_bn + byte[None, :, :],
                 mask=nmask[:, None, None] & (byte < n_bytes)[None, :, :], other=0)
     s = tl.load(BS + e64 * stride_bse + rows64[:, None] * stride_bsn + grp[None, :],
-                mask=nmask[:, None] & (grp < n_groups)[None, :], other=0.0)
-    lo, hi = _widen(w, s, DT)
+                mask=nmask[:, None] & (grp < n_groups)[None, :], other=0)
+    lo, hi = _widen(w, s, DT, UE8M0)
     return tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
 def _fp4_grouped_gemm_kernel(A, B, BS, C, OFFS, n_experts, N, K, n_out, limit, stride_a, stride_be, stride_bn,
                              stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr,
+                             BS_UE8M0: tl.constexpr):
     """C[rows of e] = A[rows of e] @ W[e].T for every expert e (ACT 0: n_out = N columns, rounded to C's dtype),
     or with the activation fused (ACT 1, 2: n_out = N / 2; W[e]'s rows are gate, then up; C = act(gate, up)).
 
-    A [rows, K] of 16 bits grouped by expert; B [E, N, K / 2] packed e2m1, BS [E, N, cdiv(K, 32)] float32; OFFS [E]
-    int32, the inclusive cumulative row counts. Rows past OFFS[E - 1] are not written.
+    A [rows, K] of 16 bits grouped by expert; B [E, N, K / 2] packed e2m1, BS [E, N, cdiv(K, 32)] ue8m0 bytes
+    (``BS_UE8M0``) or float32; OFFS [E] int32, the inclusive cumulative row counts. Rows past OFFS[E - 1] are not
+    written.
 
     Each program finds its tile with :func:`~backends.kernels.gemm.fp8_moe_kernels.expert_tile` (no host sync); slots past the last tile return."""
     live, e, row0, row_end, pid_n = expert_tile(OFFS, n_experts, n_out, E_P2, BLOCK_M, BLOCK_N, GROUP_M)
@@ -226,11 +243,11 @@ def _fp4_grouped_gemm_kernel(A, B, BS, C, OFFS, n_experts, N, K, n_out, limit, s
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
         w = _fp4_tile(B, BS, e64, rn64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse, stride_bsn,
-                      BLOCK_N, BLOCK_K, DT)
+                      BLOCK_N, BLOCK_K, DT, BS_UE8M0)
         acc = tl.dot(a, tl.trans(w), acc)
         if ACT != 0:  # the up rows of the same columns
             wu = _fp4_tile(B, BS, e64, rn64 + n_out, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse,
-                           stride_bsn, BLOCK_N, BLOCK_K, DT)
+                           stride_bsn, BLOCK_N, BLOCK_K, DT, BS_UE8M0)
             acc_u = tl.dot(a, tl.trans(wu), acc_u)
     if ACT != 0:
         res = _act(acc.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32), limit, ACT, DT)

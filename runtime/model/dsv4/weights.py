@@ -226,7 +226,7 @@ class ModelWeights(_Named):
 
     def bytes_by_dtype(self) -> dict[str, int]:
         """dtype -> bytes as held (:func:`runtime.model.quantized.bytes_by_dtype`: fp8 values, packed fp4 bytes,
-        their float32 scales, the float dtypes)."""
+        their scales: float32 for fp8, ue8m0 bytes for fp4; the float dtypes)."""
         return bytes_by_dtype(v for _, v in self.named())
 
     def unquantized_bytes(self) -> dict[str, int]:
