@@ -18,7 +18,7 @@ DeepSeek-V4's fp4 routed experts stay packed as a :class:`PackedFP4` (e2m1 bytes
 32 inputs, kept as the release stores it: a ue8m0 byte, 1 byte per 32 weights; float32 only for a checkpoint whose
 float scales are not all powers of two, see :func:`fp4_scales`); on the CPU their product is the torch one
 (dequantize per weight, then the matmul), on CUDA in bf16 / fp16 the routed experts take the fp4 expert kernels of
-:mod:`backends.kernels.gemm.fp4_moe` (not yet run on a GPU).
+:mod:`backends.kernels.gemm.fp4_moe`.
 """
 
 from __future__ import annotations
