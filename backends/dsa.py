@@ -223,6 +223,11 @@ class DSABackend:
         self.prefill_rows = {"tokens": 0, "sparse": 0, "dense": 0}  # key rows per sparse layer (the report)
 
     # ------------------------------------------------------------------------------- planning
+    def _uniform(self, batch: ForwardBatch) -> bool:
+        """A speculative verify / draft extend on the Triton kernels without HiSparse: k + 1 tokens per request,
+        attended by the decode kernels (:meth:`_attend_selected`)."""
+        return self.impl == "triton" and batch.mode in UNIFORM_MODES and self.coordinator is None
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """HiSparse bookkeeping, the indexer's column count, each extend token's request row (EXTEND, and the
         speculative TARGET_VERIFY / DRAFT_EXTEND, which are extends: k + 1 tokens after the cached prefix), the key
@@ -231,8 +236,7 @@ class DSABackend:
         if self.coordinator is not None:
             self.coordinator.begin_step(batch)
         self.max_len = max(1, batch.max_seq_len)
-        uniform = self.impl == "triton" and batch.mode in UNIFORM_MODES and self.coordinator is None
-        if batch.mode != ForwardMode.DECODE and not uniform:  # (a uniform batch's rows come from the request rows)
+        if batch.mode != ForwardMode.DECODE and not self._uniform(batch):  # (a uniform batch: its request rows)
             self._token_rows = token_rows(batch.req_pool_indices, batch.qo_indptr, batch.num_tokens)
         if batch.mode == ForwardMode.EXTEND:
             for p, n in zip(batch.prefix_lens_cpu.tolist(), batch.extend_lens_cpu.tolist()):
@@ -357,7 +361,7 @@ class DSABackend:
         and attends with the sparse kernel (:mod:`backends.kernels.sparse.sparse_mla_extend`).
         """
         c = self.coordinator
-        if self.impl == "triton" and batch.mode in UNIFORM_MODES and c is None:  # k + 1 tokens per request
+        if self._uniform(batch):  # k + 1 tokens per request
             n = q_nope.shape[0] // batch.batch_size
             req_rows = batch.req_pool_indices[:, None].expand(-1, n).reshape(-1)
             return self._attend_selected(q_nope, q_pe, index_q, index_weights, layer_id, batch, req_rows)

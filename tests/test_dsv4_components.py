@@ -11,6 +11,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 from backends.kernels.dsv4.dsv4_reference import indexer_topk, sink_attention
 from runtime.core.dsv4_pools import CompressedKVPool, CompressorStatePool
 from runtime.core.dsv4_spec import DSV4AttentionSpec, DSV4LayerType
+from runtime.model.deepseek.ops import TorchOps
 from runtime.model.deepseek.rope import apply_rope_tail, cos_sin, inv_freq
 from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.hyper import hc_head, hc_pre
@@ -237,4 +238,4 @@ def test_moe_matches_reference(pair, layer_id):
     mw = w.layers[layer_id].mlp
     gate = torch.nn.functional.linear(x, mw.gate_up_proj[0]).chunk(2, -1)[0]
     assert (gate > cfg.swiglu_limit).any()  # the premise: swiglu_limit clamps something
-    _close(moe_forward(mw, x, ids, cfg), want)
+    _close(moe_forward(mw, x, ids, cfg, TorchOps()), want)

@@ -12,6 +12,7 @@ from hf_models import prompt_overrides
 
 from containers import build
 from runtime.model.deepseek.moe import GROUPED_MM
+from runtime.model.deepseek.ops import TorchOps
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.moe import moe_forward
 from runtime.model.dsv4.weights import ModelWeights
@@ -46,8 +47,8 @@ def test_grouped_experts_match_the_per_expert_loop(tokens):
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g, device="cuda")
     for layer in (0, 1):
         mw = w.layers[layer].mlp
-        loop = moe_forward(mw, x, ids, cfg, grouped_mm=False)
-        grouped = moe_forward(mw, x, ids, cfg, grouped_mm=True)
+        loop = moe_forward(mw, x, ids, cfg, TorchOps(), grouped_mm=False)
+        grouped = moe_forward(mw, x, ids, cfg, TorchOps(), grouped_mm=True)
         assert not grouped.isnan().any()
         err = ((grouped.float() - loop.float()).abs().max() / loop.float().abs().max()).item()
         assert err < 1e-2, f"layer {layer}: grouped vs loop relative error {err:.2e}"

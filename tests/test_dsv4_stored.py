@@ -317,7 +317,7 @@ def test_grouped_output_multiplies_a_block_fp8_o_a_per_group():
         o_a = BlockFP8.quantize(torch.randn(2 * rows, 192, generator=g) / 14)
         ops = CountingOps()
         got = grouped_output(o, o_a, o_b[:, : 2 * rows], 2, ops)
-        want = grouped_output(o, o_a.dequantize(torch.float32), o_b[:, : 2 * rows], 2)
+        want = grouped_output(o, o_a.dequantize(torch.float32), o_b[:, : 2 * rows], 2, TorchOps())
         assert sum(ops.fp8.values()) == calls and all(shape == (rows, 192) for _, shape in ops.fp8)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         if not calls:

@@ -12,6 +12,7 @@ from dsv4_harness import randomize_, tiny_hf_config
 
 from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.checkpoint import TensorInfo, _Reader
+from runtime.model.deepseek.ops import TorchOps
 from runtime.model.deepseek.sharding import ALL
 from runtime.model.dsv4.checkpoint import expected_tensors, load_dsv4_checkpoint, random_dsv4_weights
 from runtime.model.dsv4.config import DSV4Config
@@ -192,14 +193,14 @@ def test_partial_outputs_of_two_ranks_sum_to_one_ranks(moe, groups):
     t, h, d = 9, cfg.attention.num_heads, cfg.attention.head_dim
     o = torch.randn(t, h, d, generator=g, dtype=torch.float64)
     w = full.layers[1].attn
-    want = grouped_output(o, w.o_a_proj, w.o_b_proj, cfg.o_groups)
+    want = grouped_output(o, w.o_a_proj, w.o_b_proj, cfg.o_groups, TorchOps())
     local = rank_config(cfg, 2).o_groups
     got = sum(grouped_output(o[:, r * h // 2:(r + 1) * h // 2], x.layers[1].attn.o_a_proj, x.layers[1].attn.o_b_proj,
-                             local) for r, x in enumerate(ranks))
+                             local, TorchOps()) for r, x in enumerate(ranks))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     x = torch.randn(t, cfg.hidden_size, generator=g, dtype=torch.float64)
     ids = torch.randint(0, cfg.vocab_size, (t,), generator=g)
     for layer in (0, 1):  # hash routing, then bias-corrected top-k
-        want = moe_forward(full.layers[layer].mlp, x, ids, cfg)
-        got = sum(moe_forward(r.layers[layer].mlp, x, ids, cfg) for r in ranks)
+        want = moe_forward(full.layers[layer].mlp, x, ids, cfg, TorchOps())
+        got = sum(moe_forward(r.layers[layer].mlp, x, ids, cfg, TorchOps()) for r in ranks)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -34,7 +34,7 @@ from runtime.model.deepseek.stored import kept_fp8, release_fp8
 from runtime.model.dsv4.checkpoint import expected_tensors as dsv4_expected_tensors
 from runtime.model.dsv4.hf_config import dsv4_config
 from runtime.model.dsv4.sharding import dsv4_tensor_cut, rank_config
-from runtime.model.dsv4.stored import FP4_DTYPES, StoredFormat, release_kind, scale_names
+from runtime.model.dsv4.stored import FP4_DTYPES, UE8M0_SCALE_DTYPES, StoredFormat, release_kind, scale_names
 from runtime.model.indexer import IndexKeyPool
 from runtime.model.quantized import FLOAT32_SCALES, UE8M0_SCALES
 
@@ -42,7 +42,6 @@ META = torch.device("meta")
 FP8_BLOCK = 128  # fp8 e4m3 weights: one float32 scale per 128 x 128 block
 FP4_GROUP = 32  # packed fp4 experts: one scale per row and 32 inputs, a ue8m0 byte (float32 for float scales)
 F32 = 4
-UE8M0_DTYPES = ("F8_E8M0", "U8")  # fp4 scales the loader keeps as ue8m0 bytes whatever their values
 
 
 def _add(out: dict[str, int], key: str, n: int) -> None:
@@ -72,7 +71,7 @@ def _fp4_ue8m0(spec: ModelSpec) -> bool:
     index, _ = checkpoint_index(Path(spec.path))
     scales = scale_names(index)
     fp4 = [scales[n] for n, info in index.items() if n in scales and info.dtype in FP4_DTYPES]
-    return all(index[s].dtype in UE8M0_DTYPES for s in fp4)
+    return all(index[s].dtype in UE8M0_SCALE_DTYPES for s in fp4)
 
 
 def _quantized(model: dict, spec: ModelSpec) -> bool:

@@ -39,16 +39,14 @@ from runtime.model.deepseek.rope import apply_rope_tail, cos_sin
 from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_post, hc_pre
-from runtime.model.dsv4.moe import TORCH_OPS, moe_forward
+from runtime.model.dsv4.moe import moe_forward
 from runtime.model.dsv4.norms import rms_norm, unweighted_rms_norm
 from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, LayerWeights
 from runtime.model.quantized import BlockFP8, Weight, dense
 
-#: the decoder ops (:mod:`runtime.model.deepseek.ops`): one interface, the class chosen by ``model.fused``
-Ops = TorchOps | FusedOps
 
-
-def grouped_output(o: torch.Tensor, o_a: Weight, o_b: Weight, groups: int, ops: Ops = TORCH_OPS) -> torch.Tensor:
+def grouped_output(o: torch.Tensor, o_a: Weight, o_b: Weight, groups: int,
+                   ops: TorchOps | FusedOps) -> torch.Tensor:
     """o [T, H, D] -> [T, hidden]: group g of the flattened heads through block g of o_a [G * R, H * D / G],
     the concatenated [T, G * R] through o_b [hidden, G * R] (``ops.linear``).
 
@@ -71,7 +69,7 @@ class DSV4Attention:
     the constructor."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, weights: AttentionWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend, ops: Ops):
+                 backend: DSV4AttentionBackend, ops: TorchOps | FusedOps):
         self.cfg, self.layer_id, self.w, self.pools, self.backend = cfg, layer_id, weights, pools, backend
         self.ops = ops
         self.kind = cfg.attention.layer_types[layer_id]
@@ -131,7 +129,8 @@ class DSV4DecoderLayer:
     (see :mod:`runtime.model.dsv4.moe`)."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, weights: LayerWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup, ops: Ops, grouped_mm: bool = False):
+                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup,
+                 ops: TorchOps | FusedOps, grouped_mm: bool = False):
         self.cfg, self.layer_id, self.w, self.group, self.grouped_mm = cfg, layer_id, weights, group, grouped_mm
         self.ops = ops
         self.attention = DSV4Attention(cfg, layer_id, weights.attn, pools, backend, ops)
@@ -144,5 +143,5 @@ class DSV4DecoderLayer:
         streams = hc_post(post, comb, a, streams)
         post, comb, x = hc_pre(w.ffn_hc, streams, it, he, ne)
         m = self.group.all_reduce(moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg,
-                                              self.grouped_mm, self.ops))
+                                              self.ops, self.grouped_mm))
         return hc_post(post, comb, m, streams)

@@ -21,9 +21,10 @@ from runtime.core.dsv4_pools import DSV4Pools
 from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import SingleRank, TPGroup
 from runtime.model.deepseek.moe import GROUPED_MM
+from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_head
-from runtime.model.dsv4.layer import DSV4DecoderLayer, Ops
+from runtime.model.dsv4.layer import DSV4DecoderLayer
 from runtime.model.dsv4.norms import rms_norm
 from runtime.model.dsv4.weights import ModelWeights
 from runtime.model.layers import embed_vocab_parallel, vocab_parallel_top2
@@ -49,7 +50,8 @@ class DSV4Model:
     """
 
     def __init__(self, spec: ModelSpec, cfg: DSV4Config, weights: ModelWeights, pools: DSV4Pools,
-                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup, ops: Ops):
+                 backend: DSV4AttentionBackend, group: SingleRank | TPGroup,
+                 ops: TorchOps | FusedOps):
         a = cfg.attention
         if len(weights.layers) != a.num_layers:
             raise ValueError(f"DeepSeek-V4 model: got {len(weights.layers)} layers of weights; expected "

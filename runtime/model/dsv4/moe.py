@@ -35,9 +35,6 @@ from runtime.model.deepseek.routing import Router
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.weights import MoEWeights
 
-#: the torch products (the reference) for callers that inject no ops
-TORCH_OPS = TorchOps()
-
 
 def v4_router(cfg: DSV4Config) -> Router:
     """V4's routing rule: its scores, top-k of the bias-corrected scores in torch's unsorted order (as the
@@ -61,7 +58,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config,
-                grouped_mm: bool = False, ops: TorchOps | FusedOps = TORCH_OPS) -> torch.Tensor:
+                ops: TorchOps | FusedOps, grouped_mm: bool = False) -> torch.Tensor:
     """x [T, hidden] -> routed + shared expert output [T, hidden] in x's dtype (a rank's partial sum under tensor
     parallelism, see the module docstring). ``grouped_mm`` only for float expert stacks (the caller decides from
     their dtype); ``ops.linear`` multiplies the shared expert."""

@@ -41,7 +41,8 @@ FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
 INT_DTYPES = ("I64", "I32")
 FP8_DTYPE = "F8_E4M3"
 FP4_DTYPES = ("I8", "F4")  # packed bytes [out, in / 2]; safetensors' float4 (header shape in fp4 elements)
-SCALE_DTYPES = ("F8_E8M0", "U8", "F32", "BF16", "F16")
+UE8M0_SCALE_DTYPES = ("F8_E8M0", "U8")  # ue8m0 bytes (fp4 scales are held so whatever their values)
+SCALE_DTYPES = (*UE8M0_SCALE_DTYPES, "F32", "BF16", "F16")
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # the release's spelling, transformers'
 
 
