@@ -9,7 +9,8 @@ experts only (the shared expert is an fp8 linear layer, not these kernels):
 * ``ep8``: rank 0 of 8 holds experts 0..31 whole (I 2048), other ranks' pairs add 0.
 
 Per case and token count (1, 4, 16: ``fp4_moe_experts``; 64, 512, 4096: the sort, ``fp4_grouped_expert_mlp`` and
-the weighted sum; both through ``runtime.model.deepseek.moe.routed_expert_sum`` as the model calls it): ours µs, the
+the weighted sum; both through ``runtime.model.deepseek.moe.routed_expert_sum`` as the model calls it): ours µs (at T <= 16 the
+CUDA-core decode kernels, ``fp4_moe.fma_config``; ``tc_us``: the tensor-core ones, ``Fp4ExpertConfig()``), the
 bf16 path µs (the same ``routed_expert_sum`` on the dequantized bf16 stacks with ``torch._grouped_mm``; at T <= 16
 also ``skinny.moe_experts``, the bf16 decode kernels, V3's activation: same bytes), the torch loop µs (the stored
 path before these kernels: each active expert dequantized, one host sync; eager, not graphable), ours as % of the
@@ -17,8 +18,6 @@ copy bandwidth for the packed bytes the routing touches (e2m1 bytes + ue8m0 scal
 x / out), and the relative error of ours and of bf16 against float64 on the dequantized weights. Graph-timed
 (``bench/harness.py graph_ms``) rotating over enough routings that L2 never serves an expert twice; the copy
 ceiling is measured in the same run (``measure_ceilings``).
-
-Not yet run on a GPU.
 
     python -m bench.fp4_moe_bench                 # every case, every token count
     python -m bench.fp4_moe_bench --tokens 1 16   # some token counts
@@ -29,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -126,23 +126,29 @@ def reference(c: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) ->
 
 
 def _sweep_few(c, x, sets) -> dict:
+    """The CUDA-core kernels' tiles: the up kernel's (rows x inputs per step) with the default down tiles, then the
+    down kernel's (columns x intermediate inputs per step) with the best up tiles; each printed."""
     from backends.kernels.gemm import fp4_moe
 
-    best = (float("inf"), None)
-    for bi in (16, 32, 64):
-        for bk in (128, 256, 512):
-            for bd in (16, 32, 64):
-                for di in (128, 256, 512):
-                    for stages in (3, 4):
-                        cfg = fp4_moe.Fp4ExpertConfig(bi, bk, bd, di, 4, stages)
-                        try:
-                            ms = graph_ms([lambda s=s, cfg=cfg: ours_few(c, x, s[0], s[1], cfg) for s in sets])
-                        except Exception:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
-                            continue
-                        best = min(best, (ms, cfg), key=lambda p: p[0])
+    def timed(cfg):
+        try:
+            ms = graph_ms([lambda s=s, cfg=cfg: ours_few(c, x, s[0], s[1], cfg) for s in sets])
+        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
+            print(f"  sweep {cfg}: {type(e).__name__}", flush=True)
+            return float("inf")
+        print(f"  sweep up {cfg.up_block_i}x{cfg.up_block_k} down {cfg.down_block_d}x{cfg.down_block_i} "
+              f"w{cfg.num_warps}: {ms * 1e3:.1f} us", flush=True)
+        return ms
+
+    base = fp4_moe.fma_config(c["inter"])
+    ups = [replace(base, up_block_i=bi, up_block_k=bk, num_warps=w) for bi in (4, 8, 16, 32)
+           for bk in (256, 512, 1024) for w in (4, 8)]
+    best = min(((timed(cfg), cfg) for cfg in ups), key=lambda p: p[0])
+    downs = [replace(best[1], down_block_d=bd, down_block_i=di) for bd in (4, 8, 16, 32) for di in (256, 512, 1024)]
+    best = min([best] + [(timed(cfg), cfg) for cfg in downs], key=lambda p: p[0])
     cfg = best[1]
-    return {"best_us": best[0] * 1e3, "best_config": None if cfg is None else
-            f"i{cfg.up_block_i}.k{cfg.up_block_k}.d{cfg.down_block_d}.h{cfg.down_block_i}.s{cfg.num_stages}"}
+    return {"best_us": best[0] * 1e3, "best_config": f"i{cfg.up_block_i}.k{cfg.up_block_k}.d{cfg.down_block_d}."
+            f"h{cfg.down_block_i}.w{cfg.num_warps}"}
 
 
 def bench_case(name: str, args, ceil) -> list[dict]:
@@ -163,7 +169,10 @@ def bench_case(name: str, args, ceil) -> list[dict]:
         t_bf16 = graph_ms([lambda s=s, x=x: bf16_path(c, x, *s) for s in sets])
         row.update(ours_us=t_ours * 1e3, bf16_us=t_bf16 * 1e3, speedup_vs_bf16=t_bf16 / t_ours,
                    ours_copy_pct=ceil.pct_copy(nbytes, t_ours), packed_MB=nbytes / 1e6)
-        if t <= fp4_moe.MAX_TOKENS:
+        if t <= fp4_moe.MAX_TOKENS:  # the tensor-core decode kernels beside the default CUDA-core ones
+            tc = fp4_moe.Fp4ExpertConfig()
+            row["tc_rel_err"] = rel_err(ours_few(c, x, ids, wts, tc), ref)
+            row["tc_us"] = graph_ms([lambda s=s, x=x, tc=tc: ours_few(c, x, s[0], s[1], tc) for s in sets]) * 1e3
             row["skinny_bf16_us"] = graph_ms([lambda s=s, x=x: skinny_path(c, x, *s) for s in sets]) * 1e3
         if not args.no_loop:
             row["torch_loop_us"] = eager_ms(lambda x=x, ids=ids, wts=wts: torch_loop(c, x, ids, wts)) * 1e3
@@ -195,13 +204,13 @@ def main(argv=None) -> None:
     for name in args.cases:
         rows += bench_case(name, args, ceil)
         torch.cuda.empty_cache()
-    short = ["case", "tokens", "ours_us", "bf16_us", "skinny_bf16_us", "torch_loop_us", "ours_copy_pct", "rel_err",
+    short = ["case", "tokens", "ours_us", "tc_us", "bf16_us", "skinny_bf16_us", "torch_loop_us", "ours_copy_pct", "rel_err",
              "bf16_rel_err", "speedup_vs_bf16", "packed_MB"]
     full = Table(rows, title="fp4 MoE experts, all columns", name="full")
     table = Table(rows, title="fp4 MoE experts (V4-Flash: D 4096, top-6 of 256, clamped SwiGLU, graph-timed, µs; "
                   "copy % over the touched packed experts + scales)",
                   columns=short + (["best_us", "best_config"] if args.sweep else []),
-                  formats={"ours_us": ".1f", "bf16_us": ".1f", "skinny_bf16_us": ".1f", "torch_loop_us": ".0f",
+                  formats={"ours_us": ".1f", "tc_us": ".1f", "bf16_us": ".1f", "skinny_bf16_us": ".1f", "torch_loop_us": ".0f",
                            "ours_copy_pct": ".0f", "rel_err": ".2e", "bf16_rel_err": ".2e",
                            "speedup_vs_bf16": ".2f", "packed_MB": ".1f"}, name="short")
     report("fp4_moe_bench", ceil, [full, table], meta={"cases": args.cases, "tokens": args.tokens})

@@ -50,6 +50,8 @@ from runtime.core.parallel import LaunchEnv, shutdown  # noqa: E402
 from runtime.engine.workload import Workload, synthetic_specs  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
+#: kernels the --profile table names (the rest are one row)
+TOP_KERNELS = 24
 
 
 def overrides(a: argparse.Namespace, tp: int) -> list[str]:
@@ -100,7 +102,8 @@ def profile_decode(rt, specs, layers: int) -> dict:
     coll = union_us([(s, e, c) for s, e, c, name in ev
                      if c == "kernel" and any(k in name.lower() for k in COLLECTIVE_KERNELS)], lo, end)
     return {"kernel_us_per_step": busy / n, "collective_us_per_step": coll / n,
-            "other_us_per_step": (busy - coll) / n, "top": kernel_breakdown(ev, lo, end, n, layers, top=8)}
+            "other_us_per_step": (busy - coll) / n,
+            "top": kernel_breakdown(ev, lo, end, n, layers, top=TOP_KERNELS)}
 
 
 def sweep(group, max_bytes: int) -> list[dict]:

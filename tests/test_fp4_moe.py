@@ -33,6 +33,8 @@ from runtime.model.quantized import PackedFP4, scale_values
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 2e-3
 SMALL = fp4_moe.Fp4ExpertConfig(up_block_i=64, up_block_k=128, down_block_d=64, down_block_i=64)
+SMALL_FMA = fp4_moe.Fp4ExpertConfig(up_block_i=8, up_block_k=64, down_block_d=8, down_block_i=64, fma=True)
+FEW_CONFIGS = [pytest.param(SMALL, id="tensor-cores"), pytest.param(SMALL_FMA, id="cuda-cores")]
 GSMALL = fp4_moe.GroupedConfig(block_n=64, block_k=64, group_m=2, num_warps=4)
 LIMITS = [pytest.param(None, id="silu"), pytest.param(0.6, id="clamped")]  # 0.6: the clamps bite at these scales
 
@@ -150,11 +152,12 @@ def test_ue8m0_scales_give_the_float32_scales_bits():
     assert torch.equal(grouped[0], grouped[1])
 
 
+@pytest.mark.parametrize("config", FEW_CONFIGS)
 @pytest.mark.parametrize("t,limit", [(1, None), (1, 0.6), (3, 0.6), (16, None)])
-def test_few_tokens_match_float64(t, limit):
+def test_few_tokens_match_float64(t, limit, config):
     """D 96 (a partial 128-input step and a partial 64-row down tile), I 48 (a partial 64-row up tile and a partial
-    last scale group in down)."""
-    check_few(t, 5, 96, 48, 2, limit, torch.float16, DEV, TOL, SMALL, more=t == 3)
+    last scale group in down); the tensor-core and the CUDA-core kernels."""
+    check_few(t, 5, 96, 48, 2, limit, torch.float16, DEV, TOL, config, more=t == 3)
 
 
 def test_few_tokens_default_config_whole_groups():
@@ -162,14 +165,15 @@ def test_few_tokens_default_config_whole_groups():
     check_few(2, 4, 160, 64, 2, 10.0, torch.float16, DEV, TOL)
 
 
-def test_few_tokens_one_expert_for_all_and_other_ranks_add_zero():
+@pytest.mark.parametrize("config", FEW_CONFIGS)
+def test_few_tokens_one_expert_for_all_and_other_ranks_add_zero(config):
     t, e, d, i, k = 4, 3, 96, 48, 2
     every = torch.tensor([[1, 3]] * t, device=DEV)  # expert 1 takes every token (0, 2 none); slot 1 another rank's
-    check_few(t, e, d, i, k, 0.6, torch.float16, DEV, TOL, SMALL, every)
+    check_few(t, e, d, i, k, 0.6, torch.float16, DEV, TOL, config, every)
     gu, dn = make_experts(e, d, i, DEV)
     nobody = torch.full((t, k), e, device=DEV)  # every pair on other ranks: exactly 0
     out = fp4_moe.fp4_moe_experts(torch.randn(t, d, device=DEV).half(), nobody, torch.rand(t, k, device=DEV),
-                                  *args(gu, dn), config=SMALL)
+                                  *args(gu, dn), config=config)
     assert torch.equal(out, torch.zeros_like(out))
 
 
@@ -286,9 +290,11 @@ REAL = [pytest.param(256, I_V4 // 2, id="tp2"), pytest.param(256, I_V4 // 8, id=
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,i", REAL)
 @pytest.mark.parametrize("t", [1, 16])
-def test_gpu_few_tokens_real_widths(e, i, t):
+@pytest.mark.parametrize("config", [pytest.param(None, id="default"),
+                                    pytest.param(fp4_moe.Fp4ExpertConfig(), id="tensor-cores")])
+def test_gpu_few_tokens_real_widths(e, i, t, config):
     needs_gpu()
-    check_few(t, e, D_V4, i, TOP_K, 10.0, torch.bfloat16, "cuda", 1e-2)
+    check_few(t, e, D_V4, i, TOP_K, 10.0, torch.bfloat16, "cuda", 1e-2, config, more=t == 16)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ experts computed from their storage format (e2m1 packed two per byte, one power-
 has no fp4 tensor-core product: the kernels widen the nibbles in registers and multiply in bf16 / fp16 (W4A16).
 
 * :func:`fp4_moe_experts`: decode at few tokens (T <= 16), the routed experts' weighted sum in two kernels (gate/up
-  + activation, then down + routing weights), each pair's packed expert read once.
+  + activation, then down + routing weights), each pair's packed expert read once; by default on the CUDA cores
+  (:func:`fma_config`), the tensor-core kernels on request (``Fp4ExpertConfig(fma=False)``).
 * :func:`fp4_grouped_expert_mlp`: prefill, ``runtime.model.deepseek.moe.grouped_expert_mlp``'s contract (rows
   grouped by expert, inclusive int32 offsets), two W4A16 grouped GEMMs, the activation fused into the first
   (``act=None``) or a callable as the contract has it.
@@ -19,8 +20,7 @@ float32, on its own). D and I even (two inputs per
 byte); any row count (each row has its own scales). A partial last scale group is read masked.
 
 CUDA-graph safe (outputs from ``torch.empty``, grids from shapes, no host sync). Validated in Triton's CPU
-interpreter; on an H200 the GPU tests passed with float32 scales (``docs/deepseek-v4.md``), and with ue8m0 bytes they
-served the whole V4-Flash on two H200s (graphed) but their GPU tests did not finish in that run.
+interpreter and on an H200 (``pytest -m gpu tests/test_fp4_moe.py``, ue8m0 scales, both decode kernel sets).
 """
 
 from __future__ import annotations
@@ -81,10 +81,9 @@ class Fp4ExpertConfig:
     """:func:`fp4_moe_experts` launches: gate/up rows per program and inputs per loop step of the first kernel,
     output columns per program and hidden inputs per step of the second, warps and pipeline stages of both.
 
-    Not timed on a GPU (``python -m bench.fp4_moe_bench --sweep``). Chosen offline from the sm90 compile
-    (``cuobjdump --dump-resource-usage``; Triton 3.9): 16 x 256 up tiles and 32 x 256 down tiles spill nothing
-    (32 x 256 up: 430 bytes of stack, 16 x 512 up 450; 64 x 256 down: 690), and 16-row up / 32-column down blocks
-    give 96 / 128 programs at one token on V4-Flash's TP8 rank (I 256, top-6, D 4096)."""
+    The field defaults are the tensor-core kernels' tiles, chosen offline from the sm90 compile (``cuobjdump
+    --dump-resource-usage``; Triton 3.9: 16 x 256 up and 32 x 256 down tiles spill nothing); the launcher's
+    default is :func:`fma_config`."""
 
     up_block_i: int = 16
     up_block_k: int = 256
@@ -92,6 +91,21 @@ class Fp4ExpertConfig:
     down_block_i: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    #: the CUDA-core kernels (``_fp4_moe_up_fma_kernel`` / ``_fp4_moe_down_fma_kernel``: float32 products, a pair
+    #: is one token) instead of the tensor-core ones
+    fma: bool = False
+
+
+def fma_config(inter: int) -> Fp4ExpertConfig:
+    """:func:`fp4_moe_experts`' default launch: the CUDA-core kernels (5x faster than the tensor-core ones at one
+    token), tiles by the expert slice's intermediate width. Swept at one token on an H200 (``python -m
+    bench.fp4_moe_bench --tokens 1 4 16 --sweep``, 36 tilings per case, V4-Flash D 4096, top-6): I 256 (tp8) and
+    I 1024 (tp2) best at 4 gate / up rows x 1024 inputs and 8 output columns x 1024 intermediate inputs per step
+    (23.7 / 56.7 us; the tensor-core kernels 121.0 / 276.0); I 2048 (ep8) at 8 x 1024 and 16 x 1024 (82.0 us;
+    502.2)."""
+    if inter <= 1024:
+        return Fp4ExpertConfig(4, 1024, 8, 1024, 4, 3, True)
+    return Fp4ExpertConfig(8, 1024, 16, 1024, 4, 3, True)
 
 
 def _block_k(want: int, k_dim: int) -> int:
@@ -153,21 +167,24 @@ def fp4_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     out = torch.empty(t, d, dtype=out_dtype, device=x.device)
     if t == 0 or top_k == 0:
         return out.zero_()
-    c = config or Fp4ExpertConfig()
-    pow2 = (16, 32, 64, 128, 256, 512, 1024)
-    require(c.up_block_i in pow2[:4] and c.down_block_d in pow2[:4] and c.up_block_k in pow2[2:]
-            and c.down_block_i in pow2[2:], f"Fp4ExpertConfig up_block_i / down_block_d in 16 .. 128, up_block_k / "
-            f"down_block_i in 64 .. 1024, powers of two; got {c}")
+    c = config or fma_config(inter)
+    rows = (4, 8, 16, 32, 64, 128) if c.fma else (16, 32, 64, 128)
+    wide = (64, 128, 256, 512, 1024)
+    require(c.up_block_i in rows and c.down_block_d in rows and c.up_block_k in wide and c.down_block_i in wide,
+            f"Fp4ExpertConfig up_block_i / down_block_d in {rows[0]} .. 128, up_block_k / down_block_i in 64 .. "
+            f"1024, powers of two; got {c}")
     n_pairs = t * top_k
     h = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
-    p = use_pdl(pdl, k._fp4_moe_up_kernel, x.device)
+    up_kernel, down_kernel = ((k._fp4_moe_up_fma_kernel, k._fp4_moe_down_fma_kernel) if c.fma
+                              else (k._fp4_moe_up_kernel, k._fp4_moe_down_kernel))
+    p = use_pdl(pdl, up_kernel, x.device)
     lim = float(limit or 0.0)
-    k._fp4_moe_up_kernel[(n_pairs, triton.cdiv(inter, c.up_block_i))](
+    up_kernel[(n_pairs, triton.cdiv(inter, c.up_block_i))](
         x, ids, gate_up, gate_up_scale, h, d, inter, n_local, lim, x.stride(0), gate_up.stride(0),
         gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0), TOPK=top_k,
         BLOCK_I=c.up_block_i, BLOCK_K=_block_k(c.up_block_k, d), ACT=act, PDL=p, GUS_UE8M0=gu_ue8m0,
         launch_pdl=p, num_warps=c.num_warps, num_stages=c.num_stages)
-    k._fp4_moe_down_kernel[(t, triton.cdiv(d, c.down_block_d))](
+    down_kernel[(t, triton.cdiv(d, c.down_block_d))](
         h, ids, weights, down, down_scale, out, d, inter, n_local, h.stride(0), down.stride(0), down.stride(1),
         down_scale.stride(0), down_scale.stride(1), out.stride(0), TOPK=top_k,
         TOPK_P2=triton.next_power_of_2(top_k), BLOCK_D=c.down_block_d, BLOCK_I=_block_k(c.down_block_i, inter),

@@ -17,6 +17,8 @@ broadcasts over its 16 bytes without a gather. The two nibbles of a byte are two
   once and multiplies on the tensor cores with the token's row as row 0 of a 16-row tile). The low nibbles
   multiply the activation's even columns and the high nibbles its odd columns (two products per step, no
   interleave of the widened tile: the activation row is what is read strided, and it is tiny).
+  :func:`_fp4_moe_up_fma_kernel` / :func:`_fp4_moe_down_fma_kernel` do the same on the CUDA cores (the default:
+  5x faster at one token on an H200, where the tensor-core kernels spend their time on operand layouts).
 * **Many tokens** (prefill): :func:`_fp4_grouped_gemm_kernel`, a W4A16 grouped GEMM over rows sorted by expert
   (16-bit activations read contiguously, the widened nibbles interleaved back into column order with
   ``tl.join``), optionally with the gated activation fused (gate and up columns in one program, the product of
@@ -189,6 +191,113 @@ def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h,
         acc = tl.dot(tl.reshape(hi, [BLOCK_D, HALF]), tl.trans(h_od), acc)
         if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
             y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
+            out += y * tl.sum(tl.where(slots == j, wts, 0.0))
+            acc = tl.zeros_like(acc)
+    tl.store(OUT + t * stride_o + rd, out.to(OUT.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _fp4_dot_groups(packed, scale, xe, xo, UE8M0: tl.constexpr):
+    """[R, G] float32: each row's 32-input groups dotted with the activations on the CUDA cores. packed [R, G, 16]
+    uint8 (low nibbles: even inputs, high: odd), scale [R, G] as loaded (ue8m0 bytes with ``UE8M0``), xe / xo
+    [G, 16] float32 (the activations' even / odd inputs). The e2m1 values are exact in float32 and so are their
+    products with 16-bit activations; a group's 32 products are summed in float32, then times its scale (a power
+    of two, exact)."""
+    b = packed.to(tl.uint32)
+    part = tl.sum(_e2m1(b & 15) * xe[None, :, :] + _e2m1(b >> 4) * xo[None, :, :], axis=2)
+    return part * _ue8m0(scale, UE8M0)
+
+
+@triton.jit
+def _fp4_moe_up_fma_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, stride_ge, stride_gn, stride_gse,
+                           stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                           ACT: tl.constexpr, PDL: tl.constexpr, GUS_UE8M0: tl.constexpr):
+    """:func:`_fp4_moe_up_kernel` on the CUDA cores: a pair is one token, so each step is a matrix-vector product
+    and the widened nibbles need no tensor-core operand layout (the tensor-core kernel spent most of its time
+    there: 351 us per call at one token on V4-Flash's full expert width, on an H200). Each step reads BLOCK_K
+    inputs (BLOCK_K / 32 groups of 16 bytes, one 16-byte load per group and row) of BLOCK_I gate and BLOCK_I up
+    rows; :func:`_fp4_dot_groups` gives each group's scaled sum, added into [BLOCK_I, groups] float32
+    accumulators summed over K at the end. Rounding after the sums as the tensor-core kernel."""
+    pdl_enter(PDL)
+    p = tl.program_id(0)
+    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    DT: tl.constexpr = H.dtype.element_ty
+    G: tl.constexpr = BLOCK_K // GROUP
+    e = tl.load(IDS + p, mask=p >= 0, other=0).to(tl.int64)
+    t = p // TOPK
+    live = ri < tl.where(e < n_local, inter, 0)
+    ri64 = ri.to(tl.int64)
+    g_rows = GU + e * stride_ge + ri64[:, None, None] * stride_gn
+    u_rows = GU + e * stride_ge + (ri64 + inter)[:, None, None] * stride_gn
+    gs_rows = GUS + e * stride_gse + ri64[:, None] * stride_gsn
+    us_rows = GUS + e * stride_gse + (ri64 + inter)[:, None] * stride_gsn
+    gi = tl.arange(0, G)
+    bj = tl.arange(0, GROUP_BYTES)
+    x_row = X + t * stride_x
+    n_bytes = K // 2
+    n_groups = tl.cdiv(K, GROUP)
+    acc_g = tl.zeros([BLOCK_I, G], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I, G], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        grp = k0 // GROUP + gi
+        byte = grp[:, None] * GROUP_BYTES + bj[None, :]  # [G, 16]
+        m3 = live[:, None, None] & (byte < n_bytes)[None, :, :]
+        ms = live[:, None] & (grp < n_groups)[None, :]
+        wg = tl.load(g_rows + byte[None, :, :], mask=m3, other=0)
+        wu = tl.load(u_rows + byte[None, :, :], mask=m3, other=0)
+        sg = tl.load(gs_rows + grp[None, :], mask=ms, other=0)
+        su = tl.load(us_rows + grp[None, :], mask=ms, other=0)
+        xe = tl.load(x_row + 2 * byte, mask=2 * byte < K, other=0.0).to(tl.float32)
+        xo = tl.load(x_row + 2 * byte + 1, mask=2 * byte + 1 < K, other=0.0).to(tl.float32)
+        acc_g += _fp4_dot_groups(wg, sg, xe, xo, GUS_UE8M0)
+        acc_u += _fp4_dot_groups(wu, su, xe, xo, GUS_UE8M0)
+    g = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)
+    u = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
+    tl.store(H + p * stride_h + ri, _act(g, u, limit, ACT, DT), mask=ri < inter)
+
+
+@triton.jit
+def _fp4_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h, stride_de, stride_dd,
+                             stride_dse, stride_dsd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr,
+                             DNS_UE8M0: tl.constexpr):
+    """:func:`_fp4_moe_down_kernel` on the CUDA cores: the same loop over (slot, BLOCK_I-wide chunk of the hidden
+    dim), each step's [BLOCK_D, BLOCK_I / 32, 16] bytes dotted group by group with the pair's hidden row
+    (:func:`_fp4_dot_groups`) into a [BLOCK_D, groups] float32 accumulator; at a slot's last chunk its row sums
+    are rounded to H's dtype and folded in with the slot's routing weight, slots in order."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = rd < D
+    DT: tl.constexpr = H.dtype.element_ty
+    G: tl.constexpr = BLOCK_I // GROUP
+    n_chunks = tl.cdiv(inter, BLOCK_I)
+    gi = tl.arange(0, G)
+    bj = tl.arange(0, GROUP_BYTES)
+    slots = tl.arange(0, TOPK_P2)
+    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
+    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    rd64 = rd.to(tl.int64)
+    out = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D, G], dtype=tl.float32)
+    for it in range(0, TOPK * n_chunks):
+        j = it // n_chunks
+        c = it % n_chunks
+        p = t * TOPK + j
+        e = tl.sum(tl.where(slots == j, ids, 0))
+        width = tl.where(e < n_local, inter, 0)  # other ranks' experts: nothing
+        grp = c * G + gi
+        byte = grp[:, None] * GROUP_BYTES + bj[None, :]  # [G, 16], bytes of the expert's row
+        w = tl.load(DN + e * stride_de + rd64[:, None, None] * stride_dd + byte[None, :, :],
+                    mask=dmask[:, None, None] & (byte < width // 2)[None, :, :], other=0)
+        sc = tl.load(DNS + e * stride_dse + rd64[:, None] * stride_dsd + grp[None, :],
+                     mask=dmask[:, None] & (grp * GROUP < width)[None, :], other=0)
+        h_row = H + p * stride_h
+        he = tl.load(h_row + 2 * byte, mask=2 * byte < width, other=0.0).to(tl.float32)
+        ho = tl.load(h_row + 2 * byte + 1, mask=2 * byte + 1 < width, other=0.0).to(tl.float32)
+        acc += _fp4_dot_groups(w, sc, he, ho, DNS_UE8M0)
+        if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
+            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)
             out += y * tl.sum(tl.where(slots == j, wts, 0.0))
             acc = tl.zeros_like(acc)
     tl.store(OUT + t * stride_o + rd, out.to(OUT.dtype.element_ty), mask=dmask)
