@@ -7,7 +7,8 @@
   for the MoE: V3 (sigmoid, noaux_tc) routing, the expert grouping (a stable counting sort with the grouped GEMM's
   offsets) and the weighted combine plus the shared experts.
   Where a kernel does not apply (an fp8 KV cache: the torch write counts clipped values; softmax routing; MoE
-  without ``torch._grouped_mm``) the op takes the torch path for that case.
+  without ``torch._grouped_mm``; mHC with float64 streams or an hc_mult that is not a power of two up to 16) the op
+  takes the torch path for that case.
   Products of at most ``gemv_rows`` rows (``model.gemv_rows``: decode at small batch) take the few-row kernels of
   :mod:`backends.kernels.gemm.skinny` instead of cuBLAS: the linear layers (bf16 / fp16; the q LoRA's RMSNorm inside
   q_b_proj's kernel), the router (float32, no cast kernels) and the routed + shared experts in two kernels (no
@@ -15,7 +16,9 @@
   Block-fp8 weights (``model.weights=stored`` / ``fp8``) take the block-fp8 kernels:
   :mod:`backends.kernels.gemm.fp8_gemm` for the linear layers (few rows: fp8 widened in registers; many rows: W8A8 with
   1 x 128 activation scales) and :mod:`backends.kernels.gemm.fp8_moe` for the experts (few tokens: two kernels as above;
-  many: a grouped fp8 GEMM). With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch
+  many: a grouped fp8 GEMM). V4's mHC around each block (:mod:`backends.kernels.dsv4.hc_mix`): everything after the
+  mixing linear in one kernel (sigmoids, softmax, Sinkhorn rounds, the collapse), the expansion in another.
+  With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch
   on Hopper and newer GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
 
 Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
@@ -40,6 +43,7 @@ from runtime.model.deepseek.moe import moe as torch_moe
 from runtime.model.deepseek.rope import apply_rope
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.layers import rms_norm
+from runtime.model.mhc import hc_mix, hc_post
 from runtime.model.quantized import BlockFP8, linear
 
 #: the most rows the few-row kernels take (``backends.kernels.gemm.skinny.MAX_ROWS``: one 16-row tensor-core tile)
@@ -138,6 +142,18 @@ class TorchOps:
         """x [T, D] -> routed + shared experts [T, D] in x's dtype."""
         return torch_moe(spec, w, x, grouped_mm)
 
+    def hc_mix(self, mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor,
+               iters: int, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """V4's mHC before a block, after its mixing linear: mixed [T, 2n + n * n], streams [T, n, hidden] ->
+        (post [T, n], comb [T, n, n], collapsed [T, hidden]); see :func:`runtime.model.mhc.hc_mix`."""
+        return hc_mix(mixed, base, scale, streams, iters, hc_eps)
+
+    def hc_post(self, post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor,
+                streams: torch.Tensor) -> torch.Tensor:
+        """V4's mHC after a block: ``post * block_out + comb^T @ streams`` [T, n, hidden]; see
+        :func:`runtime.model.mhc.hc_post`."""
+        return hc_post(post, comb, block_out, streams)
+
 
 class FusedOps:
     """The same ops as fused Triton kernels (CUDA); see the module docstring for the cases that stay torch."""
@@ -149,6 +165,7 @@ class FusedOps:
     def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True, fp8_compute: str = "w8a8"):
         # imports triton: only where the fused ops are built
         from backends.kernels.decoder import decoder_ops
+        from backends.kernels.dsv4 import hc_mix as hc_kernels
         from backends.kernels.gemm import fp8_gemm, fp8_moe, skinny
 
         if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
@@ -163,6 +180,7 @@ class FusedOps:
         self.fp8_compute = str(fp8_compute)
         self.w8a8 = fp8_compute == "w8a8"
         self.f8, self.f8moe = fp8_gemm, fp8_moe
+        self.hc = hc_kernels
         self.torch = TorchOps()
 
     def _few_rows(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -254,6 +272,20 @@ class FusedOps:
             y = torch.where((torch.arange(y.shape[0], device=y.device) < offsets[-1])[:, None], y, 0.0)
         shared = self.dense_mlp(w.shared, x) if w.shared is not None else None
         return self.k.moe_combine(y, inv, weights, shared, x.dtype)
+
+    def _hc_kernel(self, streams: torch.Tensor) -> bool:
+        """The streams' n (hc_mult) and dtype take the mHC kernels (else the torch path: float64, other n)."""
+        return streams.shape[1] in self.hc.HC_MULTS and streams.dtype in self.hc.STREAM_DTYPES
+
+    def hc_mix(self, mixed, base, scale, streams, iters, hc_eps):
+        if self._hc_kernel(streams):
+            return self.hc.hc_mix(mixed, base, scale, streams, iters, hc_eps, pdl=self.pdl)
+        return self.torch.hc_mix(mixed, base, scale, streams, iters, hc_eps)
+
+    def hc_post(self, post, comb, block_out, streams):
+        if self._hc_kernel(streams) and block_out.dtype == streams.dtype:
+            return self.hc.hc_post(post, comb, block_out, streams, pdl=self.pdl)
+        return self.torch.hc_post(post, comb, block_out, streams)
 
 
 #: ``model.fused`` -> the implementations it may pick, in order of preference.

@@ -3,7 +3,8 @@ names), driven through the V4 pools (runtime/core/dsv4_pools.py) and the ``dsv4`
 
 Files: ``config`` (hyper-parameters from config.json), ``rope`` (interleaved partial RoPE, default and YaRN),
 ``weights`` (dataclasses + state-dict loading), ``compressor`` (CSA/HCA compressors, indexer queries),
-``hyper`` (mHC with Sinkhorn), ``moe`` (hash / top-k routing, swiglu_limit experts), ``layer`` (attention block
-and decoder layer), ``model`` (embedding, layers, head), ``checkpoint`` / ``stored`` (reading folders, the release's
-fp8 / fp4 tensors), ``sharding`` (what each tensor-parallel rank holds).
+``hyper`` (mHC's mixing linear and head; the Sinkhorn math after the linear in ``runtime/model/mhc.py``), ``moe``
+(hash / top-k routing, swiglu_limit experts), ``layer`` (attention block and decoder layer), ``model`` (embedding,
+layers, head), ``checkpoint`` / ``stored`` (reading folders, the release's fp8 / fp4 tensors), ``sharding`` (what
+each tensor-parallel rank holds).
 """

@@ -4,6 +4,9 @@ Before a block, a one-layer perceptron over the normalized, flattened streams gi
 (collapse weights), ``post`` [n] (expansion weights) and ``comb`` [n, n], projected towards a doubly-stochastic
 matrix by Sinkhorn-Knopp (softmax over rows, then alternately column / row normalisation). After the block:
 ``streams' = post * out + comb^T @ streams``.
+
+The math after the mixing linear (:func:`runtime.model.mhc.hc_mix`, :func:`runtime.model.mhc.hc_post`) lives in
+:mod:`runtime.model.mhc`, which the decoder ops share (their fused Triton kernels replace it on CUDA).
 """
 
 from __future__ import annotations
@@ -13,42 +16,22 @@ import torch.nn.functional as F
 
 from runtime.model.dsv4.norms import compute_dtype, unweighted_rms_norm
 from runtime.model.dsv4.weights import HyperConnectionWeights, HyperHeadWeights
+from runtime.model.mhc import hc_mix
 
 
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[..., n, n] positive -> approximately doubly stochastic: a column normalisation, then ``iters - 1`` rounds
-    of row then column normalisation (each divides by ``sum + eps``)."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+def hc_mixed(w: HyperConnectionWeights, streams: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """The mixing linear: streams [T, n, hidden] -> unweighted-RMS-normed, flattened, times ``w.fn``:
+    [T, 2n + n * n] in at least float32 (the input of :func:`runtime.model.mhc.hc_mix` and ``ops.hc_mix``)."""
+    cd = compute_dtype(streams)
+    flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).to(cd), norm_eps)
+    return F.linear(flat, w.fn.to(cd))
 
 
 def hc_pre(w: HyperConnectionWeights, streams: torch.Tensor, iters: int, hc_eps: float, norm_eps: float
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, hidden] -> (post [T, n], comb [T, n, n] in at least float32, collapsed [T, hidden] in
-    streams' dtype)."""
-    t, n, _ = streams.shape
-    cd = compute_dtype(streams)
-    flat = unweighted_rms_norm(streams.reshape(t, -1).to(cd), norm_eps)
-    mixed = F.linear(flat, w.fn.to(cd))
-    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-    base, scale = w.base.to(cd), w.scale.to(cd)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
-    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(t, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = sinkhorn(comb, iters, hc_eps)
-    collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
-
-
-def hc_post(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """``post * block_out + comb^T @ streams``: post [T, n], comb [T, n, n], block_out [T, hidden], streams
-    [T, n, hidden] -> [T, n, hidden] in streams' dtype."""
-    dt = streams.dtype
-    return post.to(dt)[..., None] * block_out[:, None, :] + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+    streams' dtype), all in torch (the decoder layer runs :func:`hc_mixed` then its ops' ``hc_mix``)."""
+    return hc_mix(hc_mixed(w, streams, norm_eps), w.base, w.scale, streams, iters, hc_eps)
 
 
 def hc_head(w: HyperHeadWeights, streams: torch.Tensor, hc_eps: float, norm_eps: float) -> torch.Tensor:

@@ -19,6 +19,8 @@ dequantized, then the matmul, exactly :func:`runtime.model.quantized.linear`) or
 weights through the block-fp8 Triton kernels, bf16 / fp16 ones at few rows through the skinny GEMV kernels).
 
 Decoder layer: mHC collapse -> RMSNorm -> attention -> mHC expand; mHC collapse -> RMSNorm -> MoE -> mHC expand.
+mHC's mixing linear is torch (:func:`runtime.model.dsv4.hyper.hc_mixed`); the rest goes through the ops' ``hc_mix`` /
+``hc_post`` (torch, or one Triton kernel each with :class:`FusedOps`).
 
 Tensor parallelism: ``cfg`` and the weights are this rank's (its heads, their sinks and output groups; its experts
 or expert width); the attention output (after ``o_b_proj``) and the MoE output are partial sums, added over the
@@ -38,10 +40,10 @@ from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.rope import apply_rope_tail, cos_sin
 from runtime.model.dsv4.compressor import compress_decode, compress_step
 from runtime.model.dsv4.config import DSV4Config
-from runtime.model.dsv4.hyper import hc_post, hc_pre
+from runtime.model.dsv4.hyper import hc_mixed
 from runtime.model.dsv4.moe import moe_forward
 from runtime.model.dsv4.norms import rms_norm, unweighted_rms_norm
-from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, LayerWeights
+from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, HyperConnectionWeights, LayerWeights
 from runtime.model.quantized import BlockFP8, Weight, dense
 
 
@@ -126,7 +128,7 @@ class DSV4DecoderLayer:
     """mHC around attention and MoE. ``forward(streams [T, n, hidden], input_ids [T], batch)``; ``group`` sums the
     attention and MoE outputs over the tensor-parallel ranks; ``ops``: the decoder ops whose ``linear`` multiplies
     every weight matrix (the routed experts excepted); ``grouped_mm``: the routed experts run as two grouped GEMMs
-    (see :mod:`runtime.model.dsv4.moe`)."""
+    (see :mod:`runtime.model.dsv4.moe`); the ops' ``hc_mix`` / ``hc_post`` also run mHC around both blocks."""
 
     def __init__(self, cfg: DSV4Config, layer_id: int, weights: LayerWeights, pools: DSV4Pools,
                  backend: DSV4AttentionBackend, group: SingleRank | TPGroup,
@@ -135,13 +137,19 @@ class DSV4DecoderLayer:
         self.ops = ops
         self.attention = DSV4Attention(cfg, layer_id, weights.attn, pools, backend, ops)
 
+    def _hc_pre(self, w: HyperConnectionWeights, streams: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC before a block: the mixing linear (torch), then ``ops.hc_mix`` -> (post, comb, collapsed)."""
+        cfg = self.cfg
+        return self.ops.hc_mix(hc_mixed(w, streams, cfg.rms_norm_eps), w.base, w.scale, streams,
+                               cfg.hc_sinkhorn_iters, cfg.hc_eps)
+
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        cfg, w = self.cfg, self.w
-        it, he, ne = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        post, comb, x = hc_pre(w.attn_hc, streams, it, he, ne)
+        cfg, w, ne = self.cfg, self.w, self.cfg.rms_norm_eps
+        post, comb, x = self._hc_pre(w.attn_hc, streams)
         a = self.group.all_reduce(self.attention.forward(rms_norm(x, w.input_layernorm, ne), batch))
-        streams = hc_post(post, comb, a, streams)
-        post, comb, x = hc_pre(w.ffn_hc, streams, it, he, ne)
+        streams = self.ops.hc_post(post, comb, a, streams)
+        post, comb, x = self._hc_pre(w.ffn_hc, streams)
         m = self.group.all_reduce(moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg,
                                               self.ops, self.grouped_mm))
-        return hc_post(post, comb, m, streams)
+        return self.ops.hc_post(post, comb, m, streams)
