@@ -1,5 +1,6 @@
 """DeepSeek-V4 attention: decode and extend over gathered rows with per-head sinks
 (:mod:`~backends.kernels.dsv4.dsv4_decode`, :mod:`~backends.kernels.dsv4.dsv4_extend`), the batched lightning indexer
 (:mod:`~backends.kernels.dsv4.dsv4_indexer`), the torch reference (:mod:`~backends.kernels.dsv4.dsv4_reference`), and
-the torch emulation of FlashInfer's V4 sparse MLA decode contract (:mod:`~backends.kernels.dsv4.emulated_dsv4`).
+the torch emulation of FlashInfer's V4 sparse MLA decode contract (:mod:`~backends.kernels.dsv4.emulated_dsv4`), and
+a compressor's fused decode step (:mod:`~backends.kernels.dsv4.compress_decode`).
 """
