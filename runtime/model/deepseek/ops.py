@@ -20,6 +20,8 @@
   mixing linear in one kernel (sigmoids, softmax, Sinkhorn rounds, the collapse), the expansion in another.
   With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch
   on Hopper and newer GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
+  V4's compressor decode step (state update, window softmax mix, RMSNorm, the entry's RoPE) is one kernel,
+  :mod:`backends.kernels.dsv4.compress_decode` (float64 states stay torch).
 
 Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
 ``model.fused`` (``auto|on|off``) and the classes' :class:`OpsCapabilities`, never from a type check.
@@ -35,13 +37,15 @@ import torch.nn.functional as F
 
 from runtime.core.config import Fp8Compute
 from runtime.core.device import DeviceInfo
+from runtime.core.dsv4_pools import CompressorStatePool
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import ModelSpec
 from runtime.model.deepseek.mlp import swiglu
 from runtime.model.deepseek.moe import grouped_expert_mlp, local_expert_ids, route
 from runtime.model.deepseek.moe import moe as torch_moe
-from runtime.model.deepseek.rope import apply_rope
+from runtime.model.deepseek.rope import RopeParams, apply_rope, inv_freq_on
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
+from runtime.model.dsv4.compressor import compress_decode_rope
 from runtime.model.layers import rms_norm
 from runtime.model.mhc import hc_mix, hc_post
 from runtime.model.quantized import BlockFP8, linear
@@ -138,6 +142,16 @@ class TorchOps:
         """x [T, D] -> down(silu(gate x) * up x) [T, D]."""
         return self.linear(self.silu_mul(self.linear(x, w.gate_up)), w.down)
 
+    def compress_decode(self, kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float, state: CompressorStatePool, layer_id: int,
+                        rows: torch.Tensor, positions: torch.Tensor, rope: RopeParams,
+                        rope_dim: int) -> torch.Tensor:
+        """V4: one compressor's decode step for the batch (kv, gate [B, width]; rows, positions [B] integer),
+        updating ``state``; returns the candidate entries [B, dim] with RoPE
+        (:func:`runtime.model.dsv4.compressor.compress_decode_rope`)."""
+        return compress_decode_rope(kv, gate, position_bias, norm_weight, eps, state, layer_id, rows, positions,
+                                    rope, rope_dim)
+
     def moe(self, spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
         """x [T, D] -> routed + shared experts [T, D] in x's dtype."""
         return torch_moe(spec, w, x, grouped_mm)
@@ -165,6 +179,7 @@ class FusedOps:
     def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True, fp8_compute: str = "w8a8"):
         # imports triton: only where the fused ops are built
         from backends.kernels.decoder import decoder_ops
+        from backends.kernels.dsv4 import compress_decode
         from backends.kernels.dsv4 import hc_mix as hc_kernels
         from backends.kernels.gemm import fp8_gemm, fp8_moe, skinny
 
@@ -180,7 +195,7 @@ class FusedOps:
         self.fp8_compute = str(fp8_compute)
         self.w8a8 = fp8_compute == "w8a8"
         self.f8, self.f8moe = fp8_gemm, fp8_moe
-        self.hc = hc_kernels
+        self.hc, self.cd = hc_kernels, compress_decode
         self.torch = TorchOps()
 
     def _few_rows(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -233,6 +248,17 @@ class FusedOps:
 
     def dense_mlp(self, w, x):
         return self.linear(self.silu_mul(self.linear(x, w.gate_up)), w.down)
+
+    def compress_decode(self, kv, gate, position_bias, norm_weight, eps, state, layer_id, rows, positions, rope,
+                        rope_dim):
+        if state.pending_kv.dtype not in self.cd.DTYPES or kv.dtype not in self.cd.DTYPES:  # float64: torch
+            return self.torch.compress_decode(kv, gate, position_bias, norm_weight, eps, state, layer_id, rows,
+                                              positions, rope, rope_dim)
+        li, overlap = state.layer(layer_id), state.prev_kv is not None
+        return self.cd.compress_decode(
+            kv, gate, position_bias, norm_weight, eps, state.pending_kv[li], state.pending_gate[li],
+            state.prev_kv[li] if overlap else None, state.prev_gate[li] if overlap else None, rows, positions,
+            inv_freq_on(rope, rope_dim, positions.device, torch.float32), rope.attention_factor, pdl=self.pdl)
 
     def _route(self, spec, w, x, few: bool):
         """(weights [T, k] float32, ids [T, k]): V3's sigmoid routing in one kernel (the router's product in the

@@ -96,7 +96,7 @@ def rope_tables(spec: ModelSpec, device: torch.device) -> tuple[torch.Tensor, to
 
 
 @functools.cache
-def _inv_freq_on(p: RopeParams, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def inv_freq_on(p: RopeParams, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """:func:`inv_freq` on ``device`` in ``dtype``, made once: a decode step captured in a CUDA graph must not copy
     it from the host (the eager warm-up runs before capture make it)."""
     return inv_freq(p, dim).to(device=device, dtype=dtype)
@@ -106,7 +106,7 @@ def cos_sin(p: RopeParams, dim: int, positions: torch.Tensor, dtype: torch.dtype
     """V4: positions [n] int64 -> (cos, sin) [n, dim // 2] in at least float32 (float64 when ``dtype`` is), times
     ``p.attention_factor``."""
     cd = torch.float64 if dtype == torch.float64 else torch.float32
-    freqs = positions.to(cd)[:, None] * _inv_freq_on(p, dim, positions.device, cd)[None, :]
+    freqs = positions.to(cd)[:, None] * inv_freq_on(p, dim, positions.device, cd)[None, :]
     return freqs.cos() * p.attention_factor, freqs.sin() * p.attention_factor
 
 

@@ -13,7 +13,9 @@ Overlapping compressors (CSA, and the CSA indexer's own compressor) project to `
 Tokens arrive in pieces (extend in chunks, decode one by one); :func:`compress_step` (one request's chunk) keeps the
 partial window and the previous window's A series in a :class:`runtime.core.dsv4_pools.CompressorStatePool` row.
 :func:`compress_decode` does a decode step of the whole batch at once (no loop per request, no host value): every
-request gets a *candidate* entry, complete where its window closed with this token.
+request gets a *candidate* entry, complete where its window closed with this token; :func:`compress_decode_rope`
+adds the entry's RoPE (what the decoder ops' ``compress_decode`` computes: ``TorchOps`` this function, ``FusedOps``
+one Triton kernel, :mod:`backends.kernels.dsv4.compress_decode`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from runtime.core.dsv4_pools import CompressorStatePool
+from runtime.model.deepseek.rope import RopeParams, apply_rope_tail, cos_sin
 from runtime.model.dsv4.norms import rms_norm
 
 
@@ -96,6 +99,17 @@ def compress_decode(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias:
     state.prev_kv[li, rows] = torch.where(closed, kv[:, :, :dim].to(sdt), a_kv)
     state.prev_gate[li, rows] = torch.where(closed, gate[:, :, :dim].to(sdt), a_gate)
     return entries
+
+
+def compress_decode_rope(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias: torch.Tensor,
+                         norm_weight: torch.Tensor, eps: float, state: CompressorStatePool, layer_id: int,
+                         rows: torch.Tensor, positions: torch.Tensor, rope: RopeParams,
+                         rope_dim: int) -> torch.Tensor:
+    """:func:`compress_decode` (rows [B] int32 or int64), then RoPE (``rope``, the last ``rope_dim`` channels) of
+    each candidate at its entry's first position ``positions // rate * rate``: [B, dim] in kv_new's dtype."""
+    ent = compress_decode(kv_new, gate_new, position_bias, norm_weight, eps, state, layer_id, rows.long(), positions)
+    cos, sin = cos_sin(rope, rope_dim, positions // state.rate * state.rate, ent.dtype)
+    return apply_rope_tail(ent, cos, sin)
 
 
 def compress_step(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias: torch.Tensor,

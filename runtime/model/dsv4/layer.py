@@ -6,7 +6,7 @@ Attention block (per step, T new tokens of B requests, flattened as in :class:`r
    RMSNorm -> RoPE; kv: ``kv_proj`` -> RMSNorm -> RoPE (one 512-d row, key and value of every head). Sliding-only
    layers use the ``main`` rope, compressed layers the ``compress`` rope (YaRN) everywhere.
 2. compressed layers: each request's new tokens go through the compressor(s) (extend: :func:`compress_step` per
-   request; decode: :func:`compress_decode`, the whole batch at once); closed windows' entries (RoPE at
+   request; decode: the ops' ``compress_decode``, the whole batch at once); closed windows' entries (RoPE at
    ``e * rate``) go to ``backend.store_entries`` / ``store_decode_entries`` (the compressed pool, or HiSparse's
    host pool for CSA entries); CSA: indexer queries -> ``backend.select_topk``.
 3. ``backend.forward_decode`` / ``forward_extend`` (window + compressed entries + sinks; stores the window rows).
@@ -38,7 +38,7 @@ from runtime.core.dsv4_spec import DSV4LayerType
 from runtime.core.parallel import SingleRank, TPGroup
 from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.rope import apply_rope_tail, cos_sin
-from runtime.model.dsv4.compressor import compress_decode, compress_step
+from runtime.model.dsv4.compressor import compress_step
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_mixed
 from runtime.model.dsv4.moe import moe_forward
@@ -83,11 +83,11 @@ class DSV4Attention:
         which stores them where this layer's entries live (the pool, or HiSparse's host pool)."""
         spec, eps = self.cfg.attention, self.cfg.rms_norm_eps
         kv, gate = self.ops.linear(x, comp.kv_proj), self.ops.linear(x, comp.gate_proj)  # the step's tokens at once
-        if batch.mode == ForwardMode.DECODE:  # the whole batch at once: candidate entries, see compress_decode
-            ent = compress_decode(kv, gate, comp.position_bias, comp.kv_norm, eps, state, self.layer_id,
-                                  batch.req_pool_indices.long(), batch.positions)
-            cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions // state.rate * state.rate, ent.dtype)
-            self.backend.store_decode_entries(self.layer_id, name, batch, apply_rope_tail(ent, cos, sin))
+        if batch.mode == ForwardMode.DECODE:  # the whole batch at once: candidate entries with RoPE (the ops'
+            # compress_decode: torch, or one fused kernel), see runtime.model.dsv4.compressor.compress_decode
+            ent = self.ops.compress_decode(kv, gate, comp.position_bias, comp.kv_norm, eps, state, self.layer_id,
+                                           batch.req_pool_indices, batch.positions, self.rope, spec.rope_dim)
+            self.backend.store_decode_entries(self.layer_id, name, batch, ent)
             return
         qo, prefix = batch.qo_indptr_cpu.tolist(), batch.prefix_lens_cpu.tolist()
         for b, row in enumerate(batch.req_pool_indices_cpu.tolist()):
