@@ -14,7 +14,8 @@ out=${OUT:-/tmp}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 if [ "${TESTS:-1}" = 1 ]; then
   echo "=== V4 GPU tests"
-  tests=$(ls tests/test_dsv4_stored_gpu.py tests/test_fp4_moe.py tests/test_hc_mix.py tests/test_compress_decode.py \
+  tests=$(ls tests/test_dsv4_gpu.py tests/test_dsv4_stored_gpu.py tests/test_fp4_moe.py tests/test_hc_mix.py \
+    tests/test_compress_decode.py \
     2>/dev/null)
   timeout "${TEST_T:-240}" "$py" -m pytest -q -m gpu -p no:cacheprovider $tests 2>&1 | tail -6
 fi
