@@ -54,6 +54,16 @@ def check_add_rms_norm(t, d, dtype, dev, tol):
     _close(y0, REF.rms_norm(x, w, 1e-6), tol)
 
 
+def check_v4_rms_norm(shape, dtype, dev, tol, weighted, out_dtype=None):
+    """V4's norms (the weight before the cast; unweighted) against runtime.model.dsv4.norms, on a strided view."""
+    d = shape[-1]
+    x = torch.randn(*shape[:-1], d + 8, dtype=dtype, device=dev)[..., :d] * 3
+    w = (torch.rand(d, device=dev) + 0.5).to(dtype) if weighted else None
+    y = FUSED.v4_rms_norm(x, w, 1e-6, out_dtype)
+    assert y.dtype == (out_dtype or dtype) and y.is_contiguous()
+    _close(y, REF.v4_rms_norm(x, w, 1e-6, out_dtype), tol)
+
+
 def check_rope_latent(t, h, nope, c, r, interleave, dtype, dev, tol, kv_dtype="auto", absorb=False):
     """The query's RoPE and the latent row (norm, RoPE, cache write) in one launch against the torch ops; an fp8
     pool keeps the torch write (it counts clipped values) beside the fused query RoPE. ``absorb``: also
@@ -119,6 +129,28 @@ def check_dispatch_combine(t, k, e, d, dtype, dev, tol):
 # ---------------------------------------------------------------------------------------- CPU (interpreter)
 def test_add_rms_norm_small():
     check_add_rms_norm(3, 40, torch.float32, DEV, 1e-5)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float16, None),
+                                             (torch.float16, torch.float32)])
+def test_v4_rms_norm_small(weighted, dtype, out_dtype):
+    """Rows of 40 and per-head [T, H, D] rows; float16 in, float32 out (the mHC mixing input). float16 within one
+    of its ulps (the sum of squares in another order), float32 within a few."""
+    tol = 1e-6 if (out_dtype or dtype) == torch.float32 else 1e-3
+    check_v4_rms_norm((3, 40), dtype, DEV, tol, weighted, out_dtype)
+    check_v4_rms_norm((2, 3, 24), dtype, DEV, tol, weighted, out_dtype)
+
+
+def test_v4_rms_norm_refuses_what_it_cannot_take():
+    from backends.kernels.decoder import decoder_ops
+
+    with pytest.raises(ValueError, match="v4_rms_norm"):
+        decoder_ops.v4_rms_norm(torch.randn(2, 8, dtype=torch.float64, device=DEV), None, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        decoder_ops.v4_rms_norm(torch.randn(2, 8, device=DEV), torch.ones(7, device=DEV), 1e-6)
+    wide = torch.randn(1, decoder_ops.V4_NORM_MAX + 1, dtype=torch.float64, device=DEV)
+    assert torch.equal(FUSED.v4_rms_norm(wide, None, 1e-6), REF.v4_rms_norm(wide, None, 1e-6))  # torch serves
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -208,6 +240,10 @@ def test_fused_ops_match_torch_gpu(t):
     check_silu_mul(t, 2304, BF, "cuda", 1e-2)
     check_silu_mul(t, 256, BF, "cuda", 1e-2)
     check_dispatch_combine(t, 8, 256, 7168, BF, "cuda", 1e-2)
+    # DeepSeek-V4-Flash: q_a_norm (1024), the per-head query norm (64 x 512), the mHC input (4 x 4096) to float32
+    check_v4_rms_norm((t, 1024), BF, "cuda", 1e-2, True)
+    check_v4_rms_norm((t, 64, 512), BF, "cuda", 1e-2, False)
+    check_v4_rms_norm((t, 16384), BF, "cuda", 1e-5, False, torch.float32)
 
 
 @pytest.mark.gpu

@@ -19,9 +19,10 @@ from backends.kernels.pdl import pdl_enter
 
 @triton.jit
 def _rms_norm_kernel(X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n, eps,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One row: r = x (+ d) rounded to R's dtype (stored when HAS_DELTA); y = (r * rsqrt(mean(r^2) + eps)) rounded,
-    times w, rounded."""
+                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, MODE: tl.constexpr = 0):
+    """One row: r = x (+ d) rounded to R's dtype (stored when HAS_DELTA); with s = rsqrt(mean(r^2) + eps) in float32,
+    ``MODE`` 0 (V2 / V3): y = (r * s) rounded to Y's dtype, times w, rounded; 1 (V4's weighted norm): y = w * (r *
+    s) in float32, rounded once; 2 (V4's unweighted norm): y = r * (s rounded to Y's dtype), rounded (W unread)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -33,8 +34,14 @@ def _rms_norm_kernel(X, D, W, R, Y, stride_x, stride_d, stride_r, stride_y, n, e
         tl.store(R + row * stride_r + cols, r, mask=m)
         x = r.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
-    w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
-    y = (x * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
+    if MODE == 2:
+        y = x * rstd.to(Y.dtype.element_ty).to(tl.float32)
+    else:
+        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if MODE == 1:
+            y = w * (x * rstd)
+        else:
+            y = (x * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=m)
 
 

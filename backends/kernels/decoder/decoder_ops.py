@@ -52,6 +52,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = Fals
     return add_rms_norm(x, None, weight, eps, pdl)[1]
 
 
+#: the widest row :func:`v4_rms_norm` takes in one program (V4-Flash's mHC input: 4 streams x 4096)
+V4_NORM_MAX = 32768
+
+
+def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None,
+                pdl: bool = False) -> torch.Tensor:
+    """DeepSeek-V4's RMSNorms over the last dim in one launch (``runtime.model.dsv4.norms``): with ``weight``,
+    ``(weight * (x * rsqrt(mean(x^2) + eps))).to(dtype)`` computed in float32 and rounded once; without,
+    ``x * rsqrt(mean(x^2) + eps).to(dtype)``. ``dtype``: ``out_dtype`` (default x's; x is read as it is, so
+    ``out_dtype=float32`` equals the torch norm of ``x.to(float32)``). x [..., D] bf16 / fp16 / float32, its rows
+    of D contiguous; weight [D] (any float dtype) or None; D <= :data:`V4_NORM_MAX`. Returns x's shape,
+    contiguous."""
+    d = x.shape[-1] if x.dim() else 0
+    out_dtype = out_dtype or x.dtype
+    dts = (torch.bfloat16, torch.float16, torch.float32)
+    require(x.dim() >= 1 and x.dtype in dts and out_dtype in dts and 0 < d <= V4_NORM_MAX
+            and (weight is None or (weight.shape == (d,) and weight.is_contiguous())),
+            f"v4_rms_norm: x [..., D] bf16 / fp16 / float32 with 0 < D <= {V4_NORM_MAX}, weight [D] contiguous or "
+            f"None, out_dtype bf16 / fp16 / float32; got x {tuple(x.shape)} {x.dtype}, weight "
+            f"{None if weight is None else (tuple(weight.shape), weight.dtype)}, out_dtype {out_dtype}. Fix: "
+            f"runtime.model.dsv4.norms (torch)")
+    rows = x.reshape(-1, d)  # a view where the rows allow it, else a copy
+    require(rows.stride(-1) == 1, f"v4_rms_norm: x's last dim contiguous; got strides {tuple(x.stride())}")
+    y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    if rows.shape[0]:
+        block = _pow2(d)
+        p = use_pdl(pdl, k._rms_norm_kernel, x.device)
+        w = rows if weight is None else weight
+        k._rms_norm_kernel[(rows.shape[0],)](rows, rows, w, y, y, rows.stride(0), rows.stride(0), y.stride(0),
+                                             y.stride(0), d, float(eps), HAS_DELTA=False, BLOCK=block, PDL=p,
+                                             MODE=2 if weight is None else 1, launch_pdl=p,
+                                             num_warps=min(16, max(1, block // 512)))
+    return y.view(x.shape)
+
+
 def rope_latent(q: torch.Tensor | None, nope: int, kv: torch.Tensor | None, weight: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None, cache: torch.Tensor | None,
                 eps: float, interleave: bool, pdl: bool = False,

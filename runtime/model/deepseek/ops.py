@@ -46,6 +46,8 @@ from runtime.model.deepseek.moe import moe as torch_moe
 from runtime.model.deepseek.rope import RopeParams, apply_rope, inv_freq_on
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.dsv4.compressor import compress_decode_rope
+from runtime.model.dsv4.norms import rms_norm as v4_weighted_norm
+from runtime.model.dsv4.norms import unweighted_rms_norm
 from runtime.model.layers import rms_norm
 from runtime.model.mhc import hc_mix, hc_post
 from runtime.model.quantized import BlockFP8, linear
@@ -105,6 +107,13 @@ class TorchOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
+
+    def v4_rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """V4's RMSNorm over the last dim (``runtime.model.dsv4.norms``: the weight before the cast; None: the
+        unweighted norm) of ``x.to(out_dtype)`` (default x's dtype)."""
+        x = x if out_dtype is None else x.to(out_dtype)
+        return unweighted_rms_norm(x, eps) if weight is None else v4_weighted_norm(x, weight, eps)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | BlockFP8) -> torch.Tensor:
         """x [T, K] @ w [N, K].T -> [T, N] (a block-fp8 w dequantized to x's dtype first)."""
@@ -220,6 +229,12 @@ class FusedOps:
 
     def rms_norm(self, x, weight, eps):
         return self.k.rms_norm(x, weight, eps, self.pdl)
+
+    def v4_rms_norm(self, x, weight, eps, out_dtype=None):
+        dts = (torch.bfloat16, torch.float16, torch.float32)
+        if x.dtype in dts and (out_dtype or x.dtype) in dts and 0 < x.shape[-1] <= self.k.V4_NORM_MAX:
+            return self.k.v4_rms_norm(x, weight, eps, out_dtype, self.pdl)
+        return self.torch.v4_rms_norm(x, weight, eps, out_dtype)  # float64 (the reference) or too wide
 
     def norm_linear(self, x, norm_weight, eps, w):
         if isinstance(w, BlockFP8):  # stored fp8 at one or two rows: the norm inside the CUDA-core kernel

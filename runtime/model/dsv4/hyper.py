@@ -11,6 +11,8 @@ The math after the mixing linear (:func:`runtime.model.mhc.hc_mix`, :func:`runti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -19,11 +21,17 @@ from runtime.model.dsv4.weights import HyperConnectionWeights, HyperHeadWeights
 from runtime.model.mhc import hc_mix
 
 
-def hc_mixed(w: HyperConnectionWeights, streams: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def _unweighted(x: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    return unweighted_rms_norm(x.to(out_dtype), eps)
+
+
+def hc_mixed(w: HyperConnectionWeights, streams: torch.Tensor, norm_eps: float,
+             norm: Callable[[torch.Tensor, float, torch.dtype], torch.Tensor] = _unweighted) -> torch.Tensor:
     """The mixing linear: streams [T, n, hidden] -> unweighted-RMS-normed, flattened, times ``w.fn``:
-    [T, 2n + n * n] in at least float32 (the input of :func:`runtime.model.mhc.hc_mix` and ``ops.hc_mix``)."""
+    [T, 2n + n * n] in at least float32 (the input of :func:`runtime.model.mhc.hc_mix` and ``ops.hc_mix``).
+    ``norm(x, eps, dtype)``: the unweighted norm of ``x.to(dtype)`` (torch's, or the decoder ops' one launch)."""
     cd = compute_dtype(streams)
-    flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).to(cd), norm_eps)
+    flat = norm(streams.reshape(streams.shape[0], -1), norm_eps, cd)
     return F.linear(flat, w.fn.to(cd))
 
 

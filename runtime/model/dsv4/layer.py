@@ -42,7 +42,6 @@ from runtime.model.dsv4.compressor import compress_step
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.hyper import hc_mixed
 from runtime.model.dsv4.moe import moe_forward
-from runtime.model.dsv4.norms import rms_norm, unweighted_rms_norm
 from runtime.model.dsv4.weights import AttentionWeights, CompressorWeights, HyperConnectionWeights, LayerWeights
 from runtime.model.quantized import BlockFP8, Weight, dense
 
@@ -104,10 +103,11 @@ class DSV4Attention:
         cfg, spec, w, eps, linear = self.cfg, self.cfg.attention, self.w, self.cfg.rms_norm_eps, self.ops.linear
         t = x.shape[0]
         cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions, x.dtype)
-        q_res = rms_norm(linear(x, w.q_a_proj), w.q_a_norm, eps)
-        q = unweighted_rms_norm(linear(q_res, w.q_b_proj).view(t, spec.num_heads, spec.head_dim), eps)
+        norm = self.ops.v4_rms_norm
+        q_res = norm(linear(x, w.q_a_proj), w.q_a_norm, eps)
+        q = norm(linear(q_res, w.q_b_proj).view(t, spec.num_heads, spec.head_dim), None, eps)
         q = apply_rope_tail(q, cos, sin)
-        kv = apply_rope_tail(rms_norm(linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
+        kv = apply_rope_tail(norm(linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
         topk = None
         if self.kind == DSV4LayerType.hca:
             self._compress(w.compressor, self.pools.hca_state, "kv", x, batch)
@@ -141,15 +141,16 @@ class DSV4DecoderLayer:
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """mHC before a block: the mixing linear (torch), then ``ops.hc_mix`` -> (post, comb, collapsed)."""
         cfg = self.cfg
-        return self.ops.hc_mix(hc_mixed(w, streams, cfg.rms_norm_eps), w.base, w.scale, streams,
+        mixed = hc_mixed(w, streams, cfg.rms_norm_eps, lambda x, eps, dt: self.ops.v4_rms_norm(x, None, eps, dt))
+        return self.ops.hc_mix(mixed, w.base, w.scale, streams,
                                cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg, w, ne = self.cfg, self.w, self.cfg.rms_norm_eps
         post, comb, x = self._hc_pre(w.attn_hc, streams)
-        a = self.group.all_reduce(self.attention.forward(rms_norm(x, w.input_layernorm, ne), batch))
+        a = self.group.all_reduce(self.attention.forward(self.ops.v4_rms_norm(x, w.input_layernorm, ne), batch))
         streams = self.ops.hc_post(post, comb, a, streams)
         post, comb, x = self._hc_pre(w.ffn_hc, streams)
-        m = self.group.all_reduce(moe_forward(w.mlp, rms_norm(x, w.post_attention_layernorm, ne), input_ids, cfg,
-                                              self.ops, self.grouped_mm))
+        h = self.ops.v4_rms_norm(x, w.post_attention_layernorm, ne)
+        m = self.group.all_reduce(moe_forward(w.mlp, h, input_ids, cfg, self.ops, self.grouped_mm))
         return self.ops.hc_post(post, comb, m, streams)
