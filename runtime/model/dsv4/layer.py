@@ -19,8 +19,9 @@ dequantized, then the matmul, exactly :func:`runtime.model.quantized.linear`) or
 weights through the block-fp8 Triton kernels, bf16 / fp16 ones at few rows through the skinny GEMV kernels).
 
 Decoder layer: mHC collapse -> RMSNorm -> attention -> mHC expand; mHC collapse -> RMSNorm -> MoE -> mHC expand.
-mHC's mixing linear is torch (:func:`runtime.model.dsv4.hyper.hc_mixed`); the rest goes through the ops' ``hc_mix`` /
-``hc_post`` (torch, or one Triton kernel each with :class:`FusedOps`).
+mHC's mixing linear is torch (:func:`runtime.model.dsv4.hyper.hc_mixed`, its input norm the ops' ``v4_rms_norm``);
+the rest goes through the ops' ``hc_mix`` / ``hc_post`` (torch, or one Triton kernel each with :class:`FusedOps`), and
+every RMSNorm through ``v4_rms_norm``.
 
 Tensor parallelism: ``cfg`` and the weights are this rank's (its heads, their sinks and output groups; its experts
 or expert width); the attention output (after ``o_b_proj``) and the MoE output are partial sums, added over the
@@ -139,11 +140,11 @@ class DSV4DecoderLayer:
 
     def _hc_pre(self, w: HyperConnectionWeights, streams: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mHC before a block: the mixing linear (torch), then ``ops.hc_mix`` -> (post, comb, collapsed)."""
+        """mHC before a block: the mixing linear (its norm through ``ops.v4_rms_norm``), then ``ops.hc_mix`` ->
+        (post, comb, collapsed)."""
         cfg = self.cfg
         mixed = hc_mixed(w, streams, cfg.rms_norm_eps, lambda x, eps, dt: self.ops.v4_rms_norm(x, None, eps, dt))
-        return self.ops.hc_mix(mixed, w.base, w.scale, streams,
-                               cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        return self.ops.hc_mix(mixed, w.base, w.scale, streams, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg, w, ne = self.cfg, self.w, self.cfg.rms_norm_eps
