@@ -33,7 +33,7 @@ from runtime.model.quantized import PackedFP4, scale_values
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 2e-3
 SMALL = fp4_moe.Fp4ExpertConfig(up_block_i=64, up_block_k=128, down_block_d=64, down_block_i=64)
-SMALL_FMA = fp4_moe.Fp4ExpertConfig(up_block_i=8, up_block_k=64, down_block_d=8, down_block_i=64, fma=True)
+SMALL_FMA = fp4_moe.Fp4ExpertConfig(up_block_i=64, up_block_k=128, down_block_d=64, down_block_i=64, fma=True)
 FEW_CONFIGS = [pytest.param(SMALL, id="tensor-cores"), pytest.param(SMALL_FMA, id="cuda-cores")]
 GSMALL = fp4_moe.GroupedConfig(block_n=64, block_k=64, group_m=2, num_warps=4)
 LIMITS = [pytest.param(None, id="silu"), pytest.param(0.6, id="clamped")]  # 0.6: the clamps bite at these scales
