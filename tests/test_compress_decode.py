@@ -116,7 +116,7 @@ def test_fused_equals_torch_over_steps(rate, dim, overlap, prefill, rows, dt):
 def test_window_in_chunks_of_slots():
     """A window longer than one tile (rate 128 in chunks of 16 slots; overlapping rate 8 in chunks of 4): three
     passes (max, sum, weighted sum) give the one-tile results; int32 rows."""
-    run_steps(128, 32, False, torch.float16, {4: 120, 1: 125, 3: 127, 0: 1, 2: 250}, [4, 1, 3, 0, 2], 10, 16, DEV,
+    run_steps(128, 32, False, torch.float16, {4: 120, 1: 125, 3: 127, 0: 1, 2: 250}, [4, 1, 3, 0, 2], 4, 16, DEV,
               max_tile=16 * 32, index_dtype=torch.int32)
     run_steps(8, 48, True, torch.float16, {2: 3, 0: 7}, [2, 0], 19, 16, DEV, max_tile=4 * 64)
 

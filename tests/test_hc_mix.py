@@ -78,9 +78,9 @@ def check_post(post, comb, streams, dev, f32_rel=2e-6):
     assert_within(out, ref, terms, f32_rel)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
-@pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("t,hidden,iters", [(1, 72, 20), (3, 200, 1), (17, 77, 20)])
+@pytest.mark.parametrize("dtype,n,t,hidden,iters", [
+    (torch.float32, 4, 17, 77, 20), (torch.float16, 4, 17, 77, 20), (torch.float32, 2, 3, 200, 1),
+    (torch.float16, 2, 1, 72, 20), (torch.float32, 1, 1, 72, 20), (torch.float16, 1, 3, 200, 1)])
 def test_hc_mix_and_post_match_torch(dtype, n, t, hidden, iters):
     """Hidden widths that are not powers of two (72, 77: one masked block; 200: a full and a masked block of the
     interpreter's 128); one Sinkhorn round (the column normalisation alone) and V4's 20."""
