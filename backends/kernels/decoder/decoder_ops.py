@@ -54,6 +54,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = Fals
 
 #: the widest row :func:`v4_rms_norm` takes in one program (V4-Flash's mHC input: 4 streams x 4096)
 V4_NORM_MAX = 32768
+#: the input and output dtypes :func:`v4_rms_norm` takes
+V4_NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dtype: torch.dtype | None = None,
@@ -66,8 +68,7 @@ def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dt
     contiguous."""
     d = x.shape[-1] if x.dim() else 0
     out_dtype = out_dtype or x.dtype
-    dts = (torch.bfloat16, torch.float16, torch.float32)
-    require(x.dim() >= 1 and x.dtype in dts and out_dtype in dts and 0 < d <= V4_NORM_MAX
+    require(x.dim() >= 1 and x.dtype in V4_NORM_DTYPES and out_dtype in V4_NORM_DTYPES and 0 < d <= V4_NORM_MAX
             and (weight is None or (weight.shape == (d,) and weight.is_contiguous())),
             f"v4_rms_norm: x [..., D] bf16 / fp16 / float32 with 0 < D <= {V4_NORM_MAX}, weight [D] contiguous or "
             f"None, out_dtype bf16 / fp16 / float32; got x {tuple(x.shape)} {x.dtype}, weight "

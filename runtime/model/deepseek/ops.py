@@ -231,7 +231,7 @@ class FusedOps:
         return self.k.rms_norm(x, weight, eps, self.pdl)
 
     def v4_rms_norm(self, x, weight, eps, out_dtype=None):
-        dts = (torch.bfloat16, torch.float16, torch.float32)
+        dts = self.k.V4_NORM_DTYPES
         if x.dtype in dts and (out_dtype or x.dtype) in dts and 0 < x.shape[-1] <= self.k.V4_NORM_MAX:
             return self.k.v4_rms_norm(x, weight, eps, out_dtype, self.pdl)
         return self.torch.v4_rms_norm(x, weight, eps, out_dtype)  # float64 (the reference) or too wide
