@@ -137,8 +137,8 @@ def test_ops_dispatch():
 
 
 def test_v4_model_fused_ops_match_torch_ops():
-    """The tiny V4 model (hc_mult 4, float32) through FusedOps (the mHC kernels; every other op of a float32 model
-    is torch's) and through TorchOps: an extend of two requests, then a decode step."""
+    """The tiny V4 model (hc_mult 4, float32) through FusedOps (the kernels that take float32: mHC, V4's norms, the
+    RoPE tail, the compressors' decode step) and through TorchOps: an extend of two requests, then a decode step."""
     from dsv4_harness import Driver, tiny_pair
 
     _, cfg, w = tiny_pair(seed=3, dtype=torch.float32, hc_mult=4)

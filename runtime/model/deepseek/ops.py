@@ -22,6 +22,8 @@
   on Hopper and newer GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
   V4's compressor decode step (state update, window softmax mix, RMSNorm, the entry's RoPE) is one kernel,
   :mod:`backends.kernels.dsv4.compress_decode` (float64 states stay torch).
+  V4's RoPE tail (cos / sin of the positions, the rotation of the last rope channels, or its inverse) is one
+  kernel, :mod:`backends.kernels.dsv4.rope_tail` (float64 and other layouts stay torch).
 
 Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
 ``model.fused`` (``auto|on|off``) and the classes' :class:`OpsCapabilities`, never from a type check.
@@ -43,7 +45,7 @@ from runtime.core.model_spec import ModelSpec
 from runtime.model.deepseek.mlp import swiglu
 from runtime.model.deepseek.moe import grouped_expert_mlp, local_expert_ids, route
 from runtime.model.deepseek.moe import moe as torch_moe
-from runtime.model.deepseek.rope import RopeParams, apply_rope, inv_freq_on
+from runtime.model.deepseek.rope import RopeParams, apply_rope, apply_rope_tail, cos_sin, inv_freq_on
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 from runtime.model.dsv4.compressor import compress_decode_rope
 from runtime.model.dsv4.norms import rms_norm as v4_weighted_norm
@@ -114,6 +116,15 @@ class TorchOps:
         unweighted norm) of ``x.to(out_dtype)`` (default x's dtype)."""
         x = x if out_dtype is None else x.to(out_dtype)
         return unweighted_rms_norm(x, eps) if weight is None else v4_weighted_norm(x, weight, eps)
+
+    def rope_tail(self, x: torch.Tensor, positions: torch.Tensor, rope: RopeParams, rope_dim: int,
+                  inverse: bool = False) -> torch.Tensor:
+        """V4: x [T, ..., D] with its last ``rope_dim`` channels rotated in interleaved pairs at positions [T]
+        (``rope``'s frequencies, cos / sin times its attention factor; ``inverse``: undone, ``-sin``), a new tensor
+        in x's dtype: :func:`~runtime.model.deepseek.rope.cos_sin` then
+        :func:`~runtime.model.deepseek.rope.apply_rope_tail`."""
+        cos, sin = cos_sin(rope, rope_dim, positions, x.dtype)
+        return apply_rope_tail(x, cos, -sin if inverse else sin)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor | BlockFP8) -> torch.Tensor:
         """x [T, K] @ w [N, K].T -> [T, N] (a block-fp8 w dequantized to x's dtype first)."""
@@ -190,6 +201,7 @@ class FusedOps:
         from backends.kernels.decoder import decoder_ops
         from backends.kernels.dsv4 import compress_decode
         from backends.kernels.dsv4 import hc_mix as hc_kernels
+        from backends.kernels.dsv4 import rope_tail as rope_kernels
         from backends.kernels.gemm import fp8_gemm, fp8_moe, skinny
 
         if not 0 <= gemv_rows <= GEMV_MAX_ROWS:
@@ -206,6 +218,7 @@ class FusedOps:
         self.f8, self.f8moe = fp8_gemm, fp8_moe
         self.hc, self.cd = hc_kernels, compress_decode
         self.torch = TorchOps()
+        self.rt = rope_kernels  # V4's RoPE tail
 
     def _few_rows(self, x: torch.Tensor, *weights: torch.Tensor) -> bool:
         """x's rows and dtype take the few-row kernels, with weights of x's dtype and contiguous rows."""
@@ -235,6 +248,12 @@ class FusedOps:
         if x.dtype in dts and (out_dtype or x.dtype) in dts and 0 < x.shape[-1] <= self.k.V4_NORM_MAX:
             return self.k.v4_rms_norm(x, weight, eps, out_dtype, self.pdl)
         return self.torch.v4_rms_norm(x, weight, eps, out_dtype)  # float64 (the reference) or too wide
+
+    def rope_tail(self, x, positions, rope, rope_dim, inverse=False):
+        if self.rt.takes(x, positions, rope_dim):  # the frequencies made once: no host copy in a CUDA graph
+            return self.rt.rope_tail(x, positions, inv_freq_on(rope, rope_dim, x.device, torch.float32),
+                                     rope.attention_factor, inverse, pdl=self.pdl)
+        return self.torch.rope_tail(x, positions, rope, rope_dim, inverse)  # float64 (the reference), layouts
 
     def norm_linear(self, x, norm_weight, eps, w):
         if isinstance(w, BlockFP8):  # stored fp8 at one or two rows: the norm inside the CUDA-core kernel

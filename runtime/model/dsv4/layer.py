@@ -18,6 +18,11 @@ Every product with a weight matrix goes through the injected decoder ops' ``line
 dequantized, then the matmul, exactly :func:`runtime.model.quantized.linear`) or :class:`FusedOps` (CUDA: block-fp8
 weights through the block-fp8 Triton kernels, bf16 / fp16 ones at few rows through the skinny GEMV kernels).
 
+Every RoPE of the step's tokens (q, kv, the indexer query, and the inverse on the output) goes through the ops'
+``rope_tail`` (:class:`TorchOps`: :func:`~runtime.model.deepseek.rope.cos_sin` then
+:func:`~runtime.model.deepseek.rope.apply_rope_tail`; :class:`FusedOps`: one Triton launch each); extend's closed
+compressor entries keep the torch functions.
+
 Decoder layer: mHC collapse -> RMSNorm -> attention -> mHC expand; mHC collapse -> RMSNorm -> MoE -> mHC expand.
 mHC's mixing linear is torch (:func:`runtime.model.dsv4.hyper.hc_mixed`, its input norm the ops' ``v4_rms_norm``);
 the rest goes through the ops' ``hc_mix`` / ``hc_post`` (torch, or one Triton kernel each with :class:`FusedOps`), and
@@ -102,13 +107,15 @@ class DSV4Attention:
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] (normalized layer input) -> [T, hidden]."""
         cfg, spec, w, eps, linear = self.cfg, self.cfg.attention, self.w, self.cfg.rms_norm_eps, self.ops.linear
-        t = x.shape[0]
-        cos, sin = cos_sin(self.rope, spec.rope_dim, batch.positions, x.dtype)
-        norm = self.ops.v4_rms_norm
+        t, norm = x.shape[0], self.ops.v4_rms_norm
+
+        def rope(y: torch.Tensor, inverse: bool = False) -> torch.Tensor:  # the ops' rope_tail: one fused launch
+            return self.ops.rope_tail(y, batch.positions, self.rope, spec.rope_dim, inverse)
+
         q_res = norm(linear(x, w.q_a_proj), w.q_a_norm, eps)
         q = norm(linear(q_res, w.q_b_proj).view(t, spec.num_heads, spec.head_dim), None, eps)
-        q = apply_rope_tail(q, cos, sin)
-        kv = apply_rope_tail(norm(linear(x, w.kv_proj), w.kv_norm, eps), cos, sin)
+        q = rope(q)
+        kv = rope(norm(linear(x, w.kv_proj), w.kv_norm, eps))
         topk = None
         if self.kind == DSV4LayerType.hca:
             self._compress(w.compressor, self.pools.hca_state, "kv", x, batch)
@@ -116,12 +123,12 @@ class DSV4Attention:
             self._compress(w.compressor, self.pools.csa_state, "kv", x, batch)
             self._compress(w.indexer, self.pools.csa_index_state, "index", x, batch)
             hi, di = spec.index_n_heads, spec.index_head_dim
-            index_q = apply_rope_tail(linear(q_res, w.indexer.q_b_proj).view(t, hi, di), cos, sin)
+            index_q = rope(linear(q_res, w.indexer.q_b_proj).view(t, hi, di))
             index_w = linear(x, w.indexer.weights_proj) * (hi**-0.5 * di**-0.5)
             topk = self.backend.select_topk(index_q, index_w, self.layer_id, batch)
         attend = self.backend.forward_decode if batch.mode == ForwardMode.DECODE else self.backend.forward_extend
         o = attend(q, kv, w.sinks, topk, self.layer_id, batch)
-        o = apply_rope_tail(o, cos, -sin)
+        o = rope(o, inverse=True)
         return grouped_output(o, w.o_a_proj, w.o_b_proj, cfg.o_groups, self.ops)
 
 
