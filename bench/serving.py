@@ -282,7 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=1.0, help="lengths uniform in [len * ratio, len]")
     ap.add_argument("--prompts-file", help="JSON lines as for workload=prompts (instead of random prompts)")
-    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--max-concurrency", type=int, nargs="+", default=[None],
+                    help="requests in flight at once; several values: each rate at each (a batch-size sweep: 1 32 128)")
+    ap.add_argument("--waves", type=int, default=None, help="with --max-concurrency C: send min(num-prompts, "
+                    "WAVES * C) requests at that concurrency (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--offline", action="store_true", help="self-hosted: also the offline engine's figures")
@@ -346,20 +349,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jobs = _jobs(args, vocab)
     rows = []
     try:
+        sweep = len(args.max_concurrency) > 1
         if args.warmup:  # as the offline figures' warm-up run: graph captures, JIT builds, allocator growth
             outcomes, _ = asyncio.run(run_rate(url, model, jobs, math.inf, args.seed, args.api_key,
-                                               args.max_concurrency))
+                                               _widest(args.max_concurrency)))
             failed = [o.error for o in outcomes if not o.ok]
             if failed:
                 print(f"warm-up: {len(failed)} failed, e.g. {failed[0]}")
-        for i, rate in enumerate(args.request_rate):
-            before = server_sums(url, args.api_key)
-            outcomes, seconds = asyncio.run(run_rate(url, model, jobs, rate, args.seed + i, args.api_key,
-                                                     args.max_concurrency))
-            rows.append({**summarize(rate, outcomes, seconds), **server_means(before, server_sums(url, args.api_key))})
-            failed = [o.error for o in outcomes if not o.ok]
-            if failed:
-                print(f"rate {rate}: {len(failed)} failed, e.g. {failed[0]}")
+        for c in args.max_concurrency:
+            sent = jobs if c is None or args.waves is None else jobs[: args.waves * c]
+            for i, rate in enumerate(args.request_rate):
+                before = server_sums(url, args.api_key)
+                outcomes, seconds = asyncio.run(run_rate(url, model, sent, rate, args.seed + i, args.api_key, c))
+                row = {"concurrency": c if c else "all"} if sweep else {}
+                rows.append({**row, **summarize(rate, outcomes, seconds),
+                             **server_means(before, server_sums(url, args.api_key))})
+                failed = [o.error for o in outcomes if not o.ok]
+                if failed:
+                    print(f"concurrency {c}, rate {rate}: {len(failed)} failed, e.g. {failed[0]}")
     finally:
         if server is not None:
             server.__exit__(None, None, None)
@@ -377,6 +384,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed; pip install -e '.[plot]')")
     print(json_line("serving", Ceilings("client", math.nan, math.nan), Table(rows), meta))
     return rows
+
+
+def _widest(levels: list[int | None]) -> int | None:
+    """The warm-up's concurrency: the widest level of a sweep (None: unlimited)."""
+    return None if None in levels else max(levels)
 
 
 def _jobs(args, vocab: int) -> list[Job]:

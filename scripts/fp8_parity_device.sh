@@ -5,6 +5,9 @@
 #   scripts/fp8_parity_device.sh                 # fp8 w8a8 / fp8 w8a16 / bf16, 64 chat requests, and 16 requests
 #   SEEDS="1234 7" scripts/fp8_parity_device.sh  # the same per weight seed
 #   VARIANTS="w8a8 bf16" ...                     # a subset (names below)
+#   BASE="model=deepseek_v4_flash backend=dsv4 device=cuda workload=chat workload.num_requests=16" ...
+#                                                # another model than the V3 TP8 rank (here V4-Flash, 4 layers:
+#                                                # fp8 matrices + fp4 experts against bf16 weights)
 # Logs and reports go to $OUT/fp8_parity (or /tmp/fp8_parity). LIMIT: seconds per run (default 240).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +26,7 @@ for seed in ${SEEDS:-1234}; do
     dir=$out/${v}_seed$seed
     start=$(date +%s)
     # shellcheck disable=SC2086
-    timeout "${LIMIT:-240}" "$py" -m runtime +deploy=h100_triton_tp8 ${args[$v]} model.weight_seed="$seed" \
+    timeout "${LIMIT:-240}" "$py" -m runtime ${BASE:-+deploy=h100_triton_tp8} ${args[$v]} model.weight_seed="$seed" \
       progress=false hydra.run.dir="$dir" >"$out/${v}_seed$seed.log" 2>&1
     echo "$v seed $seed: exit $? in $(( $(date +%s) - start )) s"
   done

@@ -3,8 +3,9 @@
 #   scripts/stored_weights_device.sh kernels   # the fp8 GEMM / MoE kernels' GPU tests, then both kernel benches
 #   scripts/stored_weights_device.sh tune      # sweeps of the few-row tiles (linear, experts)
 #   scripts/stored_weights_device.sh serve     # the fp8 preset end to end (parity), then decode_roofline bf16 vs fp8
-#   scripts/stored_weights_device.sh fulldepth # one TP8 rank of DeepSeek-V3 at all 61 layers, fp8 (an H200: ~84 GB
-#                                              # of weights): the chat workload served, then decode_roofline 1/32/128
+#   scripts/stored_weights_device.sh fulldepth # one TP8 rank of DeepSeek-V3 at all 61 layers, fp8 (an H200: ~78 GB
+#                                              # of weights): the chat workload served over HTTP at 1 / 32 / 128
+#                                              # requests in flight, then decode_roofline 1/32/128 (ROOFLINE=0: not)
 # Logs go to $OUT (or /tmp); each step has its own time limit so one slow step does not take the others.
 # PYTHON: the interpreter (default python3 from PATH).
 set -uo pipefail
@@ -36,9 +37,14 @@ case "$part" in
     step roofline 330 "$py" -m bench.decode_roofline --preset h100_triton_tp8 --layers 16 --batches 1 32 \
       --weights bf16 fp8
     ;;
-  fulldepth)  # issue 46's first decode figure of a real deployment's rank: 61 layers, 256 experts (moe=tp slices)
-    step chat 240 "$py" -m runtime +deploy=h100_triton_tp8 model.weights=fp8 model.num_layers=61 check=off \
-      workload.num_requests=128 workload.max_running_requests=128
+  fulldepth)  # issue 46's first decode figure of a real deployment's rank: 61 layers, 256 experts (moe=tp slices).
+    # The chat workload served over HTTP at 1 / 32 / 128 requests in flight (bench.serving, one server build), then
+    # decode_roofline 1/32/128 (ROOFLINE=0 skips it).
+    step chat "${CHAT_S:-300}" "$py" -m bench.serving --num-prompts 256 --input-len 1024 --output-len 128 \
+      --range-ratio 0.5 --max-concurrency 1 32 128 --waves 4 --serve +deploy=h100_triton_tp8 model.weights=fp8 \
+      model.num_layers=61 check=off workload.max_running_requests=128 \
+      "graph.batch_sizes=[1,2,4,8,16,32,64,128]"
+    [ "${ROOFLINE:-1}" = 0 ] && exit 0
     step roofline 330 "$py" -m bench.decode_roofline --preset h100_triton_tp8 --layers 61 --batches 1 32 128 \
       --out-len 16 --weights fp8
     ;;

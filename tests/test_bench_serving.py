@@ -15,25 +15,29 @@ from bench import serving  # noqa: E402
 from bench.harness import JSON_PREFIX  # noqa: E402
 
 
-@pytest.mark.parametrize("host", [[], ["--in-process"]], ids=["own-process", "in-process"])
+@pytest.mark.parametrize("host", [[], ["--in-process", "--max-concurrency", "1", "4", "--waves", "1"]],
+                         ids=["own-process", "in-process-concurrency-sweep"])
 def test_serving_bench_smoke(capsys, tmp_path, host):
-    """The server in its own process (python -m runtime.serve, the default) and on a thread of this one."""
+    """The server in its own process (python -m runtime.serve, the default), and on a thread of this one with a
+    concurrency sweep (each level sends ``waves * concurrency`` requests and the server batches at most that many)."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": [5 + i] * (3 + i), "max_new_tokens": 4}) + "\n"
                                for i in range(5)))
     rows = serving.main(["--serve", "device=cpu", "kv.num_pages=64", "workload=chat", "--prompts-file", str(prompts),
                          "--request-rate", "40", "inf", "--seed", "1", *host])
     out = capsys.readouterr().out
-    assert [r["rate"] for r in rows] == [40.0, "inf"]
-    for r in rows:
-        assert r["done"] == 5 and r["failed"] == 0 and r["out tok/s"] > 0 and r["req/s"] > 0
+    levels = [1, 1, 4, 4] if host else [None, None]
+    assert [r["rate"] for r in rows] == [40.0, "inf"] * (len(levels) // 2)
+    assert [r.get("concurrency") for r in rows] == levels
+    for r, c in zip(rows, levels, strict=True):
+        assert r["done"] == (c or 5) and r["failed"] == 0 and r["out tok/s"] > 0 and r["req/s"] > 0
         assert all(math.isfinite(r[f"{m} p{q} ms"]) for m in ("ttft", "itl", "e2e") for q in (50, 90, 99))
         assert r["ttft p50 ms"] <= r["e2e p50 ms"]
         assert 0 < r["server ttft mean ms"] <= r["ttft mean ms"] and r["server itl mean ms"] > 0
-        assert r["server prefill steps"] >= 1 and 1 <= r["server decode batch"] <= 5
+        assert r["server prefill steps"] >= 1 and 1 <= r["server decode batch"] <= (c or 5)
         assert r["server prefill step mean ms"] > 0 and r["server decode step mean ms"] > 0  # resolved step times
     doc = json.loads(out.strip().splitlines()[-1][len(JSON_PREFIX):])
-    assert doc["bench"] == "serving" and len(doc["rows"]) == 2 and "ttft p99 ms" in out
+    assert doc["bench"] == "serving" and len(doc["rows"]) == len(levels) and "ttft p99 ms" in out
 
 
 def test_a_server_that_cannot_start_says_why():
