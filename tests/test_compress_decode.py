@@ -12,8 +12,10 @@ CPU: Triton's interpreter in float16 and float32 (its bfloat16 casts truncate), 
 float16 entries bit-equal to torch's, except 3 of 1600 values when rate 128 runs in chunks of 16 slots (2 ulp of
 the value, 0.09 float16 eps of the row's largest: the softmax sum's order); float32 entries differ in about half
 the values, by at most 4.6 float32 eps of the row's largest value (1.4e-6 absolute; float32 summation order).
-``gpu`` tests: V4-Flash widths in bfloat16 (CSA kv dim 512 and indexer dim 128 at rate 4, overlapping; HCA dim 512
-at rate 128), batch 1 and 32, and a CUDA-graph replay equal to the eager call.
+The interpreter's launches mix a whole row per program unless a test asks for channel blocks (its time grows with
+the programs): ``test_channel_blocks`` runs several, the last one partial. ``gpu`` tests: V4-Flash widths in bfloat16
+(CSA kv dim 512 and indexer dim 128 at rate 4, overlapping; HCA dim 512 at rate 128), batch 1 and 32, the launcher's
+channel blocks and blocks of 128, and a CUDA-graph replay (the launcher's blocks) equal to the eager call.
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ def make_case(rate, dim, overlap, dt, prefill, dev, seed=0):
     return g, bias, norm, pools
 
 
-def fused(kv, gate, bias, norm, st, rows, pos, rope_dim, max_tile=cd.MAX_TILE):
+def fused(kv, gate, bias, norm, st, rows, pos, rope_dim, max_tile=cd.MAX_TILE, block_c=None):
     li, overlap = st.layer(LAYER), st.prev_kv is not None
     return cd.compress_decode(kv, gate, bias, norm, EPS, st.pending_kv[li], st.pending_gate[li],
                               st.prev_kv[li] if overlap else None, st.prev_gate[li] if overlap else None, rows, pos,
                               inv_freq_on(ROPE, rope_dim, pos.device, torch.float32), ROPE.attention_factor,
-                              max_tile=max_tile)
+                              max_tile=max_tile, block_c=block_c)
 
 
 def check_entries(got, want, dt):
@@ -69,7 +71,8 @@ def check_entries(got, want, dt):
     return int((got != want).sum())
 
 
-def run_steps(rate, dim, overlap, dt, prefill, rows, steps, rope_dim, dev, max_tile=cd.MAX_TILE, index_dtype=None):
+def run_steps(rate, dim, overlap, dt, prefill, rows, steps, rope_dim, dev, max_tile=cd.MAX_TILE, index_dtype=None,
+              block_c=None):
     """``steps`` decode steps of ``rows`` through torch and the kernel; returns (differing entries, all entries)."""
     g, bias, norm, (ref, mine) = make_case(rate, dim, overlap, dt, prefill, dev)
     width = 2 * dim if overlap else dim
@@ -81,7 +84,7 @@ def run_steps(rate, dim, overlap, dt, prefill, rows, steps, rope_dim, dev, max_t
         r = torch.tensor(rows, device=dev, dtype=index_dtype or torch.int64)
         p = torch.tensor([pos[x] for x in rows], device=dev)
         want = compress_decode_rope(kv, gate, bias, norm, EPS, ref, LAYER, r, p, ROPE, rope_dim)
-        got = fused(kv, gate, bias, norm, mine, r, p, rope_dim, max_tile)
+        got = fused(kv, gate, bias, norm, mine, r, p, rope_dim, max_tile, block_c)
         differ += check_entries(got, want, dt)
         for name in STATE:
             if getattr(ref, name) is not None:
@@ -119,6 +122,18 @@ def test_window_in_chunks_of_slots():
     run_steps(128, 32, False, torch.float16, {4: 120, 1: 125, 3: 127, 0: 1, 2: 250}, [4, 1, 3, 0, 2], 4, 16, DEV,
               max_tile=16 * 32, index_dtype=torch.int32)
     run_steps(8, 48, True, torch.float16, {2: 3, 0: 7}, [2, 0], 19, 16, DEV, max_tile=4 * 64)
+
+
+def test_channel_blocks():
+    """The mix on several channel blocks per request (the GPU launch's grid; the interpreter's default is one block
+    per row): overlapping dim 42 in blocks of 16, the last one 10 channels wide (series B at pending channel 42 + c,
+    prev moved per block); not overlapping, dim 20 in blocks of 8."""
+    run_steps(4, 42, True, torch.float16, {0: 2, 1: 5}, [1, 0], 3, 16, DEV, block_c=16)
+    run_steps(4, 20, False, torch.float16, {0: 2, 1: 1}, [0, 1], 3, 16, DEV, block_c=8)
+    _, bias, norm, (_, st) = make_case(4, 20, False, torch.float16, {0: 0}, DEV)
+    kv, one = torch.zeros(1, 20, dtype=torch.float16, device=DEV), torch.zeros(1, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="block_c a power of two; got 12"):
+        fused(kv, kv, bias, norm, st, one, one, 16, block_c=12)
 
 
 def test_rope_over_the_whole_row():
@@ -175,15 +190,20 @@ FLASH = [  # V4-Flash: the CSA kv and indexer compressors (rate 4, overlapping),
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_c", [None, 128], ids=["auto", "c128"])
 @pytest.mark.parametrize("batch", [1, 32])
 @pytest.mark.parametrize("rate,dim,overlap", FLASH)
-def test_gpu_flash_widths_bf16(rate, dim, overlap, batch):
+def test_gpu_flash_widths_bf16(rate, dim, overlap, batch, block_c):
+    """The launcher's channel blocks (16 channels for dim 512: 32 programs per request; 8 for dim 128: 16) and
+    blocks of 128 (4 per request for dim 512, the whole row for the indexer's dim 128; HCA's window then in 2 chunks
+    of 64 slots)."""
     needs_gpu()
+    assert dim // cd.block_channels(dim) >= 16  # batch 1 spreads over at least 16 programs
     gen = torch.Generator().manual_seed(batch)
     rows = torch.randperm(batch + 3, generator=gen)[:batch].tolist()  # rows out of order, some unused
     prefill = {r: int(torch.randint(0, 3 * rate, (1,), generator=gen)) for r in range(batch + 3)}
     differ, total = run_steps(rate, dim, overlap, torch.bfloat16, prefill, rows, rate + 3 if rate <= 8 else 2 * rate,
-                              64, "cuda")
+                              64, "cuda", block_c=block_c)
     assert differ <= total // 100
 
 

@@ -1,9 +1,11 @@
 """Launcher of the fused V4 compressor decode step (kernel: :mod:`backends.kernels.dsv4.compress_decode_kernels`).
 
-One launch does what :func:`runtime.model.dsv4.compressor.compress_decode` does (state update, window mix,
-RMSNorm) plus the entry's RoPE that :class:`runtime.model.dsv4.layer.DSV4Attention` applies after it, for a whole
-decode batch: no host value, no allocation but the output (CUDA-graph safe). Model dtypes float32 / bfloat16 /
-float16 and state dtypes float32 / bfloat16 / float16; float64 is refused (the torch function serves it).
+Two launches do what :func:`runtime.model.dsv4.compressor.compress_decode` does (state update, window mix, RMSNorm)
+plus the entry's RoPE that :class:`runtime.model.dsv4.layer.DSV4Attention` applies after it, for a whole decode
+batch: the state update and the per-channel mix on a grid of (request, channel block) programs, writing the mixed
+rows into the output; then the RMSNorm and RoPE of each row in place, one program per request. No host value, no
+allocation but the output (CUDA-graph safe). Model dtypes float32 / bfloat16 / float16 and state dtypes float32 /
+bfloat16 / float16; float64 is refused (the torch function serves it).
 """
 
 from __future__ import annotations
@@ -17,16 +19,25 @@ from backends.kernels.pdl import use_pdl
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the most elements of one [slots, channels] tile a program holds; a longer window runs in chunks of slots
-#: (V4-Flash: CSA's 8 slots x 512 and the indexer's 8 x 128 in one tile; HCA's 128 x 512 in 8 chunks of 16)
+#: (V4-Flash, channel blocks of 16 / 8: every window in one tile, HCA's the largest at 128 slots x 16)
 MAX_TILE = 8192
+#: channel blocks per request the launcher aims at (batch 1 then spreads over that many SMs), and the fewest
+#: channels of a block (32 bytes of a float32 state row per slot: whole memory sectors)
+BLOCKS_PER_ROW, MIN_BLOCK_C = 32, 8
+
+
+def block_channels(dim: int) -> int:
+    """Channels per program of the mix: a power of two near ``dim / BLOCKS_PER_ROW``, at least ``MIN_BLOCK_C``
+    (V4-Flash: 16 for the kv compressors' dim 512, 32 blocks; 8 for the indexer's dim 128, 16 blocks)."""
+    return min(triton.next_power_of_2(dim), max(MIN_BLOCK_C, triton.next_power_of_2(triton.cdiv(dim, BLOCKS_PER_ROW))))
 
 
 def compress_decode(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias: torch.Tensor,
                     norm_weight: torch.Tensor, eps: float, pending_kv: torch.Tensor, pending_gate: torch.Tensor,
                     prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, rows: torch.Tensor,
                     positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0,
-                    pdl: bool = False, max_tile: int = MAX_TILE) -> torch.Tensor:
-    """A decode step of one compressor for every request, in place on the state, in one launch.
+                    pdl: bool = False, max_tile: int = MAX_TILE, block_c: int | None = None) -> torch.Tensor:
+    """A decode step of one compressor for every request, in place on the state, in two launches.
 
     Parameters
     ----------
@@ -46,6 +57,8 @@ def compress_decode(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias:
         cos/sin multiplier.
     pdl : launch with programmatic dependent launch where the GPU has it.
     max_tile : the most elements of one [slots, channels] tile (longer windows run in chunks of slots).
+    block_c : channels per program of the mix, a power of two (None: :func:`block_channels`, or under Triton's
+        interpreter, whose time grows with the programs, the whole row).
 
     Returns
     -------
@@ -95,16 +108,24 @@ def compress_decode(kv_new: torch.Tensor, gate_new: torch.Tensor, position_bias:
     out = torch.empty(b, dim, dtype=kv_new.dtype, device=kv_new.device)
     if b == 0:
         return out
-    block_d = triton.next_power_of_2(dim)
+    mix, norm = k._compress_mix_kernel, k._norm_rope_kernel
+    if block_c is None:
+        block_c = triton.next_power_of_2(dim) if interpreted(mix) else block_channels(dim)
+    require(isinstance(block_c, int) and block_c >= 1 and block_c & (block_c - 1) == 0,
+            f"block_c a power of two; got {block_c!r}")
     slots = 2 * rate if overlap else rate
-    block_s = max(1, min(triton.next_power_of_2(slots), max(1, max_tile // block_d)))
-    kern = k._compress_decode_kernel
-    p = use_pdl(pdl, kern, kv_new.device)
+    block_s = max(1, min(triton.next_power_of_2(slots), max(1, max_tile // block_c)))
+    p = use_pdl(pdl, mix, kv_new.device)
     a_kv, a_gate = (prev_kv, prev_gate) if overlap else (pending_kv, pending_gate)  # unread when not overlapping
-    kern[(b,)](kv_new, gate_new, position_bias, norm_weight, pending_kv, pending_gate, a_kv, a_gate, rows,
-               positions, inv_freq, out, kv_new.stride(0), gate_new.stride(0), position_bias.stride(0),
-               pending_kv.stride(0), pending_kv.stride(1), a_kv.stride(0), a_kv.stride(1), out.stride(0),
-               float(eps), float(attention_factor), RATE=rate, DIM=dim, OVERLAP=overlap, HALF=half,
-               BLOCK_D=block_d, BLOCK_S=block_s, LIBDEVICE=not interpreted(kern), PDL=p, launch_pdl=p,
-               num_warps=4 if block_s * block_d <= 2048 else 8, enable_fp_fusion=False)  # no FMA: torch's roundings
+    warps = min(8, max(1, block_s * block_c // 256))  # 8 values of a tile per thread (V4-Flash CSA: 1 warp, HCA: 8)
+    mix[(b, triton.cdiv(dim, block_c))](
+        kv_new, gate_new, position_bias, pending_kv, pending_gate, a_kv, a_gate, rows, positions, out,
+        kv_new.stride(0), gate_new.stride(0), position_bias.stride(0), pending_kv.stride(0), pending_kv.stride(1),
+        a_kv.stride(0), a_kv.stride(1), out.stride(0), RATE=rate, DIM=dim, OVERLAP=overlap, BLOCK_C=block_c,
+        BLOCK_S=block_s, LIBDEVICE=not interpreted(mix), PDL=p, launch_pdl=p,
+        num_warps=warps, enable_fp_fusion=False)  # no FMA: torch's roundings
+    block_d = triton.next_power_of_2(dim)
+    norm[(b,)](norm_weight, positions, inv_freq, out, out.stride(0), float(eps), float(attention_factor), RATE=rate,
+               DIM=dim, HALF=half, BLOCK_D=block_d, PDL=p, launch_pdl=p, num_warps=4 if block_d >= 1024 else 2,
+               enable_fp_fusion=False)
     return out
