@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from backends.kernels.gemm.skinny_kernels import head_dot_tile
 from backends.kernels.pdl import pdl_enter
@@ -147,17 +148,41 @@ def _rope_q_row(Q, COS, SIN, row, stride_t, stride_h, stride_cs, H,
 
 
 @triton.jit
-def _silu_mul_kernel(X, Y, stride_x, stride_y, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """[N, 2I] (gate, up) -> silu(gate) * up [N, I], silu rounded then the product rounded."""
+def _silu_mul_kernel(G, U, Y, stride_g, stride_u, stride_y, inter, limit, BLOCK: tl.constexpr,
+                     CLAMP: tl.constexpr, PDL: tl.constexpr):
+    """gate, up [N, I] -> silu(gate) * up [N, I], silu rounded then the product rounded; with CLAMP V4's clamps
+    first, each rounded: gate <= limit, -limit <= up <= limit."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
     DT: tl.constexpr = Y.dtype.element_ty
-    g = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(X + row * stride_x + inter + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit).to(DT).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit).to(DT).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
     tl.store(Y + row * stride_y + cols, (s * u).to(DT), mask=m)
+
+
+@triton.jit
+def _top_k_positions(choice, N: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Positions [BLOCK_K] int32 (-1 past K) of the K largest of ``choice`` [N] float32 (N a power of two, -inf
+    where nothing may be picked), largest first; among equal values the lowest position. One max per pick over a
+    64-bit key: the value's bits made order-preserving as a signed integer (-0.0 first made +0.0, as they compare
+    equal) above the complement of the position, so the max is the largest value and, among equal ones, the
+    lowest position (the loop of max / argmin / gather it replaced picked the same)."""
+    pos = tl.arange(0, N)
+    bits = (choice + 0.0).to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (N - 1 - pos).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    picked = tl.full([BLOCK_K], -1, dtype=tl.int32)
+    for i in tl.static_range(K):
+        at = N - 1 - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
+        picked = tl.where(kk == i, at, picked)
+        key = tl.where(pos == at, -(2**63), key)
+    return picked
 
 
 @triton.jit
@@ -196,30 +221,85 @@ def _route_sigmoid_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scale,
         b = tl.min(tl.where(gs == best, gi, BLOCK_G), axis=0)
         keep = keep | (gi == b)
         gs = tl.where(gi == b, float("-inf"), gs)
-    # top-K by one max per pick over a 64-bit key: the choice's bits made order-preserving as a signed integer
-    # (-0.0 first made +0.0, as they compare equal) above the complement of the slot's position, so the max is the
-    # largest choice and, among equal ones, the lowest position (= the lowest expert id, as the loop of
-    # max / argmin / gather it replaced); positions, not e, since padded slots (p >= PER) share e with the next
-    # group's experts
-    masked = tl.where(keep[:, None] & valid, choice, float("-inf")) + 0.0
-    bits = masked.to(tl.int32, bitcast=True)
-    pos = g * BLOCK_P + p
-    last: tl.constexpr = BLOCK_G * BLOCK_P - 1
-    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (last - pos).to(tl.int64)
-    key = tl.reshape(key, [BLOCK_G * BLOCK_P])  # one reduction per pick, not one per axis
-    flat = tl.arange(0, BLOCK_G * BLOCK_P)
+    # positions, not e, since padded slots (p >= PER) share e with the next group's experts
+    masked = tl.where(keep[:, None] & valid, choice, float("-inf"))
+    picked = _top_k_positions(tl.reshape(masked, [BLOCK_G * BLOCK_P]), BLOCK_G * BLOCK_P, K, BLOCK_K)
     kk = tl.arange(0, BLOCK_K)
-    picked = tl.full([BLOCK_K], -1, dtype=tl.int32)
-    for i in tl.static_range(K):
-        at = last - (tl.max(key, axis=0) & 0xFFFFFFFF).to(tl.int32)
-        picked = tl.where(kk == i, at, picked)
-        key = tl.where(flat == at, -(2**63), key)
     ids = ((picked // BLOCK_P) * PER + picked % BLOCK_P).to(tl.int64)
     ws = 1.0 / (1.0 + tl.exp(-tl.load(LOGITS + row * stride_l + ids, mask=kk < K, other=0.0)))  # the scores again
     ws = tl.where(kk < K, ws, 0.0)  # slots past K (BLOCK_K is a power of two) weigh nothing
     if NORM:
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     tl.store(W_OUT + row * K + kk, ws * scale, mask=kk < K)
+    tl.store(ID_OUT + row * K + kk, ids, mask=kk < K)
+
+
+@triton.jit
+def _exp(x, LIBDEVICE: tl.constexpr):
+    """exp in float32: CUDA's ``expf`` (what torch's CUDA kernels call) when LIBDEVICE, else ``tl.exp`` (the
+    interpreter has no libdevice)."""
+    if LIBDEVICE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _v4_scores(logit, valid, SCORING: tl.constexpr, DT: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Router scores of one token's logits [BLOCK_E] (float32 holding DT values), as torch's ops on DT round:
+    SCORING 0 sqrtsoftplus (softplus rounded, then its sqrt: torch's softplus is the logit itself past 20, else
+    log1p(exp)), 1 softmax over the ``valid`` experts, 2 sigmoid."""
+    if SCORING == 0:
+        ex = _exp(tl.minimum(logit, 20.0), LIBDEVICE)
+        if LIBDEVICE:
+            sp = libdevice.log1p(ex)
+        else:  # log1p without libdevice, to float32's precision: log(u) * ex / (u - 1) with u = 1 + ex
+            u = 1.0 + ex
+            sp = tl.where(u == 1.0, ex, tl.log(u) * (ex / (u - 1.0)))
+        sp = tl.where(logit > 20.0, logit, sp).to(DT).to(tl.float32)
+        s = tl.sqrt_rn(sp)
+    elif SCORING == 1:
+        lm = tl.where(valid, logit, float("-inf"))
+        ex = _exp(lm - tl.max(lm, axis=0), LIBDEVICE)
+        s = tl.math.div_rn(ex, tl.sum(ex, axis=0))
+    else:
+        s = tl.math.div_rn(tl.full(logit.shape, 1.0, tl.float32), 1.0 + _exp(-logit, LIBDEVICE))
+    return s.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _v4_route_kernel(LOGITS, BIAS, TID2EID, INPUT_IDS, W_OUT, ID_OUT, stride_l, stride_h, E, scale, eps,
+                     SCORING: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, HASH: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    """DeepSeek-V4 routing of one token (``runtime.model.deepseek.routing.route`` with V4's router), every torch
+    op's rounding to DT (the logits' dtype) kept: scores (:func:`_v4_scores`); the K experts from the token's row
+    of TID2EID (HASH: INPUT_IDS[row]'s) or the top-K of the choice = scores + BIAS (bias rounded to DT, then the
+    sum) in descending order, the lowest id first among equal choices; weights = the chosen scores over their
+    sum (rounded) + eps (rounded), rounded, times scale, rounded."""
+    pdl_enter(PDL)
+    DT: tl.constexpr = W_OUT.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < E
+    logit = tl.load(LOGITS + row * stride_l + e, mask=valid, other=0.0).to(tl.float32)
+    s = _v4_scores(logit, valid, SCORING, DT, LIBDEVICE)
+    kk = tl.arange(0, BLOCK_K)
+    if HASH:
+        tok = tl.load(INPUT_IDS + row).to(tl.int64)
+        ids = tl.load(TID2EID + tok * stride_h + kk, mask=kk < K, other=0).to(tl.int64)
+    else:
+        choice = s
+        if HAS_BIAS:
+            b = tl.load(BIAS + e, mask=valid, other=0.0).to(DT).to(tl.float32)
+            choice = (s + b).to(DT).to(tl.float32)
+        ids = _top_k_positions(tl.where(valid, choice, float("-inf")), BLOCK_E, K, BLOCK_K).to(tl.int64)
+    # the chosen scores: one match per slot (a hash row may name an expert twice: both slots get its score)
+    ws = tl.sum(tl.where(ids[:, None] == e[None, :], s[None, :], 0.0), axis=1)
+    ws = tl.where(kk < K, ws, 0.0)  # slots past K (BLOCK_K is a power of two) weigh nothing
+    total = tl.sum(ws, axis=0).to(DT).to(tl.float32)
+    ws = tl.math.div_rn(ws, (total + eps).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    tl.store(W_OUT + row * K + kk, (ws * scale).to(DT), mask=kk < K)
     tl.store(ID_OUT + row * K + kk, ids, mask=kk < K)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from backends.kernels.checks import require
+from backends.kernels.checks import interpreted, require
 from backends.kernels.decoder import decoder_kernels as k
 from backends.kernels.gemm import skinny
 from backends.kernels.pdl import use_pdl
@@ -155,12 +155,36 @@ def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     n, two_i = x.shape
     inter = two_i // 2
     require(x.stride(-1) == 1 and two_i % 2 == 0, f"x [N, 2I] with a contiguous last dim; got {tuple(x.shape)}")
-    y = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    if n:
+    return _silu_mul(x[:, :inter], x[:, inter:], None, pdl)
+
+
+#: the dtypes :func:`v4_swiglu` and :func:`v4_route` take (the V4 model dtypes FusedOps serves)
+V4_MOE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def v4_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, pdl: bool = False) -> torch.Tensor:
+    """DeepSeek-V4's clamped SwiGLU in one launch (``runtime.model.dsv4.moe.swiglu``): gate, up [N, I] (two
+    tensors, e.g. the shared expert's two products; rows may be strided, last dims contiguous) of one dtype in
+    :data:`V4_MOE_DTYPES` -> silu(min(gate, limit)) * clamp(up, -limit, limit) [N, I] contiguous, each torch op's
+    rounding kept."""
+    require(gate.dim() == 2 and up.shape == gate.shape and up.dtype == gate.dtype and gate.dtype in V4_MOE_DTYPES
+            and gate.stride(-1) == 1 and up.stride(-1) == 1,
+            f"v4_swiglu: gate and up [N, I] of one dtype in {V4_MOE_DTYPES}, last dims contiguous; got gate "
+            f"{tuple(gate.shape)} {gate.dtype} strides {gate.stride()}, up {tuple(up.shape)} {up.dtype} strides "
+            f"{up.stride()}. Fix: runtime.model.dsv4.moe.swiglu (torch)")
+    return _silu_mul(gate, up, float(limit), pdl)
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float | None, pdl: bool) -> torch.Tensor:
+    n, inter = gate.shape
+    y = torch.empty(n, inter, dtype=gate.dtype, device=gate.device)
+    if n and inter:
         block = min(1024, _pow2(inter))
-        p = use_pdl(pdl, k._silu_mul_kernel, x.device)
-        k._silu_mul_kernel[(n, triton.cdiv(inter, block))](x, y, x.stride(0), y.stride(0), inter, BLOCK=block,
-                                                           PDL=p, launch_pdl=p, num_warps=4)
+        p = use_pdl(pdl, k._silu_mul_kernel, gate.device)
+        k._silu_mul_kernel[(n, triton.cdiv(inter, block))](gate, up, y, gate.stride(0), up.stride(0), y.stride(0),
+                                                           inter, 0.0 if limit is None else limit, BLOCK=block,
+                                                           CLAMP=limit is not None, PDL=p, launch_pdl=p,
+                                                           num_warps=4)
     return y
 
 
@@ -182,6 +206,50 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, n_group: int,
                                       BLOCK_G=_pow2(n_group), BLOCK_P=_pow2(per), BLOCK_K=_pow2(top_k),
                                       HAS_BIAS=bias is not None, NORM=bool(norm), TOP2=per >= 2, PDL=p,
                                       launch_pdl=p, num_warps=1)  # one warp: the 2K reductions stay in registers
+    return w, ids
+
+
+#: V4's scoring functions (``runtime.model.deepseek.routing.ScoringFunc`` values), in the order of
+#: :func:`decoder_kernels._v4_scores`'s SCORING
+V4_SCORES = ("sqrtsoftplus", "softmax", "sigmoid")
+#: the most experts :func:`v4_route` takes (one program holds a token's row)
+V4_ROUTE_MAX_E = 4096
+
+
+def v4_route(logits: torch.Tensor, scoring: str, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+             input_ids: torch.Tensor | None, top_k: int, norm_eps: float, scale: float,
+             pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 routing in one kernel, as ``runtime.model.deepseek.routing.route`` with V4's router (no expert
+    groups, always renormalised): logits [T, E] (bf16 / fp16 / float32, E <= :data:`V4_ROUTE_MAX_E`), ``scoring``
+    one of :data:`V4_SCORES`; top-k layers: bias [E] (any float dtype, rounded to the logits' dtype) or None;
+    hash layers: tid2eid [vocab, k] integer and input_ids [T] integer (the ids from the table's rows; an id past
+    E weighs 0 where torch raises) -> (weights [T, k] in the logits' dtype, expert ids [T, k] int64). Top-k ids
+    come in descending choice order, the lowest id first among equal choices (torch's unsorted order is
+    unspecified: only the order the experts' outputs are summed in differs)."""
+    t, e = logits.shape
+    hashed = tid2eid is not None
+    require(logits.dtype in V4_MOE_DTYPES and logits.stride(-1) == 1 and 0 < top_k <= e <= V4_ROUTE_MAX_E
+            and scoring in V4_SCORES and (bias is None or (bias.shape == (e,) and bias.is_contiguous()))
+            and (not hashed or (input_ids is not None and input_ids.shape == (t,) and tid2eid.dim() == 2
+                                and tid2eid.shape[1] == top_k and tid2eid.stride(-1) == 1)),
+            f"v4_route: logits [T, E] in {V4_MOE_DTYPES} with 0 < top_k <= E <= {V4_ROUTE_MAX_E}, scoring in "
+            f"{V4_SCORES}, bias [E] contiguous or None, hash layers tid2eid [vocab, top_k] and input_ids [T]; got "
+            f"logits {tuple(logits.shape)} {logits.dtype}, scoring {scoring!r}, top_k {top_k}, bias "
+            f"{None if bias is None else tuple(bias.shape)}, tid2eid {None if not hashed else tuple(tid2eid.shape)}, "
+            f"input_ids {None if input_ids is None else tuple(input_ids.shape)}. Fix: "
+            f"runtime.model.dsv4.moe.route (torch)")
+    w = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t:
+        kern = k._v4_route_kernel
+        p = use_pdl(pdl, kern, logits.device)
+        block_e = _pow2(e)
+        kern[(t,)](logits, bias if bias is not None else logits, tid2eid if hashed else ids,
+                   input_ids if hashed else ids, w, ids, logits.stride(0), tid2eid.stride(0) if hashed else 0, e,
+                   float(scale), float(norm_eps), SCORING=V4_SCORES.index(scoring), K=top_k, BLOCK_E=block_e,
+                   BLOCK_K=_pow2(top_k), HAS_BIAS=bias is not None and not hashed, HASH=hashed,
+                   LIBDEVICE=not interpreted(kern), PDL=p, launch_pdl=p, enable_fp_fusion=False,
+                   num_warps=1 if block_e <= 256 else 4)  # V4-Flash's 256 experts: one warp, as route_sigmoid
     return w, ids
 
 

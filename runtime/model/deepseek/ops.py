@@ -23,7 +23,9 @@
   V4's compressor decode step (state update, window softmax mix, RMSNorm, the entry's RoPE) is one kernel,
   :mod:`backends.kernels.dsv4.compress_decode` (float64 states stay torch).
   V4's RoPE tail (cos / sin of the positions, the rotation of the last rope channels, or its inverse) is one
-  kernel, :mod:`backends.kernels.dsv4.rope_tail` (float64 and other layouts stay torch).
+  kernel, :mod:`backends.kernels.dsv4.rope_tail` (float64 and other layouts stay torch). V4's MoE: the routing
+  after the router's product (scores, bias, top-k or the hash table's rows, renormalised and scaled) in one kernel
+  (``v4_route``), the shared expert's clamped SwiGLU in another (``v4_swiglu``).
 
 Both share one interface (the methods below, same shapes and dtypes); :func:`select_ops` picks the class from
 ``model.fused`` (``auto|on|off``) and the classes' :class:`OpsCapabilities`, never from a type check.
@@ -47,6 +49,7 @@ from runtime.model.deepseek.moe import grouped_expert_mlp, local_expert_ids, rou
 from runtime.model.deepseek.moe import moe as torch_moe
 from runtime.model.deepseek.rope import RopeParams, apply_rope, apply_rope_tail, cos_sin, inv_freq_on
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
+from runtime.model.dsv4 import moe as v4_moe
 from runtime.model.dsv4.compressor import compress_decode_rope
 from runtime.model.dsv4.norms import rms_norm as v4_weighted_norm
 from runtime.model.dsv4.norms import unweighted_rms_norm
@@ -175,6 +178,17 @@ class TorchOps:
     def moe(self, spec: ModelSpec, w: MoEWeights, x: torch.Tensor, grouped_mm: bool) -> torch.Tensor:
         """x [T, D] -> routed + shared experts [T, D] in x's dtype."""
         return torch_moe(spec, w, x, grouped_mm)
+
+    def v4_route(self, w: v4_moe.MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None,
+                 cfg: v4_moe.DSV4Config) -> tuple[torch.Tensor, torch.Tensor]:
+        """V4's router, x [T, hidden] -> (expert ids [T, k] int64, weights [T, k] in x's dtype): top-k of the
+        bias-corrected scores, or the hash table's rows at ``input_ids`` [T] (:func:`runtime.model.dsv4.moe.route`)."""
+        return v4_moe.route(w, x, input_ids, cfg)
+
+    def v4_swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """V4's clamped SwiGLU: gate, up [T, I] -> silu(min(gate, limit)) * clamp(up, -limit, limit) [T, I]
+        (:func:`runtime.model.dsv4.moe.swiglu`)."""
+        return v4_moe.swiglu(gate, up, limit)
 
     def hc_mix(self, mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor,
                iters: int, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -332,6 +346,23 @@ class FusedOps:
             y = torch.where((torch.arange(y.shape[0], device=y.device) < offsets[-1])[:, None], y, 0.0)
         shared = self.dense_mlp(w.shared, x) if w.shared is not None else None
         return self.k.moe_combine(y, inv, weights, shared, x.dtype)
+
+    def v4_route(self, w, x, input_ids, cfg):
+        """The router's product (the few-row kernel at few rows: logits in x's dtype, as the reference), then one
+        kernel for the rest; float64, more experts than the kernel holds, or no token ids on a hash layer: torch."""
+        r, k = v4_moe.v4_router(cfg), self.k
+        if x.dtype not in k.V4_MOE_DTYPES or w.gate.shape[0] > k.V4_ROUTE_MAX_E or (w.tid2eid is not None
+                                                                                   and input_ids is None):
+            return self.torch.v4_route(w, x, input_ids, cfg)
+        weights, ids = k.v4_route(self.linear(x, w.gate), r.scoring.value, w.e_score_correction_bias, w.tid2eid,
+                                  input_ids, r.top_k, r.norm_eps, r.routed_scaling_factor, self.pdl)
+        return ids, weights
+
+    def v4_swiglu(self, gate, up, limit):
+        if gate.dtype in self.k.V4_MOE_DTYPES and up.dtype == gate.dtype and gate.dim() == 2 and up.shape == \
+                gate.shape and gate.stride(-1) == 1 and up.stride(-1) == 1:
+            return self.k.v4_swiglu(gate, up, limit, self.pdl)
+        return self.torch.v4_swiglu(gate, up, limit)
 
     def _hc_kernel(self, streams: torch.Tensor) -> bool:
         """The streams' n (hc_mult) and dtype take the mHC kernels (else the torch path: float64, other n)."""

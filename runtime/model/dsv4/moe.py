@@ -15,7 +15,9 @@ and the CPU's reference for PackedFP4: each expert dequantized as it runs, see
 (float64 for a float64 model).
 
 The shared expert's three products go through the injected decoder ops' ``linear`` (block-fp8 kernels on CUDA, the
-torch product elsewhere: :mod:`runtime.model.deepseek.ops`).
+torch product elsewhere: :mod:`runtime.model.deepseek.ops`), the routing and the shared expert's clamped SwiGLU
+through their ``v4_route`` / ``v4_swiglu`` (one kernel each on CUDA; :func:`route` and :func:`swiglu` here are the
+torch reference that ``TorchOps`` runs).
 
 Tensor parallelism (the caller all-reduces the output): with moe=tp every expert and the shared expert hold a
 slice of their intermediate dim (the clamps and SwiGLU are per channel, so each rank's down projection gives a
@@ -25,15 +27,19 @@ ranks' experts add 0 here. The router runs whole on every rank (same inputs, sam
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from runtime.model.deepseek import routing
 from runtime.model.deepseek.moe import GatedAct, routed_expert_sum
-from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.deepseek.routing import Router
 from runtime.model.dsv4.config import DSV4Config
 from runtime.model.dsv4.weights import MoEWeights
+
+if TYPE_CHECKING:  # the ops call route / swiglu below (their TorchOps methods): no import of them at run time
+    from runtime.model.deepseek.ops import FusedOps, TorchOps
 
 
 def v4_router(cfg: DSV4Config) -> Router:
@@ -61,11 +67,15 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, 
                 ops: TorchOps | FusedOps, grouped_mm: bool = False) -> torch.Tensor:
     """x [T, hidden] -> routed + shared expert output [T, hidden] in x's dtype (a rank's partial sum under tensor
     parallelism, see the module docstring). ``grouped_mm`` only for float expert stacks (the caller decides from
-    their dtype); ``ops.linear`` multiplies the shared expert."""
-    ids, weights = route(w, x, input_ids, cfg)
+    their dtype); the ops route (``v4_route``: :func:`route`), multiply the shared expert (``linear``) and apply
+    its clamped SwiGLU (``v4_swiglu``: :func:`swiglu`)."""
+    ids, weights = ops.v4_route(w, x, input_ids, cfg)
     limit = cfg.swiglu_limit
     acc = torch.promote_types(x.dtype, torch.float32)
     routed = routed_expert_sum(x, weights, ids, w.gate_up_proj, w.down_proj, w.first_expert, cfg.n_routed_experts,
                                GatedAct(limit), grouped_mm, acc)
-    shared = swiglu(ops.linear(x, w.shared_gate_proj), ops.linear(x, w.shared_up_proj), limit)
-    return (routed + ops.linear(shared, w.shared_down_proj).to(acc)).to(x.dtype)
+    shared = ops.v4_swiglu(ops.linear(x, w.shared_gate_proj), ops.linear(x, w.shared_up_proj), limit)
+    # routed [T, hidden] in acc + the shared output promoted to acc, rounded once to x's dtype: one launch (the
+    # bits of (routed + shared.to(acc)).to(x.dtype))
+    return torch.add(routed, ops.linear(shared, w.shared_down_proj), out=torch.empty(x.shape, dtype=x.dtype,
+                                                                                       device=x.device))
