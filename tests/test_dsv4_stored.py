@@ -36,6 +36,7 @@ from runtime.model.deepseek.checkpoint import TensorInfo, _Reader
 from runtime.model.deepseek.hf_config import resolve_model_config
 from runtime.model.deepseek.ops import TorchOps
 from runtime.model.deepseek.sharding import Cut
+from runtime.model.dsv4 import checkpoint as v4ckpt
 from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights
 from runtime.model.dsv4.hf_config import dsv4_config
 from runtime.model.dsv4.layer import grouped_output
@@ -370,6 +371,21 @@ def test_random_weights_of_any_dtype_are_one_model():
     for get in (lambda w: w.layers[0].attn_hc.base, lambda w: w.layers[1].ffn_hc.fn, lambda w: w.layers[0].attn.sinks,
                 lambda w: w.layers[1].attn.q_b_proj, lambda w: w.hc_head.hc_base):
         assert get(b16).dtype == torch.bfloat16 and torch.equal(get(b16), get(f32).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", [StoredKind.fp4, StoredKind.fp8])
+def test_an_expert_stack_is_quantized_slice_by_slice_to_the_whole_draw(monkeypatch, kind):
+    """Stacked experts are drawn in _normal's slices and quantized slice by slice (never held whole in the model
+    dtype: 16 GiB in float32 at V4-Flash's width): the same values, scales and dtypes as the whole draw quantized,
+    with slices of two experts and a last one of one."""
+    monkeypatch.setattr(v4ckpt, "DRAW_ROWS_ELEMENTS", 2 * 128 * 64)
+    shape, block = (5, 128, 64), (128, 128)
+    got = v4ckpt._normal_quantized(shape, 0.125, torch.Generator().manual_seed(4), torch.bfloat16, CPU, kind, block)
+    want = v4ckpt._quantized(v4ckpt._normal(shape, 0.125, torch.Generator().manual_seed(4), torch.bfloat16, CPU),
+                             kind, block)
+    assert type(got) is type(want) and got.scale.dtype == want.scale.dtype
+    assert torch.equal(got.weight.view(torch.uint8), want.weight.view(torch.uint8)) and torch.equal(got.scale,
+                                                                                                  want.scale)
 
 
 # the tiny preset with dims whose tp=2 cuts keep every fp8 block whole (q_b_proj 256 rows, o_a_proj 256 rows,

@@ -249,10 +249,9 @@ def random_dsv4_weights(cfg: DSV4Config, seed: int, dtype: torch.dtype, device: 
         elif name.endswith(("sinks", "position_bias", "base", "hc_base", "e_score_correction_bias")):
             t = _normal(shape, 0.1, g, dtype, device)
         else:
-            t = _normal(shape, shape[-1] ** -0.5, g, dtype, device)
-        kind = release_kind(name, experts) if quantized else None
-        if kind is not None:
-            t = _quantized(t, kind, block)
+            kind = release_kind(name, experts) if quantized else None
+            t = (_normal(shape, shape[-1] ** -0.5, g, dtype, device) if kind is None
+                 else _normal_quantized(shape, shape[-1] ** -0.5, g, dtype, device, kind, block))
         cut = dsv4_tensor_cut(name, shape, cfg, shard)  # never None: the experts are fused tensors here
         state[name] = t if cut.replicated else cut.apply(t).contiguous()
     return ModelWeights.load(state, cfg=cfg, first_expert=experts_of(cfg.n_routed_experts, shard).start,
@@ -273,6 +272,29 @@ def _normal(shape: tuple[int, ...], std: float, g: torch.Generator, dtype: torch
     for i in range(0, rows.shape[0], step):
         part = rows[i:i + step]
         part.copy_(torch.randn(part.shape, generator=g, dtype=torch.float32, device=device).mul_(std))
+    return out
+
+
+def _normal_quantized(shape: tuple[int, ...], std: float, g: torch.Generator, dtype: torch.dtype,
+                      device: torch.device, kind: StoredKind, block: tuple[int, int]) -> BlockFP8 | PackedFP4:
+    """:func:`_normal`'s values (the same draws, in ``dtype``) in the release's ``kind``. A stack of experts [E, N,
+    K] whose draw slices hold whole experts is quantized slice by slice into its stored form, never whole in
+    ``dtype``: V4-Flash's gate_up stack is 16 GiB in float32 (the parity reference's dtype), a transient that ran
+    an H200 out of memory beside the reference's cache. Other tensors (matrices, odd stacks) are drawn whole."""
+    rows_per_draw = max(1, DRAW_ROWS_ELEMENTS // max(1, shape[-1]))
+    if len(shape) != 3 or (rows_per_draw % shape[1] and rows_per_draw < shape[0] * shape[1]):
+        return _quantized(_normal(shape, std, g, dtype, device), kind, block)
+    e, n, k = shape
+    out = None
+    for first in range(0, e * n, rows_per_draw):  # _normal's slices: whole experts each (checked above)
+        part = torch.randn((min(rows_per_draw, e * n - first), k), generator=g, dtype=torch.float32, device=device)
+        part = part.mul_(std).to(dtype).view(-1, n, k)
+        for i, w in enumerate(part):
+            q = _quantized(w, kind, block)
+            if out is None:  # the stack's storage, with the first expert's scale dtype
+                out = (PackedFP4.empty(shape, device, q.group, q.scale.dtype) if kind == StoredKind.fp4
+                       else BlockFP8.empty(shape, device, block))
+            out[first // n + i] = q
     return out
 
 
