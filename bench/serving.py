@@ -291,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--offline", action="store_true", help="self-hosted: also the offline engine's figures")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed first pass of the "
                     "requests (all at once) that warms the server as the offline run is warmed")
+    ap.add_argument("--server-dir", help="self-hosted in its own process: the server's log and Hydra folder here "
+                    "(default: a temporary folder)")
     ap.add_argument("--in-process", action="store_true", help="self-hosted on a thread of this process (default: "
                     "python -m runtime.serve in its own process)")
     ap.add_argument("--plot", help="write the rate sweep plot here (matplotlib)")
@@ -337,8 +339,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             from bench.serving_host import ServerProcess
             from runtime.serve import serving_overrides
 
-            server = ServerProcess(serving_overrides(args.serve)).__enter__()
+            server = ServerProcess(serving_overrides(args.serve), run_dir=args.server_dir).__enter__()
             url, model = server.url, server.model
+            note(f"server up (log: {server.log})")
     else:
         import httpx
 
@@ -356,6 +359,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             failed = [o.error for o in outcomes if not o.ok]
             if failed:
                 print(f"warm-up: {len(failed)} failed, e.g. {failed[0]}")
+            note(f"warm-up: {len(jobs)} requests")
         for c in args.max_concurrency:
             sent = jobs if c is None or args.waves is None else jobs[: args.waves * c]
             for i, rate in enumerate(args.request_rate):
@@ -367,6 +371,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 failed = [o.error for o in outcomes if not o.ok]
                 if failed:
                     print(f"concurrency {c}, rate {rate}: {len(failed)} failed, e.g. {failed[0]}")
+                note(f"concurrency {c or 'all'}, rate {rate}: {len(sent)} requests in {seconds:.1f} s, "
+                     f"{rows[-1]['out tok/s']:.1f} out tok/s")
     finally:
         if server is not None:
             server.__exit__(None, None, None)
@@ -384,6 +390,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"plot: {path}" if path else "plot: skipped (matplotlib is not installed; pip install -e '.[plot]')")
     print(json_line("serving", Ceilings("client", math.nan, math.nan), Table(rows), meta))
     return rows
+
+
+_START = time.perf_counter()
+
+
+def note(msg: str) -> None:
+    """A progress line (seconds since the bench started), flushed: a long self-hosted run shows where it is."""
+    print(f"[bench.serving {time.perf_counter() - _START:.0f} s] {msg}", flush=True)
 
 
 def _widest(levels: list[int | None]) -> int | None:

@@ -25,17 +25,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ServerProcess:
     """``python -m runtime.serve OVERRIDES serve.host=127.0.0.1 serve.port=P`` started on entry and stopped on exit;
-    ready once ``GET /health`` answers. Its log (and Hydra's run folder) is a temporary folder, whose last lines
-    are in the error when the server exits or does not answer within ``timeout`` seconds."""
+    ready once ``GET /health`` answers. Its log (and Hydra's run folder) is ``run_dir`` or a temporary folder, whose
+    last lines are in the error when the server exits or does not answer within ``timeout`` seconds."""
 
-    def __init__(self, overrides: list[str], timeout: float = 900.0, python: str = sys.executable):
+    def __init__(self, overrides: list[str], timeout: float = 900.0, python: str = sys.executable,
+                 run_dir: str | Path | None = None):
         self.overrides, self.timeout, self.python = list(overrides), timeout, python
+        self.run_dir = run_dir  # the log's folder (default: a new temporary one)
         self.url = self.model = ""
 
     def __enter__(self) -> ServerProcess:
         import httpx
 
-        self.dir = Path(tempfile.mkdtemp(prefix="bench_serving_"))
+        self.dir = Path(self.run_dir) if self.run_dir else Path(tempfile.mkdtemp(prefix="bench_serving_"))
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.log = self.dir / "server.log"
         port = free_port()
         cmd = [self.python, "-m", "runtime.serve", *self.overrides, "serve.host=127.0.0.1", f"serve.port={port}",

@@ -40,8 +40,9 @@ case "$part" in
   fulldepth)  # issue 46's first decode figure of a real deployment's rank: 61 layers, 256 experts (moe=tp slices).
     # The chat workload served over HTTP at 1 / 32 / 128 requests in flight (bench.serving, one server build), then
     # decode_roofline 1/32/128 (ROOFLINE=0 skips it).
-    step chat "${CHAT_S:-300}" "$py" -m bench.serving --num-prompts 256 --input-len 1024 --output-len 128 \
-      --range-ratio 0.5 --max-concurrency 1 32 128 --waves 4 --serve +deploy=h100_triton_tp8 model.weights=fp8 \
+    step chat "${CHAT_S:-540}" "$py" -m bench.serving --num-prompts 256 --input-len 1024 --output-len 128 \
+      --range-ratio 0.5 --max-concurrency 1 32 128 --waves 2 --server-dir "$out/chat_server" \
+      --serve +deploy=h100_triton_tp8 model.weights=fp8 \
       model.num_layers=61 check=off workload.max_running_requests=128 \
       "graph.batch_sizes=[1,2,4,8,16,32,64,128]"
     [ "${ROOFLINE:-1}" = 0 ] && exit 0
