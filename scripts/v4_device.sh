@@ -32,9 +32,10 @@ for part in "$@"; do
       step v4_model "${T_model:-300}" "$py" -m pytest -q -m gpu -p no:cacheprovider --durations=5 \
         tests/test_dsv4_gpu.py ;;
     profile)
-      TAIL=40 step v4_profile "${T_profile:-200}" "$py" -m bench.tp_decode --preset deepseek_v4_flash --layers 4 \
-        --backend dsv4 --batches 1 32 --prompt 256 --out-len 16 --graphs --profile model.weights=fp8 \
-        model.fp8_compute=w8a16 ;;
+      TAIL=2 step v4_profile "${T_profile:-200}" "$py" -m bench.tp_decode --preset deepseek_v4_flash --layers 4 \
+        --backend dsv4 --batches 1 32 --prompt 256 --out-len 16 --graphs --profile --out "$out/v4_profile.json" \
+        model.weights=fp8 model.fp8_compute=w8a16
+      [ -f "$out/v4_profile.json" ] && "$py" -m bench.tp_decode --table "$out/v4_profile.json" | grep -v BENCH_JSON ;;
     parity)
       OUT=$out VARIANTS="w8a16 bf16" LIMIT="${T_parity:-150}" \
         BASE="model=deepseek_v4_flash backend=dsv4 device=cuda workload=chat workload.num_requests=16" \
