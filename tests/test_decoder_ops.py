@@ -108,11 +108,11 @@ def check_route(t, e, d, spec, dev):
     _close(wf, wr, 1e-5)
 
 
-def check_dispatch_combine(t, k, e, d, dtype, dev, tol):
-    from backends.kernels.decoder.decoder_ops import moe_combine, moe_dispatch
+def check_dispatch_combine(t, k, e, d, dtype, dev, tol, sort_from=None):
+    from backends.kernels.decoder.decoder_ops import SORT_DISPATCH_FROM, moe_combine, moe_dispatch
 
     ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(t)])
-    tokens, inv, offs = moe_dispatch(ids, e)
+    tokens, inv, offs = moe_dispatch(ids, e, sort_from or SORT_DISPATCH_FROM)
     order = torch.argsort(ids.reshape(-1), stable=True)
     assert torch.equal(tokens, order // k)
     assert torch.equal(inv[order], torch.arange(t * k, device=dev))
@@ -212,9 +212,12 @@ def test_route_sigmoid_breaks_ties_toward_the_lower_expert_id():
     assert torch.allclose(w.cpu().double(), want_w, rtol=1e-6)
 
 
-def test_dispatch_combine_small():
+@pytest.mark.parametrize("sort_from", [None, 1], ids=["counting-kernel", "torch-sort"])
+def test_dispatch_combine_small(sort_from):
+    """Both ways of grouping the pairs (the counting kernel of decode, the sort of prefill sizes) give the stable
+    order."""
     torch.manual_seed(0)
-    check_dispatch_combine(5, 3, 8, 24, torch.float32, DEV, 1e-5)
+    check_dispatch_combine(5, 3, 8, 24, torch.float32, DEV, 1e-5, sort_from)
 
 
 def test_torch_ops_without_delta_return_x():
@@ -240,6 +243,7 @@ def test_fused_ops_match_torch_gpu(t):
     check_silu_mul(t, 2304, BF, "cuda", 1e-2)
     check_silu_mul(t, 256, BF, "cuda", 1e-2)
     check_dispatch_combine(t, 8, 256, 7168, BF, "cuda", 1e-2)
+    check_dispatch_combine(t, 8, 256, 7168, BF, "cuda", 1e-2, sort_from=1)  # the prefill-size path
     # DeepSeek-V4-Flash: q_a_norm (1024), the per-head query norm (64 x 512), the mHC input (4 x 4096) to float32
     check_v4_rms_norm((t, 1024), BF, "cuda", 1e-2, True)
     check_v4_rms_norm((t, 64, 512), BF, "cuda", 1e-2, False)
