@@ -4,10 +4,10 @@ Weights are e2m1 values packed two per byte (low nibble first: input column 2 j 
 its high one) with one power-of-two scale per row and 32 inputs (``dequantized = e2m1 * scale``, the layout of
 ``runtime.model.quantized.PackedFP4``): ue8m0 bytes as the release stores them (uint8 b, ``2 ** (b - 127)``; the
 ``*_UE8M0`` constexprs) or float32 values. Hopper has no fp4 tensor-core product, so every kernel reads the packed
-bytes and widens them in registers (:func:`_widen`: the e2m1 value built from its bits as a float32, times its
-group's scale (a ue8m0 byte widened to float32 by :func:`_ue8m0`), cast to the activation dtype). The widening is
-exact: every e2m1 value times a power of two is a bf16 / fp16 value (within their exponent ranges), so the products
-are those of the dequantized weights up to float32 summation order.
+bytes and widens them in registers (:func:`_widen`: the e2m1 values of a byte's two nibbles built from their bits
+as float32 by :func:`_nibbles`, times their group's scale (a ue8m0 byte widened to float32 by :func:`_ue8m0`),
+cast to the activation dtype). The widening is exact: every e2m1 value times a power of two is a bf16 / fp16 value
+(within their exponent ranges), so the products are those of the dequantized weights up to float32 summation order.
 
 A byte tile is read as [rows, groups, 16] (16 bytes = one 32-input scale group), so a group's one scale
 broadcasts over its 16 bytes without a gather. The two nibbles of a byte are two input columns:
@@ -18,7 +18,10 @@ broadcasts over its 16 bytes without a gather. The two nibbles of a byte are two
   multiply the activation's even columns and the high nibbles its odd columns (two products per step, no
   interleave of the widened tile: the activation row is what is read strided, and it is tiny).
   :func:`_fp4_moe_up_fma_kernel` / :func:`_fp4_moe_down_fma_kernel` do the same on the CUDA cores (the default:
-  5x faster at one token on an H200, where the tensor-core kernels spend their time on operand layouts).
+  5x faster at one token on an H200, where the tensor-core kernels spend their time on operand layouts). Both
+  sets share their addressing: :func:`_up_pair` / :func:`_up_step` (a pair's gate and up rows, a step's bytes
+  and scales), :func:`_down_program` / :func:`_down_step` / :func:`_fold_slot` (a token's slots; a step's slot,
+  expert, bytes and scales; a slot's product folded in); each kernel is its own activation operands and products.
 * **Many tokens** (prefill): :func:`_fp4_grouped_gemm_kernel`, a W4A16 grouped GEMM over rows sorted by expert
   (16-bit activations read contiguously, the widened nibbles interleaved back into column order with
   ``tl.join``), optionally with the gated activation fused (gate and up columns in one program, the product of
@@ -43,14 +46,19 @@ GROUP_BYTES: tl.constexpr = tl.constexpr(16)
 
 
 @triton.jit
-def _e2m1(nib):
-    """uint32 nibbles (0..15: sign bit 3, exponent bits 2..1, mantissa bit 0) -> their e2m1 values as float32,
-    from the bits: magnitude codes 2..7 are (1 + m / 2) 2^(e - 1), whose float32 bits are (code + 252) << 22;
-    code 1 is 0.5 (126 << 23), code 0 is 0."""
-    code = nib & 7
-    bits = tl.where(code > 1, (code + 252) << 22, code * (126 << 23))
-    bits = bits | ((nib & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _nibbles(packed):
+    """packed uint8 bytes -> the e2m1 values of their (low, high) nibbles as float32, from the bits (a nibble: sign
+    bit 3, exponent bits 2..1, mantissa bit 0): magnitude codes 2..7 are (1 + m / 2) 2^(e - 1), whose float32 bits
+    are (code + 252) << 22; code 1 is 0.5 (126 << 23), code 0 is 0. Both nibbles in one helper (the interpreter
+    pays for every call)."""
+    b = packed.to(tl.uint32)
+    lo = b & 15
+    code = lo & 7
+    lo_bits = tl.where(code > 1, (code + 252) << 22, code * (126 << 23)) | ((lo & 8) << 28)
+    hi = b >> 4
+    code = hi & 7
+    hi_bits = tl.where(code > 1, (code + 252) << 22, code * (126 << 23)) | ((hi & 8) << 28)
+    return lo_bits.to(tl.float32, bitcast=True), hi_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -70,9 +78,9 @@ def _ue8m0(scale, UE8M0: tl.constexpr):
 def _widen(packed, scale, DT: tl.constexpr, UE8M0: tl.constexpr):
     """packed [R, G, 16] uint8 and scale [R, G] (ue8m0 uint8 with ``UE8M0``, else float32) -> (low nibbles, high
     nibbles) [R, G, 16] of ``DT``, each times its group's scale (exact)."""
-    b = packed.to(tl.uint32)
+    lo, hi = _nibbles(packed)
     s = _ue8m0(scale, UE8M0)[:, :, None]
-    return (_e2m1(b & 15) * s).to(DT), (_e2m1(b >> 4) * s).to(DT)
+    return (lo * s).to(DT), (hi * s).to(DT)
 
 
 @triton.jit
@@ -87,20 +95,14 @@ def _act(g, u, limit, ACT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, stride_ge, stride_gn, stride_gse,
-                       stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ACT: tl.constexpr, PDL: tl.constexpr, GUS_UE8M0: tl.constexpr):
-    """Program (p, i-block): pair p is (token p // TOPK, expert IDS[p]) over GU[e] [2 I, K / 2] packed bytes with
-    scales GUS[e] [2 I, cdiv(K, 32)] (ue8m0 bytes with ``GUS_UE8M0``, else float32). H[p, i] = act(gate, up) (see
-    :func:`_act`), each GEMM output rounded to H's dtype. Other ranks' experts (IDS[p] >= n_local) compute nothing
-    (their rows of H are written, unused). Each loop step reads BLOCK_K inputs (BLOCK_K / 32 groups of 16 bytes) of
-    BLOCK_I gate and BLOCK_I up rows."""
-    pdl_enter(PDL)
+def _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, stride_gse, stride_gsn,
+             TOPK: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The up kernels' program (p, i-block), both kernel sets: pair p is (token p // TOPK, expert e = IDS[p]).
+    Returns p, ri [BLOCK_I] (the program's gate rows; up rows inter + ri), live [BLOCK_I] (rows to read: none of
+    another rank's expert), the token's row of X, and expert e's gate / up byte rows [BLOCK_I, 1, 1] and scale rows
+    [BLOCK_I, 1] (pointers)."""
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    DT: tl.constexpr = H.dtype.element_ty
-    G: tl.constexpr = BLOCK_K // GROUP
-    HALF: tl.constexpr = BLOCK_K // 2
     e = tl.load(IDS + p, mask=p >= 0, other=0).to(tl.int64)  # masked: the interpreter fails an unmasked scalar load
     t = p // TOPK
     live = ri < tl.where(e < n_local, inter, 0)  # (not an &: the interpreter makes that int32)
@@ -109,25 +111,90 @@ def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, s
     u_rows = GU + e * stride_ge + (ri64 + inter)[:, None, None] * stride_gn
     gs_rows = GUS + e * stride_gse + ri64[:, None] * stride_gsn
     us_rows = GUS + e * stride_gse + (ri64 + inter)[:, None] * stride_gsn
-    gi = tl.arange(0, G)
-    bj = tl.arange(0, GROUP_BYTES)
-    r16 = tl.arange(0, 16)
-    jj = tl.arange(0, HALF)
-    x_row = X + t * stride_x
-    row0 = (r16 == 0)[:, None]
+    return p, ri, live, X + t * stride_x, g_rows, u_rows, gs_rows, us_rows
+
+
+@triton.jit
+def _up_step(g_rows, u_rows, gs_rows, us_rows, live, k0, n_bytes, n_groups, G: tl.constexpr):
+    """One step of the up kernels: inputs k0 .. k0 + 32 G (groups k0 / 32 ..) of the gate and up rows, masked to
+    the live rows, n_bytes (K / 2) and n_groups (cdiv(K, 32)). Returns byte [G, 16] (the bytes' indices in a row),
+    the gate and up bytes [BLOCK_I, G, 16] uint8 and their scales [BLOCK_I, G] as stored."""
+    grp = k0 // GROUP + tl.arange(0, G)
+    byte = grp[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES)[None, :]  # [G, 16]
+    m3 = live[:, None, None] & (byte < n_bytes)[None, :, :]
+    ms = live[:, None] & (grp < n_groups)[None, :]
+    wg = tl.load(g_rows + byte[None, :, :], mask=m3, other=0)
+    wu = tl.load(u_rows + byte[None, :, :], mask=m3, other=0)
+    sg = tl.load(gs_rows + grp[None, :], mask=ms, other=0)
+    su = tl.load(us_rows + grp[None, :], mask=ms, other=0)
+    return byte, wg, wu, sg, su
+
+
+@triton.jit
+def _down_program(IDS, WTS, D, TOPK: tl.constexpr, TOPK_P2: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The down kernels' program (t, d-block), both kernel sets: t, rd [BLOCK_D] (its output columns, rd64 as
+    int64), dmask (rd < D), and token t's slots [TOPK_P2] with their expert ids (int64) and routing weights."""
+    t = tl.program_id(0)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = rd < D
+    slots = tl.arange(0, TOPK_P2)
+    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
+    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
+    return t, rd, rd.to(tl.int64), dmask, slots, ids, wts
+
+
+@triton.jit
+def _down_step(DN, DNS, t, it, n_chunks, slots, ids, rd64, dmask, inter, n_local, stride_de, stride_dd, stride_dse,
+               stride_dsd, TOPK: tl.constexpr, G: tl.constexpr):
+    """Step ``it`` of the down kernels' loop over (slot j, chunk c of 32 G hidden inputs): returns j, c, the pair
+    p, width (the hidden inputs of the slot's expert: inter, 0 for another rank's), byte [G, 16] (the bytes'
+    indices in a row) and the chunk's bytes [BLOCK_D, G, 16] uint8 and scales [BLOCK_D, G] as stored, masked to
+    dmask and width."""
+    j = it // n_chunks
+    c = it % n_chunks
+    p = t * TOPK + j
+    e = tl.sum(tl.where(slots == j, ids, 0))
+    width = tl.where(e < n_local, inter, 0)  # other ranks' experts: nothing
+    grp = c * G + tl.arange(0, G)
+    byte = grp[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES)[None, :]  # [G, 16], bytes of the expert's row
+    w = tl.load(DN + e * stride_de + rd64[:, None, None] * stride_dd + byte[None, :, :],
+                mask=dmask[:, None, None] & (byte < width // 2)[None, :, :], other=0)
+    sc = tl.load(DNS + e * stride_dse + rd64[:, None] * stride_dsd + grp[None, :],
+                 mask=dmask[:, None] & (grp * GROUP < width)[None, :], other=0)
+    return j, c, p, width, byte, w, sc
+
+
+@triton.jit
+def _fold_slot(out, acc, slots, j, wts, DT: tl.constexpr):
+    """A slot's product folded in, both down kernels: acc's row sums (acc [BLOCK_D, n] float32) rounded to DT,
+    times slot j's routing weight, added to out [BLOCK_D] float32. Returns (out, acc restarted at zeros)."""
+    y = tl.sum(acc, axis=1).to(DT).to(tl.float32)
+    out += y * tl.sum(tl.where(slots == j, wts, 0.0))
+    return out, tl.zeros_like(acc)
+
+
+@triton.jit
+def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, stride_ge, stride_gn, stride_gse,
+                       stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ACT: tl.constexpr, PDL: tl.constexpr, GUS_UE8M0: tl.constexpr):
+    """Program (p, i-block): pair p is (token p // TOPK, expert IDS[p]) over GU[e] [2 I, K / 2] packed bytes with
+    scales GUS[e] [2 I, cdiv(K, 32)] (ue8m0 bytes with ``GUS_UE8M0``, else float32). H[p, i] = act(gate, up) (see
+    :func:`_act`), each GEMM output rounded to H's dtype. Other ranks' experts (IDS[p] >= n_local) compute nothing
+    (their rows of H are written, unused). Each loop step reads BLOCK_K inputs (BLOCK_K / 32 groups of 16 bytes) of
+    BLOCK_I gate and BLOCK_I up rows (:func:`_up_step`)."""
+    pdl_enter(PDL)
+    DT: tl.constexpr = H.dtype.element_ty
+    HALF: tl.constexpr = BLOCK_K // 2
     n_bytes = K // 2
     n_groups = tl.cdiv(K, GROUP)
+    p, ri, live, x_row, g_rows, u_rows, gs_rows, us_rows = _up_pair(
+        X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, stride_gse, stride_gsn, TOPK, BLOCK_I)
+    jj = tl.arange(0, HALF)
+    row0 = (tl.arange(0, 16) == 0)[:, None]
     acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        grp = k0 // GROUP + gi
-        byte = grp[:, None] * GROUP_BYTES + bj[None, :]  # [G, 16]
-        m3 = live[:, None, None] & (byte < n_bytes)[None, :, :]
-        ms = live[:, None] & (grp < n_groups)[None, :]
-        wg = tl.load(g_rows + byte[None, :, :], mask=m3, other=0)
-        wu = tl.load(u_rows + byte[None, :, :], mask=m3, other=0)
-        sg = tl.load(gs_rows + grp[None, :], mask=ms, other=0)
-        su = tl.load(us_rows + grp[None, :], mask=ms, other=0)
+        _, wg, wu, sg, su = _up_step(g_rows, u_rows, gs_rows, us_rows, live, k0, n_bytes, n_groups, BLOCK_K // GROUP)
         glo, ghi = _widen(wg, sg, DT, GUS_UE8M0)
         ulo, uhi = _widen(wu, su, DT, GUS_UE8M0)
         col = k0 + 2 * jj
@@ -150,38 +217,21 @@ def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h,
     ranks' experts add 0), stored in OUT's dtype. DN [E, D, I / 2] packed bytes with scales DNS [E, D, cdiv(I, 32)]
     (ue8m0 bytes with ``DNS_UE8M0``, else float32); the product of each slot rounded to H's dtype.
 
-    One loop over (slot, BLOCK_I-wide chunk of the hidden dim), so the weight loads stay pipelined across experts
-    (as ``fp8_moe_kernels._fp8_moe_down_kernel``); at a slot's last chunk its product is rounded and folded in."""
+    One loop over (slot, BLOCK_I-wide chunk of the hidden dim) (:func:`_down_step`), so the weight loads stay
+    pipelined across experts (as ``fp8_moe_kernels._fp8_moe_down_kernel``); at a slot's last chunk its product is
+    rounded and folded in (:func:`_fold_slot`)."""
     pdl_enter(PDL)
-    t = tl.program_id(0)
-    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = rd < D
     DT: tl.constexpr = H.dtype.element_ty
-    G: tl.constexpr = BLOCK_I // GROUP
     HALF: tl.constexpr = BLOCK_I // 2
+    t, rd, rd64, dmask, slots, ids, wts = _down_program(IDS, WTS, D, TOPK, TOPK_P2, BLOCK_D)
     n_chunks = tl.cdiv(inter, BLOCK_I)
     row0 = (tl.arange(0, 16) == 0)[:, None]
-    gi = tl.arange(0, G)
-    bj = tl.arange(0, GROUP_BYTES)
     jj = tl.arange(0, HALF)
-    slots = tl.arange(0, TOPK_P2)
-    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
-    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
-    rd64 = rd.to(tl.int64)
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D, 16], dtype=tl.float32)
     for it in range(0, TOPK * n_chunks):
-        j = it // n_chunks
-        c = it % n_chunks
-        p = t * TOPK + j
-        e = tl.sum(tl.where(slots == j, ids, 0))
-        width = tl.where(e < n_local, inter, 0)  # other ranks' experts: nothing
-        grp = c * G + gi
-        byte = grp[:, None] * GROUP_BYTES + bj[None, :]
-        w = tl.load(DN + e * stride_de + rd64[:, None, None] * stride_dd + byte[None, :, :],
-                    mask=dmask[:, None, None] & (byte < width // 2)[None, :, :], other=0)
-        sc = tl.load(DNS + e * stride_dse + rd64[:, None] * stride_dsd + grp[None, :],
-                     mask=dmask[:, None] & (grp * GROUP < width)[None, :], other=0)
+        j, c, p, width, _, w, sc = _down_step(DN, DNS, t, it, n_chunks, slots, ids, rd64, dmask, inter, n_local,
+                                              stride_de, stride_dd, stride_dse, stride_dsd, TOPK, BLOCK_I // GROUP)
         lo, hi = _widen(w, sc, DT, DNS_UE8M0)
         col = c * BLOCK_I + 2 * jj
         h_row = H + p * stride_h + col
@@ -190,9 +240,7 @@ def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h,
         acc = tl.dot(tl.reshape(lo, [BLOCK_D, HALF]), tl.trans(h_ev), acc)
         acc = tl.dot(tl.reshape(hi, [BLOCK_D, HALF]), tl.trans(h_od), acc)
         if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
-            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
-            out += y * tl.sum(tl.where(slots == j, wts, 0.0))
-            acc = tl.zeros_like(acc)
+            out, acc = _fold_slot(out, acc, slots, j, wts, DT)  # (columns 1..15 of acc are zeros)
     tl.store(OUT + t * stride_o + rd, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
@@ -203,8 +251,8 @@ def _fp4_dot_groups(packed, scale, xe, xo, UE8M0: tl.constexpr):
     [G, 16] float32 (the activations' even / odd inputs). The e2m1 values are exact in float32 and so are their
     products with 16-bit activations; a group's 32 products are summed in float32, then times its scale (a power
     of two, exact)."""
-    b = packed.to(tl.uint32)
-    part = tl.sum(_e2m1(b & 15) * xe[None, :, :] + _e2m1(b >> 4) * xo[None, :, :], axis=2)
+    lo, hi = _nibbles(packed)
+    part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
     return part * _ue8m0(scale, UE8M0)
 
 
@@ -219,34 +267,16 @@ def _fp4_moe_up_fma_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_
     rows; :func:`_fp4_dot_groups` gives each group's scaled sum, added into [BLOCK_I, groups] float32
     accumulators summed over K at the end. Rounding after the sums as the tensor-core kernel."""
     pdl_enter(PDL)
-    p = tl.program_id(0)
-    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     DT: tl.constexpr = H.dtype.element_ty
     G: tl.constexpr = BLOCK_K // GROUP
-    e = tl.load(IDS + p, mask=p >= 0, other=0).to(tl.int64)
-    t = p // TOPK
-    live = ri < tl.where(e < n_local, inter, 0)
-    ri64 = ri.to(tl.int64)
-    g_rows = GU + e * stride_ge + ri64[:, None, None] * stride_gn
-    u_rows = GU + e * stride_ge + (ri64 + inter)[:, None, None] * stride_gn
-    gs_rows = GUS + e * stride_gse + ri64[:, None] * stride_gsn
-    us_rows = GUS + e * stride_gse + (ri64 + inter)[:, None] * stride_gsn
-    gi = tl.arange(0, G)
-    bj = tl.arange(0, GROUP_BYTES)
-    x_row = X + t * stride_x
     n_bytes = K // 2
     n_groups = tl.cdiv(K, GROUP)
+    p, ri, live, x_row, g_rows, u_rows, gs_rows, us_rows = _up_pair(
+        X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, stride_gse, stride_gsn, TOPK, BLOCK_I)
     acc_g = tl.zeros([BLOCK_I, G], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_I, G], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        grp = k0 // GROUP + gi
-        byte = grp[:, None] * GROUP_BYTES + bj[None, :]  # [G, 16]
-        m3 = live[:, None, None] & (byte < n_bytes)[None, :, :]
-        ms = live[:, None] & (grp < n_groups)[None, :]
-        wg = tl.load(g_rows + byte[None, :, :], mask=m3, other=0)
-        wu = tl.load(u_rows + byte[None, :, :], mask=m3, other=0)
-        sg = tl.load(gs_rows + grp[None, :], mask=ms, other=0)
-        su = tl.load(us_rows + grp[None, :], mask=ms, other=0)
+        byte, wg, wu, sg, su = _up_step(g_rows, u_rows, gs_rows, us_rows, live, k0, n_bytes, n_groups, G)
         xe = tl.load(x_row + 2 * byte, mask=2 * byte < K, other=0.0).to(tl.float32)
         xo = tl.load(x_row + 2 * byte + 1, mask=2 * byte + 1 < K, other=0.0).to(tl.float32)
         acc_g += _fp4_dot_groups(wg, sg, xe, xo, GUS_UE8M0)
@@ -266,40 +296,21 @@ def _fp4_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, strid
     (:func:`_fp4_dot_groups`) into a [BLOCK_D, groups] float32 accumulator; at a slot's last chunk its row sums
     are rounded to H's dtype and folded in with the slot's routing weight, slots in order."""
     pdl_enter(PDL)
-    t = tl.program_id(0)
-    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dmask = rd < D
     DT: tl.constexpr = H.dtype.element_ty
     G: tl.constexpr = BLOCK_I // GROUP
+    t, rd, rd64, dmask, slots, ids, wts = _down_program(IDS, WTS, D, TOPK, TOPK_P2, BLOCK_D)
     n_chunks = tl.cdiv(inter, BLOCK_I)
-    gi = tl.arange(0, G)
-    bj = tl.arange(0, GROUP_BYTES)
-    slots = tl.arange(0, TOPK_P2)
-    ids = tl.load(IDS + t * TOPK + slots, mask=slots < TOPK, other=0).to(tl.int64)
-    wts = tl.load(WTS + t * TOPK + slots, mask=slots < TOPK, other=0.0)
-    rd64 = rd.to(tl.int64)
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D, G], dtype=tl.float32)
     for it in range(0, TOPK * n_chunks):
-        j = it // n_chunks
-        c = it % n_chunks
-        p = t * TOPK + j
-        e = tl.sum(tl.where(slots == j, ids, 0))
-        width = tl.where(e < n_local, inter, 0)  # other ranks' experts: nothing
-        grp = c * G + gi
-        byte = grp[:, None] * GROUP_BYTES + bj[None, :]  # [G, 16], bytes of the expert's row
-        w = tl.load(DN + e * stride_de + rd64[:, None, None] * stride_dd + byte[None, :, :],
-                    mask=dmask[:, None, None] & (byte < width // 2)[None, :, :], other=0)
-        sc = tl.load(DNS + e * stride_dse + rd64[:, None] * stride_dsd + grp[None, :],
-                     mask=dmask[:, None] & (grp * GROUP < width)[None, :], other=0)
+        j, c, p, width, byte, w, sc = _down_step(DN, DNS, t, it, n_chunks, slots, ids, rd64, dmask, inter, n_local,
+                                                 stride_de, stride_dd, stride_dse, stride_dsd, TOPK, G)
         h_row = H + p * stride_h
         he = tl.load(h_row + 2 * byte, mask=2 * byte < width, other=0.0).to(tl.float32)
         ho = tl.load(h_row + 2 * byte + 1, mask=2 * byte + 1 < width, other=0.0).to(tl.float32)
         acc += _fp4_dot_groups(w, sc, he, ho, DNS_UE8M0)
         if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
-            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)
-            out += y * tl.sum(tl.where(slots == j, wts, 0.0))
-            acc = tl.zeros_like(acc)
+            out, acc = _fold_slot(out, acc, slots, j, wts, DT)
     tl.store(OUT + t * stride_o + rd, out.to(OUT.dtype.element_ty), mask=dmask)
 
 
