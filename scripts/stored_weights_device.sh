@@ -13,14 +13,8 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 out=${OUT:-/tmp}
 part=${1:?usage: scripts/stored_weights_device.sh kernels|tune|serve|fulldepth}
-step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $out/NAME.log, print its last lines
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name: $*"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "=== $name: exit $?"
-  tail -n "${TAIL:-25}" "$out/$name.log"
-}
+# shellcheck source=scripts/step.sh
+source scripts/step.sh  # step NAME SECONDS CMD...
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 case "$part" in
   kernels)

@@ -14,14 +14,8 @@ py=${PYTHON:-python3}
 out=${OUT:-/tmp}
 [ $# -gt 0 ] || { echo "usage: scripts/v4_device.sh tests|model|profile|parity ..." >&2; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
-step() {  # step NAME SECONDS CMD...: run CMD with a limit, log to $out/NAME.log, print its last lines
-  local name=$1 limit=$2
-  shift 2
-  echo "=== $name: $*"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "=== $name: exit $?"
-  tail -n "${TAIL:-8}" "$out/$name.log"
-}
+# shellcheck source=scripts/step.sh
+source scripts/step.sh  # step NAME SECONDS CMD...
 for part in "$@"; do
   case "$part" in
     tests)

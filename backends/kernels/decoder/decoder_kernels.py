@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from backends.kernels.gemm.skinny_kernels import head_dot_tile
+from backends.kernels.libdevice_math import exp_f32 as _exp
 from backends.kernels.pdl import pdl_enter
 
 
@@ -232,17 +233,6 @@ def _route_sigmoid_kernel(LOGITS, BIAS, W_OUT, ID_OUT, stride_l, scale,
         ws = ws / (tl.sum(ws, axis=0) + 1e-20)
     tl.store(W_OUT + row * K + kk, ws * scale, mask=kk < K)
     tl.store(ID_OUT + row * K + kk, ids, mask=kk < K)
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    """exp in float32: CUDA's ``expf`` (what torch's CUDA kernels call) when LIBDEVICE, else ``tl.exp`` (the
-    interpreter has no libdevice)."""
-    if LIBDEVICE:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
 
 
 @triton.jit

@@ -28,20 +28,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from backends.kernels.libdevice_math import exp_f32 as _exp
 from backends.kernels.pdl import pdl_enter
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    """exp in float32: CUDA's ``expf`` (what torch's CUDA softmax calls) when LIBDEVICE, else ``tl.exp`` (the
-    interpreter has no libdevice)."""
-    if LIBDEVICE:
-        y = libdevice.exp(x)
-    else:
-        y = tl.exp(x)
-    return y
 
 
 @triton.jit

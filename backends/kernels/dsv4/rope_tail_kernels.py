@@ -16,22 +16,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from backends.kernels.libdevice_math import cos_sin_f32 as _cos_sin
 from backends.kernels.pdl import pdl_enter
-
-
-@triton.jit
-def _cos_sin(ang, LIBDEVICE: tl.constexpr):
-    """cos and sin in float32: CUDA's ``cosf`` / ``sinf`` when LIBDEVICE, else ``tl.cos`` / ``tl.sin`` (the
-    interpreter has no libdevice)."""
-    if LIBDEVICE:
-        c = libdevice.cos(ang)
-        s = libdevice.sin(ang)
-    else:
-        c = tl.cos(ang)
-        s = tl.sin(ang)
-    return c, s
 
 
 @triton.jit
