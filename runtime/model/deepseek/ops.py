@@ -49,7 +49,7 @@ from runtime.model.deepseek.moe import grouped_expert_mlp, local_expert_ids, rou
 from runtime.model.deepseek.moe import moe as torch_moe
 from runtime.model.deepseek.rope import RopeParams, apply_rope, apply_rope_tail, cos_sin, inv_freq_on
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
-from runtime.model.dsv4 import moe as v4_moe
+from runtime.model.dsv4 import routing as v4_routing
 from runtime.model.dsv4.compressor import compress_decode_rope
 from runtime.model.dsv4.norms import rms_norm as v4_weighted_norm
 from runtime.model.dsv4.norms import unweighted_rms_norm
@@ -179,16 +179,16 @@ class TorchOps:
         """x [T, D] -> routed + shared experts [T, D] in x's dtype."""
         return torch_moe(spec, w, x, grouped_mm)
 
-    def v4_route(self, w: v4_moe.MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None,
-                 cfg: v4_moe.DSV4Config) -> tuple[torch.Tensor, torch.Tensor]:
+    def v4_route(self, w: v4_routing.MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None,
+                 cfg: v4_routing.DSV4Config) -> tuple[torch.Tensor, torch.Tensor]:
         """V4's router, x [T, hidden] -> (expert ids [T, k] int64, weights [T, k] in x's dtype): top-k of the
         bias-corrected scores, or the hash table's rows at ``input_ids`` [T] (:func:`runtime.model.dsv4.moe.route`)."""
-        return v4_moe.route(w, x, input_ids, cfg)
+        return v4_routing.route(w, x, input_ids, cfg)
 
     def v4_swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         """V4's clamped SwiGLU: gate, up [T, I] -> silu(min(gate, limit)) * clamp(up, -limit, limit) [T, I]
         (:func:`runtime.model.dsv4.moe.swiglu`)."""
-        return v4_moe.swiglu(gate, up, limit)
+        return v4_routing.swiglu(gate, up, limit)
 
     def hc_mix(self, mixed: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor,
                iters: int, hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -350,7 +350,7 @@ class FusedOps:
     def v4_route(self, w, x, input_ids, cfg):
         """The router's product (the few-row kernel at few rows: logits in x's dtype, as the reference), then one
         kernel for the rest; float64, more experts than the kernel holds, or no token ids on a hash layer: torch."""
-        r, k = v4_moe.v4_router(cfg), self.k
+        r, k = v4_routing.v4_router(cfg), self.k
         if x.dtype not in k.V4_MOE_DTYPES or w.gate.shape[0] > k.V4_ROUTE_MAX_E or (w.tid2eid is not None
                                                                                    and input_ids is None):
             return self.torch.v4_route(w, x, input_ids, cfg)

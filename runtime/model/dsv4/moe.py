@@ -16,7 +16,7 @@ and the CPU's reference for PackedFP4: each expert dequantized as it runs, see
 
 The shared expert's three products go through the injected decoder ops' ``linear`` (block-fp8 kernels on CUDA, the
 torch product elsewhere: :mod:`runtime.model.deepseek.ops`), the routing and the shared expert's clamped SwiGLU
-through their ``v4_route`` / ``v4_swiglu`` (one kernel each on CUDA; :func:`route` and :func:`swiglu` here are the
+through their ``v4_route`` / ``v4_swiglu`` (one kernel each on CUDA; :mod:`runtime.model.dsv4.routing` holds the
 torch reference that ``TorchOps`` runs).
 
 Tensor parallelism (the caller all-reduces the output): with moe=tp every expert and the shared expert hold a
@@ -27,40 +27,13 @@ ranks' experts add 0 here. The router runs whole on every rank (same inputs, sam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-import torch.nn.functional as F
 
-from runtime.model.deepseek import routing
 from runtime.model.deepseek.moe import GatedAct, routed_expert_sum
-from runtime.model.deepseek.routing import Router
+from runtime.model.deepseek.ops import FusedOps, TorchOps
 from runtime.model.dsv4.config import DSV4Config
+from runtime.model.dsv4.routing import route, swiglu, v4_router  # noqa: F401  (the torch reference, re-exported)
 from runtime.model.dsv4.weights import MoEWeights
-
-if TYPE_CHECKING:  # the ops call route / swiglu below (their TorchOps methods): no import of them at run time
-    from runtime.model.deepseek.ops import FusedOps, TorchOps
-
-
-def v4_router(cfg: DSV4Config) -> Router:
-    """V4's routing rule: its scores, top-k of the bias-corrected scores in torch's unsorted order (as the
-    reference), no expert groups, weights always renormalised (+1e-20) and scaled."""
-    return Router(cfg.scoring_func, cfg.num_experts_per_tok, cfg.routed_scaling_factor, normalize=True,
-                  norm_eps=1e-20, sorted=False)
-
-
-def route(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, hidden] -> (expert ids [T, k] int64, weights [T, k] in x's dtype): the shared routing
-    (:func:`runtime.model.deepseek.routing.route`) over logits in x's dtype, by the hash table on hash layers."""
-    weights, ids = routing.route(v4_router(cfg), F.linear(x, w.gate), w.e_score_correction_bias, w.tid2eid,
-                                 input_ids)
-    return ids, weights
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """V4's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit), in the inputs' dtype."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, cfg: DSV4Config,
@@ -68,7 +41,7 @@ def moe_forward(w: MoEWeights, x: torch.Tensor, input_ids: torch.Tensor | None, 
     """x [T, hidden] -> routed + shared expert output [T, hidden] in x's dtype (a rank's partial sum under tensor
     parallelism, see the module docstring). ``grouped_mm`` only for float expert stacks (the caller decides from
     their dtype); the ops route (``v4_route``: :func:`route`), multiply the shared expert (``linear``) and apply
-    its clamped SwiGLU (``v4_swiglu``: :func:`swiglu`)."""
+    its clamped SwiGLU (``v4_swiglu``: :func:`runtime.model.dsv4.routing.swiglu`)."""
     ids, weights = ops.v4_route(w, x, input_ids, cfg)
     limit = cfg.swiglu_limit
     acc = torch.promote_types(x.dtype, torch.float32)
