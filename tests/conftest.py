@@ -53,9 +53,13 @@ def no_indexer_ties(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """``gpu`` tests skip without CUDA; ``slow`` ones (minutes of subprocesses, kept out of the default run so CPU CI
+    stays under its 20 minutes) run with ``RUN_SLOW=1`` or ``-m slow``."""
+    slow = os.environ.get("RUN_SLOW") == "1" or "slow" in (config.getoption("markexpr") or "")
+    gpu_skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    slow_skip = pytest.mark.skip(reason="slow: RUN_SLOW=1 or -m slow runs it (left out of the default run: CI time)")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(gpu_skip)
+        if "slow" in item.keywords and not slow:
+            item.add_marker(slow_skip)

@@ -158,7 +158,7 @@ def check_grouped(t, e, d, i, k, dtype, dev, config=None, ids=None):
 
 
 # ---------------------------------------------------------------------------------------- CPU (interpreter)
-@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("t", [1, 3, 9])
 @pytest.mark.parametrize("i_s", [128, 0])
 def test_few_tokens_match_float64(t, i_s):
     check_few(t, 5, 200, 128, i_s, 3, torch.float16, DEV, FEW_TOL, SMALL)
@@ -181,9 +181,9 @@ def test_unrolled_down_slots_give_the_loops_bits():
     several chunks the loop stays whatever ``down_unroll`` says: nothing to compare.)"""
     sub_i = 2
     torch.manual_seed(7)
-    routed, shared = make_experts(4, 199, 256, 128, DEV)
-    x = torch.randn(3, 199, device=DEV).half()
-    ids, wts = random_ids(3, 2, 4, DEV), torch.rand(3, 2, device=DEV)
+    routed, shared = make_experts(4, 136, 256, 128, DEV)
+    x = torch.randn(2, 136, device=DEV).half()
+    ids, wts = random_ids(2, 2, 4, DEV), torch.rand(2, 2, device=DEV)
     outs = [fp8_moe.fp8_moe_experts(x, ids, wts, *routed, *shared, config=dataclasses.replace(
         FMA, down_sub_i=sub_i, down_unroll=on)) for on in (True, False)]
     assert torch.equal(*outs)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,7 @@ def _executable(path: Path, text: str) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # ~85 s of torchrun launches: RUN_SLOW=1 (CPU CI is at its 20-minute limit)
 def test_device_script_smoke_on_cpu(tmp_path):
     used = tmp_path / "python_used.log"
     # PYTHON: a wrapper that records each step, then runs this test's interpreter; PATH's python3: a stub that fails
