@@ -8,27 +8,29 @@ experts only (the shared expert is an fp8 linear layer, not these kernels):
 * ``tp2``: all 256 experts cut to I 1024 (parallel.tp=2, the two-GPU deployment of issue 46);
 * ``ep8``: rank 0 of 8 holds experts 0..31 whole (I 2048), other ranks' pairs add 0.
 
-Per case and token count (1, 4, 16: ``fp4_moe_experts``; 64, 512, 4096: the sort, ``fp4_grouped_expert_mlp`` and
-the weighted sum; both through ``runtime.model.deepseek.moe.routed_expert_sum`` as the model calls it): ours µs (at T <= 16 the
-CUDA-core decode kernels, ``fp4_moe.fma_config``; ``tc_us``: the tensor-core ones, ``Fp4ExpertConfig()``), the
-bf16 path µs (the same ``routed_expert_sum`` on the dequantized bf16 stacks with ``torch._grouped_mm``; at T <= 16
-also ``skinny.moe_experts``, the bf16 decode kernels, V3's activation: same bytes), the torch loop µs (the stored
-path before these kernels: each active expert dequantized, one host sync; eager, not graphable), ours as % of the
-copy bandwidth for the packed bytes the routing touches (e2m1 bytes + ue8m0 scales, each touched expert once, plus
-x / out), and the relative error of ours and of bf16 against float64 on the dequantized weights. Graph-timed
+Per case and token count (1, 4, 16, 32, 64: ``fp4_moe_experts``; 512, 4096: the sort, ``fp4_grouped_expert_mlp``
+and the weighted sum; both through ``runtime.model.deepseek.moe.routed_expert_sum`` as the model calls it): ours µs
+(up to 64 tokens the CUDA-core decode kernels, ``fp4_moe.fma_config``; ``tc_us``: the tensor-core ones at T <= 16,
+``Fp4ExpertConfig()``; above 64 the grouped GEMMs of ``fp4_moe.grouped_config``), the bf16 path µs (the same
+``routed_expert_sum`` on the dequantized bf16 stacks with ``torch._grouped_mm``; at T <= 16 also
+``skinny.moe_experts``, the bf16 decode kernels, V3's activation: same bytes), the torch loop µs (the stored path
+before these kernels: each active expert dequantized, one host sync; eager, not graphable), ours as % of the copy
+bandwidth for the packed bytes the routing touches (e2m1 bytes + ue8m0 scales, each touched expert once, plus
+x / out), and the relative error of ours and of bf16 against float64 on the dequantized weights. ``--mx``: the
+microscaled (``tl.dot_scaled``) candidates beside (decode kernels at T <= 16, grouped tiles above). Graph-timed
 (``bench/harness.py graph_ms``) rotating over enough routings that L2 never serves an expert twice; the copy
 ceiling is measured in the same run (``measure_ceilings``).
 
     python -m bench.fp4_moe_bench                 # every case, every token count
     python -m bench.fp4_moe_bench --tokens 1 16   # some token counts
-    python -m bench.fp4_moe_bench --sweep         # also the few-token kernels' tile configs at the first count
+    python -m bench.fp4_moe_bench --sweep         # also the CUDA-core kernels' tiles at each count up to 64
+    python -m bench.fp4_moe_bench --mx            # also the microscaled kernels' candidates
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -85,6 +87,73 @@ def ours_few(c: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, con
                                    LIMIT, out_dtype=torch.float32, config=config)
 
 
+def ours_grouped(c: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, config) -> torch.Tensor:
+    """``routed_expert_sum``'s grouped path with a given :class:`GroupedConfig` (the selector patched for the call)."""
+    from backends.kernels.gemm import fp4_moe
+
+    real = fp4_moe.grouped_config
+    fp4_moe.grouped_config = lambda *a: config
+    try:
+        return ours(c, x, ids, wts)
+    finally:
+        fp4_moe.grouped_config = real
+
+
+#: the microscaled (``tl.dot_scaled``) kernels' candidate launches: decode (T <= 16) and grouped
+MX_FEW = {"mx16": dict(up_block_i=16, up_block_k=256, down_block_d=16, down_block_i=256),
+          "mx32": dict(up_block_i=32, up_block_k=256, down_block_d=32, down_block_i=256),
+          "mx64": dict(up_block_i=64, up_block_k=256, down_block_d=64, down_block_i=256),
+          "mx32k512": dict(up_block_i=32, up_block_k=512, down_block_d=32, down_block_i=512)}
+MX_GROUPED = {"mx64n128": dict(block_m=64, block_n=128, block_k=128, num_warps=8),
+              "mx128n128": dict(block_m=128, block_n=128, block_k=128, num_warps=8)}
+
+
+#: the CUDA-core kernels' candidate tiles (``--sweep``): up (gate / up rows, inputs per step, warps), then down
+#: (output columns, hidden inputs per step, warps) with the best up tile
+FMA_UP = [(4, 512, 2), (4, 512, 4), (4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 512, 4)]
+FMA_DOWN = [(4, 512, 2), (8, 512, 2), (8, 1024, 4), (16, 512, 4), (16, 1024, 4), (32, 512, 4), (32, 1024, 8)]
+
+
+def _sweep_fma(c, x, sets, ref) -> dict:
+    """The CUDA-core kernels' tiles (``FMA_UP`` with the first down tile, then ``FMA_DOWN`` with the best up
+    one), each printed; returns the best µs, its tiles and its relative error."""
+    from backends.kernels.gemm import fp4_moe
+
+    def cfg(up, down):
+        return fp4_moe.Fp4ExpertConfig(up[0], up[1], down[0], down[1], num_warps=up[2], num_stages=3, fma=True,
+                                       down_warps=down[2])
+
+    def timed(up, down):
+        ms = graph_ms([lambda s=s: ours_few(c, x, s[0], s[1], cfg(up, down)) for s in sets])
+        print(f"  sweep up {up} down {down}: {ms * 1e3:.1f} us", flush=True)
+        return ms
+
+    best_up = min(FMA_UP, key=lambda up: timed(up, FMA_DOWN[0]))
+    best = min(((timed(best_up, d), d) for d in FMA_DOWN), key=lambda p: p[0])
+    err = rel_err(ours_few(c, x, sets[0][0], sets[0][1], cfg(best_up, best[1])), ref(sets[0]))
+    return {"best_us": best[0] * 1e3, "best_config": f"up{best_up} down{best[1]}", "best_rel_err": err}
+
+
+def _variants(c, x, ids, wts, sets, ref, t, which: str) -> dict:
+    """Each candidate launch of ``which`` (``mx``: the microscaled kernels, decode at T <= 16, grouped past the
+    CUDA-core kernels' 64 tokens): µs and relative error (a launch that fails to compile is printed, not fatal)."""
+    from backends.kernels.gemm import fp4_moe
+
+    out = {}
+    few = t <= fp4_moe.MAX_TOKENS
+    if not few and t <= fp4_moe.FMA_MAX_TOKENS:  # the model takes the CUDA-core kernels there
+        return out
+    for name, kw in (MX_FEW if few else MX_GROUPED).items():
+        cfg = fp4_moe.Fp4ExpertConfig(**kw, mx=True) if few else fp4_moe.GroupedConfig(**kw, mx=True)
+        run = ours_few if few else ours_grouped
+        try:
+            out[f"{name}_rel_err"] = rel_err(run(c, x, ids, wts, cfg), ref)
+            out[f"{name}_us"] = graph_ms([lambda s=s, x=x, cfg=cfg, run=run: run(c, x, s[0], s[1], cfg) for s in sets]) * 1e3
+        except Exception as e:  # noqa: BLE001 - a launch that does not fit (shared memory, registers)
+            print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    return out
+
+
 def bf16_path(c: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
     from runtime.model.deepseek.moe import GatedAct, routed_expert_sum
 
@@ -125,32 +194,6 @@ def reference(c: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) ->
     return out
 
 
-def _sweep_few(c, x, sets) -> dict:
-    """The CUDA-core kernels' tiles: the up kernel's (rows x inputs per step) with the default down tiles, then the
-    down kernel's (columns x intermediate inputs per step) with the best up tiles; each printed."""
-    from backends.kernels.gemm import fp4_moe
-
-    def timed(cfg):
-        try:
-            ms = graph_ms([lambda s=s, cfg=cfg: ours_few(c, x, s[0], s[1], cfg) for s in sets])
-        except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
-            print(f"  sweep {cfg}: {type(e).__name__}", flush=True)
-            return float("inf")
-        print(f"  sweep up {cfg.up_block_i}x{cfg.up_block_k} down {cfg.down_block_d}x{cfg.down_block_i} "
-              f"w{cfg.num_warps}: {ms * 1e3:.1f} us", flush=True)
-        return ms
-
-    base = fp4_moe.fma_config(c["inter"])
-    ups = [replace(base, up_block_i=bi, up_block_k=bk, num_warps=w) for bi in (4, 8, 16, 32)
-           for bk in (256, 512, 1024) for w in (4, 8)]
-    best = min(((timed(cfg), cfg) for cfg in ups), key=lambda p: p[0])
-    downs = [replace(best[1], down_block_d=bd, down_block_i=di) for bd in (4, 8, 16, 32) for di in (256, 512, 1024)]
-    best = min([best] + [(timed(cfg), cfg) for cfg in downs], key=lambda p: p[0])
-    cfg = best[1]
-    return {"best_us": best[0] * 1e3, "best_config": f"i{cfg.up_block_i}.k{cfg.up_block_k}.d{cfg.down_block_d}."
-            f"h{cfg.down_block_i}.w{cfg.num_warps}"}
-
-
 def bench_case(name: str, args, ceil) -> list[dict]:
     from backends.kernels.gemm import fp4_moe
 
@@ -174,10 +217,12 @@ def bench_case(name: str, args, ceil) -> list[dict]:
             row["tc_rel_err"] = rel_err(ours_few(c, x, ids, wts, tc), ref)
             row["tc_us"] = graph_ms([lambda s=s, x=x, tc=tc: ours_few(c, x, s[0], s[1], tc) for s in sets]) * 1e3
             row["skinny_bf16_us"] = graph_ms([lambda s=s, x=x: skinny_path(c, x, *s) for s in sets]) * 1e3
+        if args.mx:
+            row.update(_variants(c, x, ids, wts, sets, ref, t, "mx"))
         if not args.no_loop:
             row["torch_loop_us"] = eager_ms(lambda x=x, ids=ids, wts=wts: torch_loop(c, x, ids, wts)) * 1e3
-        if args.sweep and t == args.tokens[0] and t <= fp4_moe.MAX_TOKENS:
-            row.update(_sweep_few(c, x, sets))
+        if args.sweep and t <= fp4_moe.FMA_MAX_TOKENS:
+            row.update(_sweep_fma(c, x, sets, lambda s, x=x: reference(c, x, *s)))
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -185,11 +230,12 @@ def bench_case(name: str, args, ceil) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512, 4096])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32, 64, 512, 4096])
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["tp8", "tp2", "ep8"])
-    p.add_argument("--sweep", action="store_true", help="the few-token kernels' configs at the first count")
+    p.add_argument("--sweep", action="store_true", help="the CUDA-core kernels' tiles at every count up to 64")
     p.add_argument("--quick", action="store_true", help="tokens 1, 16, 512; tp8; no torch loop")
     p.add_argument("--no-loop", action="store_true", help="skip the eager per-expert torch loop")
+    p.add_argument("--mx", action="store_true", help="also the microscaled (tl.dot_scaled) kernels' candidates")
     return p
 
 
@@ -204,15 +250,17 @@ def main(argv=None) -> None:
     for name in args.cases:
         rows += bench_case(name, args, ceil)
         torch.cuda.empty_cache()
+    mx_cols = sorted({k for r in rows for k in r if k.startswith("mx") and k.endswith("_us")})
     short = ["case", "tokens", "ours_us", "tc_us", "bf16_us", "skinny_bf16_us", "torch_loop_us", "ours_copy_pct", "rel_err",
              "bf16_rel_err", "speedup_vs_bf16", "packed_MB"]
     full = Table(rows, title="fp4 MoE experts, all columns", name="full")
     table = Table(rows, title="fp4 MoE experts (V4-Flash: D 4096, top-6 of 256, clamped SwiGLU, graph-timed, µs; "
                   "copy % over the touched packed experts + scales)",
-                  columns=short + (["best_us", "best_config"] if args.sweep else []),
+                  columns=short + mx_cols + (["best_us", "best_config"] if args.sweep else []),
                   formats={"ours_us": ".1f", "tc_us": ".1f", "bf16_us": ".1f", "skinny_bf16_us": ".1f", "torch_loop_us": ".0f",
                            "ours_copy_pct": ".0f", "rel_err": ".2e", "bf16_rel_err": ".2e",
-                           "speedup_vs_bf16": ".2f", "packed_MB": ".1f"}, name="short")
+                           "speedup_vs_bf16": ".2f", "packed_MB": ".1f", **{k: ".1f" for k in mx_cols}, "best_us": ".1f"},
+                  name="short")
     report("fp4_moe_bench", ceil, [full, table], meta={"cases": args.cases, "tokens": args.tokens})
 
 

@@ -4,6 +4,8 @@
 #            # and of the stored (fp8 + fp4) V4 model, graphed against eager
 #   model    # tests/test_dsv4_gpu.py: the tiny V4 models end to end (torch / Triton impls, graphed decode)
 #   profile  # 4 layers of V4-Flash in its release format, graphed decode at batch 1 and 32 under torch.profiler
+#   fp4      # the fp4 expert kernels against the bf16 path, with the microscaled (tl.dot_scaled) candidates
+#            # (bench.fp4_moe_bench --mx: decode 1 / 4 / 16 tokens, batch-32 decode, prefill 512 / 4096)
 #   parity   # 4 layers of V4-Flash against the float32 reference on the same weights: fp8 matrices + fp4 experts
 #            # (w8a16) and bf16 weights, 16 chat requests each (scripts/fp8_parity_device.sh, one table)
 # Logs go to $OUT (or /tmp); each part has its own time limit (T_<part> seconds) so one slow part does not take the
@@ -12,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 out=${OUT:-/tmp}
-[ $# -gt 0 ] || { echo "usage: scripts/v4_device.sh tests|model|profile|parity ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/v4_device.sh tests|model|profile|fp4|parity ..." >&2; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
 # shellcheck source=scripts/step.sh
 source scripts/step.sh  # step NAME SECONDS CMD...
@@ -30,10 +32,13 @@ for part in "$@"; do
         --backend dsv4 --batches 1 32 --prompt 256 --out-len 16 --graphs --profile --out "$out/v4_profile.json" \
         model.weights=fp8 model.fp8_compute=w8a16
       [ -f "$out/v4_profile.json" ] && "$py" -m bench.tp_decode --table "$out/v4_profile.json" | grep -v BENCH_JSON ;;
+    fp4)
+      TAIL=40 step v4_fp4 "${T_fp4:-330}" "$py" -m bench.fp4_moe_bench --tokens ${TOKENS:-1 4 16 32 512 4096} \
+        --cases ${CASES:-tp2 tp8 ep8} --no-loop --mx ;;
     parity)
       OUT=$out VARIANTS="w8a16 bf16" LIMIT="${T_parity:-150}" \
         BASE="model=deepseek_v4_flash backend=dsv4 device=cuda workload=chat workload.num_requests=16" \
         scripts/fp8_parity_device.sh ;;
-    *) echo "unknown part '$part': expected tests, model, profile or parity" >&2; exit 2 ;;
+    *) echo "unknown part '$part': expected tests, model, profile, fp4 or parity" >&2; exit 2 ;;
   esac
 done

@@ -161,8 +161,19 @@ def test_few_tokens_match_float64(t, limit, config):
 
 
 def test_few_tokens_default_config_whole_groups():
-    """The default tiles (clipped to the widths), I 64: whole scale groups in both matrices."""
+    """The default tiles (clipped to the widths), I 64: whole scale groups in both matrices; 20 tokens on the
+    CUDA-core kernels (past the tensor-core kernels' 16; bigger tiles: the interpreter pays per program)."""
     check_few(2, 4, 160, 64, 2, 10.0, torch.float16, DEV, TOL)
+    check_few(20, 4, 160, 64, 2, 10.0, torch.float16, DEV, TOL, SMALL_FMA)
+
+
+def test_widths_that_are_not_whole_words_take_the_tensor_core_kernels():
+    """D 100 (12.5 words): the default is the tensor-core kernels (up to 16 tokens); the CUDA-core ones refuse."""
+    assert fp4_moe.few_tokens_max(100, 48) == fp4_moe.MAX_TOKENS and fp4_moe.few_tokens_max(96, 48) == 64
+    assert not fp4_moe.fma_config(48, 100).fma and fp4_moe.fma_config(48, 96).fma
+    check_few(3, 3, 100, 48, 2, 0.6, torch.float16, DEV, TOL)
+    with pytest.raises(ValueError, match="fma=True\\) reads whole 32-bit words"):
+        check_few(3, 3, 100, 48, 2, 0.6, torch.float16, DEV, TOL, SMALL_FMA)
 
 
 @pytest.mark.parametrize("config", FEW_CONFIGS)
@@ -180,9 +191,12 @@ def test_few_tokens_one_expert_for_all_and_other_ranks_add_zero(config):
 def test_few_tokens_refuse_what_they_cannot_take():
     gu, dn = make_experts(2, 64, 32, DEV)
     x, ids, wts = torch.randn(2, 64, device=DEV).half(), torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="T <= 64"):
+        fp4_moe.fp4_moe_experts(torch.randn(65, 64).half(), torch.zeros(65, 1, dtype=torch.int64),
+                                torch.ones(65, 1), *args(gu, dn))
     with pytest.raises(ValueError, match="T <= 16"):
         fp4_moe.fp4_moe_experts(torch.randn(17, 64).half(), torch.zeros(17, 1, dtype=torch.int64),
-                                torch.ones(17, 1), *args(gu, dn))
+                                torch.ones(17, 1), *args(gu, dn), config=fp4_moe.Fp4ExpertConfig())
     with pytest.raises(ValueError, match="bfloat16 / float16"):
         fp4_moe.fp4_moe_experts(x.float(), ids, wts, *args(gu, dn))
     with pytest.raises(ValueError, match="gate_up \\[2, 64, 32\\] uint8"):
@@ -248,13 +262,47 @@ def test_grouped_refuses_what_it_cannot_take():
     assert fp4_moe.fp4_grouped_expert_mlp(xs[:0], *args(gu, dn), torch.zeros(2, dtype=torch.int32)).shape == (0, 64)
 
 
+MX_FEW = fp4_moe.Fp4ExpertConfig(up_block_i=32, up_block_k=128, down_block_d=32, down_block_i=64, mx=True)
+MX_GROUPED = [pytest.param(fp4_moe.GroupedConfig(16, 64, 64, 2, 4, mx=True), id="16-rows"),
+              pytest.param(fp4_moe.GroupedConfig(64, 32, 64, 2, 4, mx=True), id="64-rows")]
+TOL_BF16_INTERP = 2.5e-2  # the interpreter truncates to bf16 (measured 1.5e-2, the CUDA-core kernels' own)
+
+
+def test_microscaled_few_tokens_match_float64_and_the_cuda_core_kernels():
+    """``Fp4ExpertConfig(mx=True)`` (``tl.dot_scaled``, bf16 only) on the odd widths, other ranks' pairs included:
+    within the interpreter's bf16 error of float64, and the CUDA-core kernels' result (same products, float32
+    sums)."""
+    for t in (1, 3):
+        err = check_few(t, 5, 96, 48, 2, 0.6, torch.bfloat16, DEV, TOL_BF16_INTERP, MX_FEW)
+        assert err == pytest.approx(check_few(t, 5, 96, 48, 2, 0.6, torch.bfloat16, DEV, 1.0, SMALL_FMA), rel=0.05)
+    with pytest.raises(ValueError, match="mx=True\\) takes bfloat16"):
+        check_few(1, 5, 96, 48, 2, 0.6, torch.float16, DEV, 1.0, MX_FEW)
+
+
+@pytest.mark.parametrize("config", MX_GROUPED)
+def test_microscaled_grouped_matches_float64(config):
+    """M 1 and 129 over experts with no rows, D 96, I 48, fused clamped SwiGLU; float32 scales (exponent bytes taken
+    in the kernel) give the ue8m0 bytes' bits."""
+    for counts in ([0, 1, 0], [0, 40, 1, 88]):
+        torch.manual_seed(len(counts))
+        xs, offsets, gu, dn = grouped_case(counts, 96, 48, DEV)
+        xs = xs.bfloat16()
+        y = fp4_moe.fp4_grouped_expert_mlp(xs, *args(gu, dn), offsets, limit=0.6, config=config)
+        assert y.dtype == torch.bfloat16 and rel_err(y, rows_reference(xs, offsets, gu, dn, 0.6)) <= TOL_BF16_INTERP
+    f32 = fp4_moe.fp4_grouped_expert_mlp(xs, gu.weight, scale_values(gu.scale), dn.weight, scale_values(dn.scale),
+                                         offsets, limit=0.6, config=config)
+    assert torch.equal(f32, y)
+    with pytest.raises(ValueError, match="mx=True\\) takes bfloat16"):
+        fp4_moe.fp4_grouped_expert_mlp(xs.half(), *args(gu, dn), offsets, config=config)
+
+
 def test_gated_act_is_the_models_activations_bit_for_bit():
     h = (torch.randn(7, 64) * 8).bfloat16()
     assert torch.equal(GatedAct()(h), v3_swiglu(h))
     assert torch.equal(GatedAct(10.0)(h), v4_swiglu(*h.chunk(2, dim=-1), 10.0))
 
 
-@pytest.mark.parametrize("t", [3, 20], ids=["decode", "grouped"])
+@pytest.mark.parametrize("t", [3, 65], ids=["decode", "grouped"])
 def test_routed_expert_sum_takes_the_kernels(monkeypatch, t):
     """With the CPU admitted as a kernel device, ``routed_expert_sum`` on packed fp4 stacks runs the kernels (not
     the per-expert loop and its host sync), under expert parallelism (experts 2.. of 8 held, others
@@ -274,7 +322,7 @@ def test_routed_expert_sum_takes_the_kernels(monkeypatch, t):
     monkeypatch.setattr(ds_moe, "FP4_KERNEL_DEVICES", ("cuda", "cpu"))
     out = routed_expert_sum(x, wts, ids, gu, dn, first, n_experts, act, False, torch.float32)
     monkeypatch.undo()
-    assert calls == ["fp4_moe_experts" if t <= 16 else "fp4_grouped_expert_mlp"]
+    assert calls == ["fp4_moe_experts" if t <= fp4_moe.FMA_MAX_TOKENS else "fp4_grouped_expert_mlp"]
     assert out.dtype == torch.float32
     local = torch.where((ids >= first) & (ids < first + e), ids - first, e)
     ref = reference(x, local, wts.float(), gu, dn, 0.6)
@@ -291,7 +339,8 @@ REAL = [pytest.param(256, I_V4 // 2, id="tp2"), pytest.param(256, I_V4 // 8, id=
 @pytest.mark.parametrize("e,i", REAL)
 @pytest.mark.parametrize("t", [1, 16])
 @pytest.mark.parametrize("config", [pytest.param(None, id="default"),
-                                    pytest.param(fp4_moe.Fp4ExpertConfig(), id="tensor-cores")])
+                                    pytest.param(fp4_moe.Fp4ExpertConfig(), id="tensor-cores"),
+                                    pytest.param(fp4_moe.Fp4ExpertConfig(32, 256, 32, 256, mx=True), id="mx")])
 def test_gpu_few_tokens_real_widths(e, i, t, config):
     needs_gpu()
     check_few(t, e, D_V4, i, TOP_K, 10.0, torch.bfloat16, "cuda", 1e-2, config, more=t == 16)
@@ -300,7 +349,10 @@ def test_gpu_few_tokens_real_widths(e, i, t, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,i", REAL)
 @pytest.mark.parametrize("t", [17, 512])
-def test_gpu_grouped_real_widths(e, i, t):
+@pytest.mark.parametrize("config", [pytest.param(None, id="default"),
+                                    pytest.param(fp4_moe.GroupedConfig(32, 64, 256, num_warps=4, mx=True), id="mx"),
+                                    pytest.param(fp4_moe.GroupedConfig(128, 128, 128, mx=True), id="mx-128")])
+def test_gpu_grouped_real_widths(e, i, t, config):
     needs_gpu()
     torch.manual_seed(t)
     gu, dn = make_experts(e, D_V4, i, "cuda")
@@ -309,7 +361,7 @@ def test_gpu_grouped_real_widths(e, i, t):
     order, counts = sort_by_expert(ids.reshape(-1), e + 1)
     offsets = counts[:e].cumsum(0).to(torch.int32)
     xs = x[order // TOP_K]
-    y = fp4_moe.fp4_grouped_expert_mlp(xs, *args(gu, dn), offsets, limit=10.0)
+    y = fp4_moe.fp4_grouped_expert_mlp(xs, *args(gu, dn), offsets, limit=10.0, config=config)
     n = int(offsets[-1])
     assert rel_err(y[:n], rows_reference(xs, offsets, gu, dn, 10.0)[:n]) <= 1e-2
 

@@ -12,16 +12,16 @@ cast to the activation dtype). The widening is exact: every e2m1 value times a p
 A byte tile is read as [rows, groups, 16] (16 bytes = one 32-input scale group), so a group's one scale
 broadcasts over its 16 bytes without a gather. The two nibbles of a byte are two input columns:
 
-* **Few tokens** (decode, T <= 16): :func:`_fp4_moe_up_kernel` and :func:`_fp4_moe_down_kernel` (the design of
-  ``fp8_moe_kernels._fp8_moe_up_kernel`` / ``_down_kernel``: every (token, slot) pair streams its expert's bytes
-  once and multiplies on the tensor cores with the token's row as row 0 of a 16-row tile). The low nibbles
-  multiply the activation's even columns and the high nibbles its odd columns (two products per step, no
-  interleave of the widened tile: the activation row is what is read strided, and it is tiny).
-  :func:`_fp4_moe_up_fma_kernel` / :func:`_fp4_moe_down_fma_kernel` do the same on the CUDA cores (the default:
-  5x faster at one token on an H200, where the tensor-core kernels spend their time on operand layouts). Both
-  sets share their addressing: :func:`_up_pair` / :func:`_up_step` (a pair's gate and up rows, a step's bytes
-  and scales), :func:`_down_program` / :func:`_down_step` / :func:`_fold_slot` (a token's slots; a step's slot,
-  expert, bytes and scales; a slot's product folded in); each kernel is its own activation operands and products.
+* **Few tokens** (decode, T <= 16), on request (``Fp4ExpertConfig(fma=False)``): :func:`_fp4_moe_up_kernel` and
+  :func:`_fp4_moe_down_kernel` (the design of ``fp8_moe_kernels._fp8_moe_up_kernel`` / ``_down_kernel``: every
+  (token, slot) pair streams its expert's bytes once and multiplies on the tensor cores with the token's row as row
+  0 of a 16-row tile). The low nibbles multiply the activation's even columns and the high nibbles its odd columns
+  (two products per step, no interleave of the widened tile: the activation row is what is read strided, and it is
+  tiny). The default are the CUDA-core kernels of :mod:`~backends.kernels.gemm.fp4_fma_kernels` (5-8x faster at
+  few tokens on an H200, where these spend their time on operand layouts). The addressing is shared:
+  :func:`_up_pair` / :func:`_up_step` (a pair's gate and up rows, a step's bytes and scales), :func:`_down_program`
+  / :func:`_down_step` / :func:`_fold_slot` (a token's slots; a step's slot, expert, bytes and scales; a slot's
+  product folded in), also by the other kernel modules.
 * **Many tokens** (prefill): :func:`_fp4_grouped_gemm_kernel`, a W4A16 grouped GEMM over rows sorted by expert
   (16-bit activations read contiguously, the widened nibbles interleaved back into column order with
   ``tl.join``), optionally with the gated activation fused (gate and up columns in one program, the product of
@@ -245,73 +245,28 @@ def _fp4_moe_down_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h,
 
 
 @triton.jit
-def _fp4_dot_groups(packed, scale, xe, xo, UE8M0: tl.constexpr):
-    """[R, G] float32: each row's 32-input groups dotted with the activations on the CUDA cores. packed [R, G, 16]
-    uint8 (low nibbles: even inputs, high: odd), scale [R, G] as loaded (ue8m0 bytes with ``UE8M0``), xe / xo
-    [G, 16] float32 (the activations' even / odd inputs). The e2m1 values are exact in float32 and so are their
-    products with 16-bit activations; a group's 32 products are summed in float32, then times its scale (a power
-    of two, exact)."""
-    lo, hi = _nibbles(packed)
-    part = tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2)
-    return part * _ue8m0(scale, UE8M0)
+def _e8m0(scale, UE8M0: tl.constexpr):
+    """Scales as loaded -> ue8m0 bytes: bytes as they are, float32 powers of two as their exponent field (2 ** -127,
+    float32's subnormal 0x400000, is byte 0)."""
+    if UE8M0:
+        out = scale.to(tl.uint8)
+    else:
+        out = (scale.to(tl.uint32, bitcast=True) >> 23).to(tl.uint8)
+    return out
 
 
 @triton.jit
-def _fp4_moe_up_fma_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, stride_ge, stride_gn, stride_gse,
-                           stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
-                           ACT: tl.constexpr, PDL: tl.constexpr, GUS_UE8M0: tl.constexpr):
-    """:func:`_fp4_moe_up_kernel` on the CUDA cores: a pair is one token, so each step is a matrix-vector product
-    and the widened nibbles need no tensor-core operand layout (the tensor-core kernel spent most of its time
-    there: 351 us per call at one token on V4-Flash's full expert width, on an H200). Each step reads BLOCK_K
-    inputs (BLOCK_K / 32 groups of 16 bytes, one 16-byte load per group and row) of BLOCK_I gate and BLOCK_I up
-    rows; :func:`_fp4_dot_groups` gives each group's scaled sum, added into [BLOCK_I, groups] float32
-    accumulators summed over K at the end. Rounding after the sums as the tensor-core kernel."""
-    pdl_enter(PDL)
-    DT: tl.constexpr = H.dtype.element_ty
-    G: tl.constexpr = BLOCK_K // GROUP
-    n_bytes = K // 2
-    n_groups = tl.cdiv(K, GROUP)
-    p, ri, live, x_row, g_rows, u_rows, gs_rows, us_rows = _up_pair(
-        X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, stride_gse, stride_gsn, TOPK, BLOCK_I)
-    acc_g = tl.zeros([BLOCK_I, G], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I, G], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        byte, wg, wu, sg, su = _up_step(g_rows, u_rows, gs_rows, us_rows, live, k0, n_bytes, n_groups, G)
-        xe = tl.load(x_row + 2 * byte, mask=2 * byte < K, other=0.0).to(tl.float32)
-        xo = tl.load(x_row + 2 * byte + 1, mask=2 * byte + 1 < K, other=0.0).to(tl.float32)
-        acc_g += _fp4_dot_groups(wg, sg, xe, xo, GUS_UE8M0)
-        acc_u += _fp4_dot_groups(wu, su, xe, xo, GUS_UE8M0)
-    g = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)
-    u = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
-    tl.store(H + p * stride_h + ri, _act(g, u, limit, ACT, DT), mask=ri < inter)
-
-
-@triton.jit
-def _fp4_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h, stride_de, stride_dd,
-                             stride_dse, stride_dsd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                             BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr,
-                             DNS_UE8M0: tl.constexpr):
-    """:func:`_fp4_moe_down_kernel` on the CUDA cores: the same loop over (slot, BLOCK_I-wide chunk of the hidden
-    dim), each step's [BLOCK_D, BLOCK_I / 32, 16] bytes dotted group by group with the pair's hidden row
-    (:func:`_fp4_dot_groups`) into a [BLOCK_D, groups] float32 accumulator; at a slot's last chunk its row sums
-    are rounded to H's dtype and folded in with the slot's routing weight, slots in order."""
-    pdl_enter(PDL)
-    DT: tl.constexpr = H.dtype.element_ty
-    G: tl.constexpr = BLOCK_I // GROUP
-    t, rd, rd64, dmask, slots, ids, wts = _down_program(IDS, WTS, D, TOPK, TOPK_P2, BLOCK_D)
-    n_chunks = tl.cdiv(inter, BLOCK_I)
-    out = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_D, G], dtype=tl.float32)
-    for it in range(0, TOPK * n_chunks):
-        j, c, p, width, byte, w, sc = _down_step(DN, DNS, t, it, n_chunks, slots, ids, rd64, dmask, inter, n_local,
-                                                 stride_de, stride_dd, stride_dse, stride_dsd, TOPK, G)
-        h_row = H + p * stride_h
-        he = tl.load(h_row + 2 * byte, mask=2 * byte < width, other=0.0).to(tl.float32)
-        ho = tl.load(h_row + 2 * byte + 1, mask=2 * byte + 1 < width, other=0.0).to(tl.float32)
-        acc += _fp4_dot_groups(w, sc, he, ho, DNS_UE8M0)
-        if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
-            out, acc = _fold_slot(out, acc, slots, j, wts, DT)
-    tl.store(OUT + t * stride_o + rd, out.to(OUT.dtype.element_ty), mask=dmask)
+def _mx_rows(W, WS, rows64, live, k0, n_bytes, n_groups, stride_wn, stride_wsn, BLOCK_K: tl.constexpr,
+             UE8M0: tl.constexpr):
+    """Rows ``rows64`` ([R] int64, from W / WS already at the expert), inputs k0 .. k0 + BLOCK_K, masked to ``live``
+    rows and the row's bytes: packed [R, BLOCK_K / 2] uint8 and scales [R, BLOCK_K / 32] ue8m0 bytes."""
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    grp = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    w = tl.load(W + rows64[:, None] * stride_wn + byte[None, :], mask=live[:, None] & (byte < n_bytes)[None, :],
+                other=0)
+    s = tl.load(WS + rows64[:, None] * stride_wsn + grp[None, :], mask=live[:, None] & (grp < n_groups)[None, :],
+                other=0)
+    return w, _e8m0(s, UE8M0)
 
 
 @triton.jit
@@ -331,12 +286,31 @@ def _fp4_tile(B, BS, e64, rows64, nmask, k0, n_bytes, n_groups, stride_be, strid
 
 
 @triton.jit
+def _grouped_step(a, acc, B, BS, e64, rows64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse,
+                  stride_bsn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr, UE8M0: tl.constexpr,
+                  MX: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + a [BLOCK_M, BLOCK_K] @ expert e's rows ``rows64`` (inputs k0 ..).T: ``MX`` the
+    microscaled product of the packed tile, else our widened tile (:func:`_fp4_tile`) and ``tl.dot``."""
+    if MX:
+        w, s = _mx_rows(B + e64 * stride_be, BS + e64 * stride_bse, rows64, nmask, k0, n_bytes, n_groups, stride_bn,
+                        stride_bsn, BLOCK_K, UE8M0)
+        out = tl.dot_scaled(a, None, "bf16", tl.trans(w), s, "e2m1", acc)
+    else:
+        w = _fp4_tile(B, BS, e64, rows64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse, stride_bsn,
+                      BLOCK_N, BLOCK_K, DT, UE8M0)
+        out = tl.dot(a, tl.trans(w), acc)
+    return out
+
+
+@triton.jit
 def _fp4_grouped_gemm_kernel(A, B, BS, C, OFFS, n_experts, N, K, n_out, limit, stride_a, stride_be, stride_bn,
                              stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr,
-                             BS_UE8M0: tl.constexpr):
+                             BS_UE8M0: tl.constexpr, MX: tl.constexpr):
     """C[rows of e] = A[rows of e] @ W[e].T for every expert e (ACT 0: n_out = N columns, rounded to C's dtype),
     or with the activation fused (ACT 1, 2: n_out = N / 2; W[e]'s rows are gate, then up; C = act(gate, up)).
+    ``MX`` (bf16 A only): each step is Triton's microscaled product (``tl.dot_scaled``: the packed tile and its
+    scales as stored, widened by Triton) instead of our widening and ``tl.dot``.
 
     A [rows, K] of 16 bits grouped by expert; B [E, N, K / 2] packed e2m1, BS [E, N, cdiv(K, 32)] ue8m0 bytes
     (``BS_UE8M0``) or float32; OFFS [E] int32, the inclusive cumulative row counts. Rows past OFFS[E - 1] are not
@@ -362,13 +336,11 @@ def _fp4_grouped_gemm_kernel(A, B, BS, C, OFFS, n_experts, N, K, n_out, limit, s
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
-        w = _fp4_tile(B, BS, e64, rn64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse, stride_bsn,
-                      BLOCK_N, BLOCK_K, DT, BS_UE8M0)
-        acc = tl.dot(a, tl.trans(w), acc)
+        acc = _grouped_step(a, acc, B, BS, e64, rn64, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse,
+                            stride_bsn, BLOCK_N, BLOCK_K, DT, BS_UE8M0, MX)
         if ACT != 0:  # the up rows of the same columns
-            wu = _fp4_tile(B, BS, e64, rn64 + n_out, nmask, k0, n_bytes, n_groups, stride_be, stride_bn, stride_bse,
-                           stride_bsn, BLOCK_N, BLOCK_K, DT, BS_UE8M0)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+            acc_u = _grouped_step(a, acc_u, B, BS, e64, rn64 + n_out, nmask, k0, n_bytes, n_groups, stride_be,
+                                  stride_bn, stride_bse, stride_bsn, BLOCK_N, BLOCK_K, DT, BS_UE8M0, MX)
     if ACT != 0:
         res = _act(acc.to(DT).to(tl.float32), acc_u.to(DT).to(tl.float32), limit, ACT, DT)
     else:

@@ -41,14 +41,15 @@ def _shape(t: torch.Tensor | None) -> object:
     return None if t is None else (tuple(t.shape), str(t.dtype).removeprefix("torch."))
 
 
-def check_few_tokens(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, grouped: str) -> tuple[int, int, int]:
-    """The few-token expert kernels' routing inputs: x [T <= MAX_TOKENS, D] 16-bit with a contiguous last dim, ids
+def check_few_tokens(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, grouped: str,
+                     most: int = MAX_TOKENS) -> tuple[int, int, int]:
+    """The few-token expert kernels' routing inputs: x [T <= most, D] 16-bit with a contiguous last dim, ids
     [T, k] int64 and weights [T, k] float32, contiguous (``grouped``: the launcher to use for more tokens).
     Returns (T, D, k)."""
     t, d = x.shape
     top_k = ids.shape[1]
-    require(t <= MAX_TOKENS and x.dtype in DOT_DTYPES and x.stride(-1) == 1,
-            f"x [T <= {MAX_TOKENS}, D] bfloat16 / float16, last dim contiguous; got {_shape(x)}, strides "
+    require(t <= most and x.dtype in DOT_DTYPES and x.stride(-1) == 1,
+            f"x [T <= {most}, D] bfloat16 / float16, last dim contiguous; got {_shape(x)}, strides "
             f"{x.stride()}. Fix: more tokens take {grouped}")
     require(ids.shape == (t, top_k) and ids.dtype == torch.int64 and ids.is_contiguous()
             and weights.shape == (t, top_k) and weights.dtype == torch.float32 and weights.is_contiguous(),

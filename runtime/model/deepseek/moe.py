@@ -157,7 +157,8 @@ def routed_expert_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if fp4:
         from backends.kernels.gemm import fp4_moe  # imports triton: only where the kernels run
 
-        if t <= fp4_moe.MAX_TOKENS:  # every (token, slot) pair streams its expert; other ranks' (id n_local) add 0
+        if t <= fp4_moe.few_tokens_max(x.shape[1], gate_up.weight.shape[1] // 2):  # every (token, slot) pair
+            # streams its expert; other ranks' (id n_local) add 0
             return fp4_moe.fp4_moe_experts(x.contiguous(), local.contiguous(), weights.float().contiguous(),
                                            gate_up.weight, gate_up.scale, down.weight, down.scale, act.limit,
                                            out_dtype=acc)
