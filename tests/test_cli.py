@@ -1,4 +1,6 @@
-"""`python -m runtime` end to end, as a person runs it (subprocess), and the dump diff tool."""
+"""`python -m runtime` end to end, as a person runs it (subprocess), and the dump diff tool. The bad-input cases run
+in one interpreter (tests/cli_batch.py: each a forked child executing `python -m runtime`'s main with its own exit
+code and output), the interpreter's start paid once."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def test_explain_prints_the_plan_without_running(tmp_path):
     assert not (tmp_path / "run" / "report.json").exists()
 
 
-@pytest.mark.parametrize("args,fragments", [
+BAD_INPUTS = [
     (["backend=nope"], ["backend", "torch_mla"]),
     (["workload.num_requests=many"], ["num_requests"]),
     (["workload.prompt_len.min=-4"], ["workload.prompt_len", "Fix:"]),
@@ -77,11 +79,26 @@ def test_explain_prints_the_plan_without_running(tmp_path):
     (["kv.num_pages=3"], ["room for one request", "kv.num_pages="]),
     (["hisparse=dsa_2048", "device=cpu"], ["not sparse-capable"]),
     (["+explian=true"], ["explian"]),
-])
-def test_bad_input_gives_one_clear_message(args, fragments, tmp_path):
-    p = cli(*args, tmp_path=tmp_path)
-    assert p.returncode != 0
-    out = p.stdout + p.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory):
+    """Every BAD_INPUTS run through tests/cli_batch.py, by its args: {"returncode", "stdout", "stderr"}."""
+    d = tmp_path_factory.mktemp("bad_inputs")
+    (d / "spec.json").write_text(json.dumps([{"args": a, "dir": str(d / f"run{i}")}
+                                             for i, (a, _) in enumerate(BAD_INPUTS)]))
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "cli_batch.py"), str(d / "spec.json"),
+                        str(d / "out.json")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return {tuple(a): r for (a, _), r in zip(BAD_INPUTS, json.loads((d / "out.json").read_text()), strict=True)}
+
+
+@pytest.mark.parametrize("args,fragments", BAD_INPUTS)
+def test_bad_input_gives_one_clear_message(args, fragments, bad_input_runs):
+    p = bad_input_runs[tuple(args)]
+    assert p["returncode"] != 0
+    out = p["stdout"] + p["stderr"]
     assert "Traceback" not in out, out
     for f in fragments:
         assert f in out, (f, out)

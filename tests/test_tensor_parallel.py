@@ -6,19 +6,22 @@ message gives the tp=1 margin at the first differing position).
 Cases: the synthetic preset (tiny_mla with a small seeded MoE stack, experts split by moe=ep, and the parity
 reference rerun under tp); a tiny transformers DeepSeek-V3 checkpoint (q LoRA, YaRN, grouped noaux_tc routing,
 a shared expert) with moe=tp and moe=ep, also against transformers' own greedy tokens; DeepSeek sparse attention
-with HiSparse (every rank's coordinator must make the same swap-in decisions); speculative decoding.
+with HiSparse (every rank's coordinator must make the same swap-in decisions); speculative decoding. The tp=2 runs
+of all cases share one torchrun launch (the ``tp2`` fixture: its startup costs more than a run), each test asserting
+on its own run's report.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import compose_config
 from hf_models import YARN, Case, make_case, prompt_overrides
-from tp_launch import assert_same_tokens, run_tp2, tp1
+from tp_launch import assert_same_tokens, run_tp2_scenarios, tp1
 
 from containers import build
 from runtime.app.parallel_report import disagreements
@@ -35,22 +38,8 @@ V3_TP = Case("v3_tp_even_heads", "deepseek_v3", dict(
     routed_scaling_factor=2.5, norm_topk_prob=True), seed=11, prompt_lens=(1, 5, 16, 17, 30))
 
 
-def test_synthetic_moe_ep_tp2_equals_tp1_and_report(tmp_path):
-    args = ("device=cpu", *SYNTH_MOE)
-    rep, got = run_tp2(tmp_path, *args, "parallel.moe=ep")  # with the parity reference, itself under tp=2
-    want, margins = tp1(*args)
-    assert_same_tokens(got, want, margins)
-    assert rep["parity"]["ok"] and rep["parity"]["tokens_equal"]
-    par = rep["parallel"]
-    assert (par["tp"], par["moe"], par["world_size"], par["backend"]) == (2, "ep", 2, "gloo")
-    assert len(par["memory_per_rank"]) == 2
-    # experts are split: each rank holds fewer weight bytes than the whole model
-    full = build(compose_config(*args, "check=off")).container.model().weight_bytes
-    assert all(m["weights_bytes"] < full for m in par["memory_per_rank"])
-    dec = par["collectives"]["decode"]
-    # per step: the embedding, 2 layers x (attention + MLP/MoE) all-reduces, the logits' all-gather
-    assert dec["count_per_step"] == 6 and dec["eager_steps"] == dec["steps"] > 0 and dec["ms_per_eager_step"] > 0
-    assert dec["bytes_per_step"] > 0 and par["collective_totals"]["count"] > 0
+SYNTH_ARGS = ("device=cpu", *SYNTH_MOE)
+SPECULATIVE = ("+deploy=cpu_speculative", "speculative.baseline=false")
 
 
 @pytest.fixture(scope="module")
@@ -59,28 +48,61 @@ def v3_checkpoint(tmp_path_factory):
     return make_case(V3_TP, tmp_path_factory.mktemp("v3_tp"))
 
 
-@pytest.mark.parametrize("moe", ["tp", "ep"])
-def test_checkpoint_moe_tp2_equals_tp1_and_transformers(moe, v3_checkpoint, tmp_path):
-    ref = v3_checkpoint
-    args = ("model=hf", f"model.path={ref.folder}", "model.dtype=float32", "device=cpu",
+def checkpoint_args(ref) -> tuple[str, ...]:
+    return ("model=hf", f"model.path={ref.folder}", "model.dtype=float32", "device=cpu",
             *prompt_overrides(ref.folder, ref.prompts, V3_TP.new_tokens))
-    _, got = run_tp2(tmp_path, *args, f"parallel.moe={moe}", "check=off")
-    want, margins = tp1(*args)
+
+
+@pytest.fixture(scope="module")
+def tp2(request, tmp_path_factory):
+    """Every tp=2 run of this module, in one torchrun launch: ``tp2.result(name)`` -> (report, outputs by rid)."""
+    scenarios = {"synthetic_ep": (*SYNTH_ARGS, "parallel.moe=ep"),  # with the parity reference, itself under tp=2
+                 "hisparse": ("+deploy=cpu_dsa_hisparse", "check=off"),
+                 "speculative": (*SPECULATIVE, "check=off")}
+    if importlib.util.find_spec("transformers") is not None:  # else the checkpoint cases skip
+        ref = request.getfixturevalue("v3_checkpoint")
+        for moe in ("tp", "ep"):
+            scenarios[f"checkpoint_{moe}"] = (*checkpoint_args(ref), f"parallel.moe={moe}", "check=off")
+    return run_tp2_scenarios(tmp_path_factory.mktemp("tp2"), scenarios)
+
+
+def test_synthetic_moe_ep_tp2_equals_tp1_and_report(tp2):
+    rep, got = tp2.result("synthetic_ep")
+    want, margins = tp1(*SYNTH_ARGS)
+    assert_same_tokens(got, want, margins)
+    assert rep["parity"]["ok"] and rep["parity"]["tokens_equal"]
+    par = rep["parallel"]
+    assert (par["tp"], par["moe"], par["world_size"], par["backend"]) == (2, "ep", 2, "gloo")
+    assert len(par["memory_per_rank"]) == 2
+    # experts are split: each rank holds fewer weight bytes than the whole model
+    full = build(compose_config(*SYNTH_ARGS, "check=off")).container.model().weight_bytes
+    assert all(m["weights_bytes"] < full for m in par["memory_per_rank"])
+    dec = par["collectives"]["decode"]
+    # per step: the embedding, 2 layers x (attention + MLP/MoE) all-reduces, the logits' all-gather
+    assert dec["count_per_step"] == 6 and dec["eager_steps"] == dec["steps"] > 0 and dec["ms_per_eager_step"] > 0
+    assert dec["bytes_per_step"] > 0 and par["collective_totals"]["count"] > 0
+
+
+@pytest.mark.parametrize("moe", ["tp", "ep"])
+def test_checkpoint_moe_tp2_equals_tp1_and_transformers(moe, v3_checkpoint, tp2):
+    ref = v3_checkpoint
+    _, got = tp2.result(f"checkpoint_{moe}")
+    want, margins = tp1(*checkpoint_args(ref))
     assert_same_tokens(got, want, margins)
     assert [got[i] for i in range(len(ref.prompts))] == ref.tokens  # and transformers' greedy tokens
 
 
-def test_hisparse_ranks_agree_and_equal_tp1(tmp_path):
-    rep, got = run_tp2(tmp_path, "+deploy=cpu_dsa_hisparse", "check=off")
+def test_hisparse_ranks_agree_and_equal_tp1(tp2):
+    rep, got = tp2.result("hisparse")
     want, margins = tp1("+deploy=cpu_dsa_hisparse")
     assert_same_tokens(got, want, margins)
     assert rep["hisparse"]["swap_ins"] > 0  # the buffer evicted and swapped in, and every rank agreed
 
 
-def test_speculative_tp2_equals_tp1(tmp_path):
+def test_speculative_tp2_equals_tp1(tp2):
     """EAGLE chain speculation: the draft model shares the target's sharded weights and its group."""
-    rep, got = run_tp2(tmp_path, "+deploy=cpu_speculative", "check=off", "speculative.baseline=false")
-    want, margins = tp1("+deploy=cpu_speculative", "speculative.baseline=false")
+    rep, got = tp2.result("speculative")
+    want, margins = tp1(*SPECULATIVE)
     assert_same_tokens(got, want, margins)
     assert rep["speculative"]["rounds"] > 0 and rep["parallel"]["collectives"]["target_verify"]["count_per_step"] > 0
 
