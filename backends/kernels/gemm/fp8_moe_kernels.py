@@ -144,12 +144,15 @@ def _fp8_moe_up_fma_kernel(X, IDS, GU, GUS, SGU, SGUS, H, n_pairs, K, inter, s_i
     128-wide blocks of BLOCK_I gate and BLOCK_I up rows (16-byte vector loads), widens them to float32, multiplies
     by the token's row times each input's block scale (float32, not rounded) and adds the products into float32
     accumulators in the load's own layout (no shuffle or layout change in the loop), summed over K once at the
-    end; the rounding points after the sums are the tensor-core kernel's."""
+    end; the rounding points after the sums are the tensor-core kernel's. Other ranks' pairs return at once (their
+    rows of H are never read: the down kernels skip those slots)."""
     pdl_enter(PDL)
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     routed, e, t, width, live, g_rows, u_rows = expert_pair(p, ri, IDS, GU, SGU, n_pairs, inter, s_inter, n_local,
                                                             stride_ge, stride_gn, stride_sn, TOPK)
+    if e >= n_local:  # another rank's expert (the shared rows load e = 0)
+        return
     i0 = tl.program_id(1) * BLOCK_I
     g_scale, u_scale = _pair_scale_rows(routed, e, i0, width, GUS, SGUS, stride_gse, stride_gsn, stride_ssn)
     acc_g = tl.zeros([BLOCK_I, SUB_K * QBLOCK], dtype=tl.float32)
@@ -203,7 +206,7 @@ def _fp8_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, i
     at the slot's last chunk its product is rounded and folded in as the tensor-core kernel does. ONE_CHUNK (one
     chunk holds every slot's whole intermediate row, the TP slices): the slots unrolled, the same arithmetic in
     the same order (the whole expert call 4-6% faster on an H200; offline for sm_90a the loop spilled, this does
-    not)."""
+    not). In the loop other ranks' slots (moe=ep) are skipped: they add nothing."""
     pdl_enter(PDL)
     t = tl.program_id(0)
     rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -230,13 +233,14 @@ def _fp8_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, SDN, SDNS, OUT, n_pairs, D, i
             j = it // n_chunks
             c = it % n_chunks
             routed = j < TOPK
-            acc += _down_fma_slot(j, routed, c, H, DN, DNS, SDN, SDNS, t, slots, ids, n_pairs, inter, s_inter,
-                                  n_local, rd64, srow, dmask, stride_h, stride_de, stride_dd, stride_dse, stride_dsd,
-                                  stride_sd, stride_ssd, TOPK, CH)
-            if c == n_chunks - 1:
-                y = acc.to(DT).to(tl.float32)
-                out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
-                acc = tl.zeros_like(acc)
+            if (j >= TOPK) | (tl.sum(tl.where(slots == j, ids, 0)) < n_local):  # other ranks' slots: skipped
+                acc += _down_fma_slot(j, routed, c, H, DN, DNS, SDN, SDNS, t, slots, ids, n_pairs, inter, s_inter,
+                                      n_local, rd64, srow, dmask, stride_h, stride_de, stride_dd, stride_dse,
+                                      stride_dsd, stride_sd, stride_ssd, TOPK, CH)
+                if c == n_chunks - 1:
+                    y = acc.to(DT).to(tl.float32)
+                    out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
+                    acc = tl.zeros_like(acc)
     store_down_sum(OUT + t * stride_o + rd, out, shared, HAS_SHARED, dmask)
 
 
