@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.kernels.gemm.fp4_moe_kernels import GROUP, _act, _down_program, _fold_slot
+from backends.kernels.gemm.fp4_moe_kernels import GROUP, _down_program, _fold_slot, _store_act
 from backends.kernels.pdl import pdl_enter
 
 #: words per 32-input scale group
@@ -115,7 +115,6 @@ def _fp4_moe_up_fma_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_
     contract; other ranks' pairs return at once and leave their rows of H unwritten). Each step reads BLOCK_I gate
     and BLOCK_I up rows x BLOCK_K inputs as words."""
     pdl_enter(PDL)
-    DT: tl.constexpr = H.dtype.element_ty
     G: tl.constexpr = BLOCK_K // GROUP
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -137,9 +136,8 @@ def _fp4_moe_up_fma_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_
         acc_g += _word_dot(wg, x0, x1, x2, x3, x4, x5, x6, x7) * _scale63(sg, GUS_UE8M0)[:, :, None]
         wu, su = _words(gu, gus, ri64 + inter, live, k0, n_words, n_groups, stride_gn, stride_gsn, G)
         acc_u += _word_dot(wu, x0, x1, x2, x3, x4, x5, x6, x7) * _scale63(su, GUS_UE8M0)[:, :, None]
-    g = tl.sum(tl.sum(acc_g, axis=2), axis=1).to(DT).to(tl.float32)
-    u = tl.sum(tl.sum(acc_u, axis=2), axis=1).to(DT).to(tl.float32)
-    tl.store(H + p * stride_h + ri, _act(g, u, limit, ACT, DT), mask=ri < inter)
+    _store_act(H + p * stride_h, ri, inter, tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1),
+               limit, ACT)
 
 
 @triton.jit

@@ -95,6 +95,14 @@ def _act(g, u, limit, ACT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _store_act(h_row, ri, inter, g, u, limit, ACT: tl.constexpr):
+    """The up kernels' epilogue: the gate and up sums g, u [BLOCK_I] (float32) rounded to H's dtype, the activation
+    (:func:`_act`) stored at ``h_row + ri`` for ``ri < inter``."""
+    DT: tl.constexpr = h_row.dtype.element_ty
+    tl.store(h_row + ri, _act(g.to(DT).to(tl.float32), u.to(DT).to(tl.float32), limit, ACT, DT), mask=ri < inter)
+
+
+@triton.jit
 def _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, stride_gse, stride_gsn,
              TOPK: tl.constexpr, BLOCK_I: tl.constexpr):
     """The up kernels' program (p, i-block), both kernel sets: pair p is (token p // TOPK, expert e = IDS[p]).
@@ -204,9 +212,7 @@ def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, s
         acc_g = tl.dot(tl.reshape(ghi, [BLOCK_I, HALF]), tl.trans(x_od), acc_g)
         acc_u = tl.dot(tl.reshape(ulo, [BLOCK_I, HALF]), tl.trans(x_ev), acc_u)
         acc_u = tl.dot(tl.reshape(uhi, [BLOCK_I, HALF]), tl.trans(x_od), acc_u)
-    g = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
-    u = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
-    tl.store(H + p * stride_h + ri, _act(g, u, limit, ACT, DT), mask=ri < inter)
+    _store_act(H + p * stride_h, ri, inter, tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, ACT)  # cols 1..15: 0
 
 
 @triton.jit

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.kernels.gemm.fp4_moe_kernels import GROUP, _act, _down_program, _fold_slot, _mx_rows, _up_pair
+from backends.kernels.gemm.fp4_moe_kernels import GROUP, _down_program, _fold_slot, _mx_rows, _store_act, _up_pair
 from backends.kernels.pdl import pdl_enter
 
 
@@ -48,7 +48,6 @@ def _fp4_moe_up_mx_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x
     there) with each step a microscaled product: BLOCK_I gate and BLOCK_I up rows x BLOCK_K inputs (left), the
     pair's token as column 0 (right)."""
     pdl_enter(PDL)
-    DT: tl.constexpr = H.dtype.element_ty
     n_bytes = K // 2
     n_groups = tl.cdiv(K, GROUP)
     p, ri, live, x_row, _, _, _, _ = _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn,
@@ -66,9 +65,7 @@ def _fp4_moe_up_mx_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x
         wu, su = _mx_rows(gw, gs, ri64 + inter, live, k0, n_bytes, n_groups, stride_gn, stride_gsn, BLOCK_K,
                           GUS_UE8M0)
         acc_u = tl.dot_scaled(wu, su, "e2m1", xt, None, "bf16", acc_u)
-    g = tl.sum(acc_g, axis=1).to(DT).to(tl.float32)  # columns 1..15 are zeros
-    u = tl.sum(acc_u, axis=1).to(DT).to(tl.float32)
-    tl.store(H + p * stride_h + ri, _act(g, u, limit, ACT, DT), mask=ri < inter)
+    _store_act(H + p * stride_h, ri, inter, tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, ACT)  # cols 1..15: 0
 
 
 @triton.jit
