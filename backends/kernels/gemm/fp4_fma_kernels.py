@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.kernels.gemm.fp4_moe_kernels import GROUP, _down_program, _fold_slot, _store_act
+from backends.kernels.gemm.fp4_moe_kernels import GROUP, _down_program, _fold_slot, _store_act, _up_pair
 from backends.kernels.pdl import pdl_enter
 
 #: words per 32-input scale group
@@ -108,24 +108,21 @@ def _acts(row, k0, width, G: tl.constexpr):
 
 @triton.jit
 def _fp4_moe_up_fma_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, stride_ge, stride_gn,
-                             stride_gse, stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr,
-                             BLOCK_K: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr, GUS_UE8M0: tl.constexpr):
+                           stride_gse, stride_gsn, stride_h, TOPK: tl.constexpr, BLOCK_I: tl.constexpr,
+                           BLOCK_K: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr, GUS_UE8M0: tl.constexpr):
     """Program (p, i-block): pair p is (token p // TOPK, expert IDS[p]); H[p, i] = act(gate, up) (see
     ``fp4_moe_kernels._act``), each GEMM output rounded to H's dtype (``fp4_moe_kernels._fp4_moe_up_kernel``'s
     contract; other ranks' pairs return at once and leave their rows of H unwritten). Each step reads BLOCK_I gate
     and BLOCK_I up rows x BLOCK_K inputs as words."""
     pdl_enter(PDL)
     G: tl.constexpr = BLOCK_K // GROUP
-    p = tl.program_id(0)
-    ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    e = tl.load(IDS + p, mask=p >= 0, other=0).to(tl.int64)  # masked: the interpreter fails an unmasked scalar load
+    p, e, ri, live, x_row, _, _, _, _ = _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn,
+                                                 stride_gse, stride_gsn, TOPK, BLOCK_I)
     if e >= n_local:  # another rank's expert: its row of H is never read (the down kernel skips the slot)
         return
-    live = ri < inter
     ri64 = ri.to(tl.int64)
     gu = GU + e * stride_ge
     gus = GUS + e * stride_gse
-    x_row = X + (p // TOPK) * stride_x
     n_words = K // 8
     n_groups = tl.cdiv(K, GROUP)
     acc_g = tl.zeros([BLOCK_I, G, 4], dtype=tl.float32)
@@ -142,9 +139,9 @@ def _fp4_moe_up_fma_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_
 
 @triton.jit
 def _fp4_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, stride_h, stride_de, stride_dd,
-                               stride_dse, stride_dsd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-                               BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr,
-                               DNS_UE8M0: tl.constexpr):
+                             stride_dse, stride_dsd, stride_o, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, PDL: tl.constexpr,
+                             DNS_UE8M0: tl.constexpr):
     """Program (t, d-block): OUT[t] = sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j]) in float32, slots in order
     (``fp4_moe_kernels._fp4_moe_down_kernel``'s contract); other ranks' slots are skipped. Each (slot, chunk) step
     reads BLOCK_D rows x BLOCK_I hidden inputs as words."""
@@ -153,6 +150,8 @@ def _fp4_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, strid
     G: tl.constexpr = BLOCK_I // GROUP
     t, rd, rd64, dmask, slots, ids, wts = _down_program(IDS, WTS, D, TOPK, TOPK_P2, BLOCK_D)
     n_chunks = tl.cdiv(inter, BLOCK_I)
+    n_words = inter // 8
+    n_groups = tl.cdiv(inter, GROUP)
     out = tl.zeros([BLOCK_D], dtype=tl.float32)
     acc = tl.zeros([BLOCK_D, G, 4], dtype=tl.float32)
     for it in range(0, TOPK * n_chunks):
@@ -161,8 +160,8 @@ def _fp4_moe_down_fma_kernel(H, IDS, WTS, DN, DNS, OUT, D, inter, n_local, strid
         e = tl.sum(tl.where(slots == j, ids, 0))
         if e < n_local:  # other ranks' experts add nothing: their slots are skipped
             x0, x1, x2, x3, x4, x5, x6, x7 = _acts(H + (t * TOPK + j) * stride_h, c * BLOCK_I, inter, G)
-            w, s = _words(DN + e * stride_de, DNS + e * stride_dse, rd64, dmask, c * BLOCK_I, inter // 8,
-                          tl.cdiv(inter, GROUP), stride_dd, stride_dsd, G)
+            w, s = _words(DN + e * stride_de, DNS + e * stride_dse, rd64, dmask, c * BLOCK_I, n_words, n_groups,
+                          stride_dd, stride_dsd, G)
             acc += _word_dot(w, x0, x1, x2, x3, x4, x5, x6, x7) * _scale63(s, DNS_UE8M0)[:, :, None]
             if c == n_chunks - 1:  # the slot's last chunk: round its product, fold it in, start the next
                 out, _ = _fold_slot(out, tl.sum(acc, axis=2), slots, j, wts, DT)

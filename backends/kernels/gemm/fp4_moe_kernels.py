@@ -106,9 +106,9 @@ def _store_act(h_row, ri, inter, g, u, limit, ACT: tl.constexpr):
 def _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, stride_gse, stride_gsn,
              TOPK: tl.constexpr, BLOCK_I: tl.constexpr):
     """The up kernels' program (p, i-block), both kernel sets: pair p is (token p // TOPK, expert e = IDS[p]).
-    Returns p, ri [BLOCK_I] (the program's gate rows; up rows inter + ri), live [BLOCK_I] (rows to read: none of
-    another rank's expert), the token's row of X, and expert e's gate / up byte rows [BLOCK_I, 1, 1] and scale rows
-    [BLOCK_I, 1] (pointers)."""
+    Returns p, e (int64), ri [BLOCK_I] (the program's gate rows; up rows inter + ri), live [BLOCK_I] (rows to read:
+    none of another rank's expert), the token's row of X, and expert e's gate / up byte rows [BLOCK_I, 1, 1] and
+    scale rows [BLOCK_I, 1] (pointers)."""
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     e = tl.load(IDS + p, mask=p >= 0, other=0).to(tl.int64)  # masked: the interpreter fails an unmasked scalar load
@@ -119,7 +119,7 @@ def _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, st
     u_rows = GU + e * stride_ge + (ri64 + inter)[:, None, None] * stride_gn
     gs_rows = GUS + e * stride_gse + ri64[:, None] * stride_gsn
     us_rows = GUS + e * stride_gse + (ri64 + inter)[:, None] * stride_gsn
-    return p, ri, live, X + t * stride_x, g_rows, u_rows, gs_rows, us_rows
+    return p, e, ri, live, X + t * stride_x, g_rows, u_rows, gs_rows, us_rows
 
 
 @triton.jit
@@ -195,7 +195,7 @@ def _fp4_moe_up_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x, s
     HALF: tl.constexpr = BLOCK_K // 2
     n_bytes = K // 2
     n_groups = tl.cdiv(K, GROUP)
-    p, ri, live, x_row, g_rows, u_rows, gs_rows, us_rows = _up_pair(
+    p, _e, ri, live, x_row, g_rows, u_rows, gs_rows, us_rows = _up_pair(
         X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn, stride_gse, stride_gsn, TOPK, BLOCK_I)
     jj = tl.arange(0, HALF)
     row0 = (tl.arange(0, 16) == 0)[:, None]

@@ -50,9 +50,8 @@ def _fp4_moe_up_mx_kernel(X, IDS, GU, GUS, H, K, inter, n_local, limit, stride_x
     pdl_enter(PDL)
     n_bytes = K // 2
     n_groups = tl.cdiv(K, GROUP)
-    p, ri, live, x_row, _, _, _, _ = _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn,
-                                              stride_gse, stride_gsn, TOPK, BLOCK_I)
-    e = tl.load(IDS + p, mask=p >= 0, other=0).to(tl.int64)
+    p, e, ri, live, x_row, _, _, _, _ = _up_pair(X, IDS, GU, GUS, inter, n_local, stride_x, stride_ge, stride_gn,
+                                                 stride_gse, stride_gsn, TOPK, BLOCK_I)
     gw = GU + e * stride_ge
     gs = GUS + e * stride_gse
     ri64 = ri.to(tl.int64)
