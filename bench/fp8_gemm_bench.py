@@ -135,7 +135,12 @@ def _try(fn, ref, copies, label):
         return "n/a", reason
 
 
-def _sweep(fp8_gemm, path, m, n, kd, copies):
+#: (block_m, block_n, warps, stages) of the sweep's TMA configs at M >= 256
+TMA_TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3), (64, 256, 4, 4),
+             (64, 128, 4, 5))
+
+
+def _sweep(fp8_gemm, path, m, n, kd, copies, ref):
     if path == "few":  # split_k 1 is the kernel without split-K; the default's split is printed beside
         F_ = fp8_gemm.FewConfig
         cfgs = [F_(32, 512, 4, 4, sp) for sp in (1, 4)]
@@ -148,9 +153,13 @@ def _sweep(fp8_gemm, path, m, n, kd, copies):
         bms = (64, 128) if path == "w8a8" or m > 64 else (16, 32, 64)
         cfgs = [G(bm, bn, bk, 8, wp, st) for bm in bms for bn in (64, 128, 256) for bk in bks
                 for wp in (4, 8) for st in (3, 4)]
+        if path == "w8a8" and m >= 256:  # TMA loads, plain and warp-specialized (Hopper+)
+            cfgs += [G(bm, bn, 128, 8, wp, st, True, ws) for bm, bn, wp, st in TMA_TILES for ws in (False, True)]
     best = (float("inf"), None)
     for cfg in cfgs:
         try:
+            x, w, s = copies[0]
+            err = rel_err(fp8_gemm.fp8_linear(x, w, s, path=path, config=cfg), ref)
             t = graph_ms([lambda x=x, w=w, s=s, c=cfg: fp8_gemm.fp8_linear(x, w, s, path=path, config=c)
                           for x, w, s in copies], rep_ms=50)
         except Exception as e:  # noqa: BLE001 - out of shared memory / registers
@@ -160,6 +169,9 @@ def _sweep(fp8_gemm, path, m, n, kd, copies):
         if path == "few":
             print(f"    {t * 1e3:7.2f} us  {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
                   f"split {cfg.split_k}{' fma' if cfg.fma else ''}", flush=True)
+        else:
+            print(f"    {t * 1e3:7.2f} us  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+                  f"s{cfg.num_stages}{' tma' if cfg.tma else ''}{' ws' if cfg.ws else ''}  err {err:.2e}", flush=True)
     print(f"  sweep {path} M={m} N={n} K={kd}: best {best[0] * 1e3:.2f} us with {best[1]}"
           + (f" (default {fp8_gemm.few_config(n, kd, copies[0][0].device, m)})" if path == "few" else ""), flush=True)
     return best
@@ -216,7 +228,7 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
                     row["bf16_pct"] = ceil.pct_matmul(flops, ours_us * 1e-3)
             row.update({"ours_err": ours_err, "bf16_err": bf_err, "fi_err": fi_err, "tsm_err": tsm_err})
             if args.sweep and (m == args.m[0] or m > fp8_gemm.FEW_ROWS or path != "few"):
-                t, cfg = _sweep(fp8_gemm, path, m, n, kd, ours_sets)
+                t, cfg = _sweep(fp8_gemm, path, m, n, kd, ours_sets, ref)
                 row["best_us"], row["best_config"] = t * 1e3, str(cfg)
             rows.append(row)
             print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -18,6 +18,7 @@ that L2 never serves an expert twice.
     python -m bench.fp8_moe_bench                 # both cases, every token count
     python -m bench.fp8_moe_bench --tokens 1 16   # some token counts
     python -m bench.fp8_moe_bench --sweep         # also the few-token kernels' tile configs at the first count
+    python -m bench.fp8_moe_bench --profile       # also each path's kernels by device time
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def touched_bytes(c: dict, local_sets: list[torch.Tensor], t: int) -> float:
     return mean_experts * per + shared + 2 * t * D * 2
 
 
-def ours(c: dict, x: torch.Tensor, local: torch.Tensor, wts: torch.Tensor, config=None) -> torch.Tensor:
+def ours(c: dict, x: torch.Tensor, local: torch.Tensor, wts: torch.Tensor, config=None, grouped=None
+         ) -> torch.Tensor:
     from backends.kernels.decoder import decoder_ops
     from backends.kernels.gemm import fp8_moe
     from runtime.model.deepseek.mlp import swiglu
@@ -95,12 +97,12 @@ def ours(c: dict, x: torch.Tensor, local: torch.Tensor, wts: torch.Tensor, confi
         return fp8_moe.fp8_moe_experts(x, local, wts, *c["routed"], *c["shared"], config=config)
     tokens, inv, offsets = decoder_ops.moe_dispatch(local, n_local + 1)
     offsets = offsets[:n_local]
-    y = fp8_moe.fp8_grouped_expert_mlp(x[tokens], *c["routed"], offsets, swiglu)
-    y = torch.where((torch.arange(y.shape[0], device=y.device) < offsets[-1])[:, None], y, 0.0)
+    y = fp8_moe.fp8_grouped_expert_mlp(x, *c["routed"], offsets, swiglu, grouped, tokens=tokens)
     sgu, sgus, sdn, sdns = c["shared"]
     one = torch.full((1,), t, dtype=torch.int32, device=x.device)
     shared = fp8_moe.fp8_grouped_expert_mlp(x, sgu[None], sgus[None], sdn[None], sdns[None], one, swiglu)
-    return decoder_ops.moe_combine(y, inv, wts, shared, x.dtype)
+    # rows past the last offset (other ranks' pairs) are not computed: the combine reads them as zeros
+    return decoder_ops.moe_combine(y, inv, wts, shared, x.dtype, offsets[-1:] if n_local < N_EXPERTS else None)
 
 
 def bf16_path(c: dict, x: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
@@ -182,6 +184,8 @@ def _sweep_few(c, x, local_sets, wts) -> dict:
 
 
 def bench_case(name: str, args, ceil) -> list[dict]:
+    from backends.kernels.gemm import fp8_moe
+
     c = make_case(**CASES[name])
     fi, fi_why = (None, "--no-libs") if args.no_libs else flashinfer_call(c)
     rows = []
@@ -200,11 +204,13 @@ def bench_case(name: str, args, ceil) -> list[dict]:
         row.update(ours_us=t_ours * 1e3, bf16_us=t_bf16 * 1e3, speedup_vs_bf16=t_bf16 / t_ours,
                    ours_copy_pct=ceil.pct_copy(nbytes, t_ours), expert_MB=nbytes / 1e6)
         if t <= 16:  # the down kernel's slot loop (Fp8ExpertConfig.down_unroll off) at the same tiles, same bits
-            from backends.kernels.gemm import fp8_moe
-
             loop = dataclasses.replace(fp8_moe.expert_config(c["inter"]), down_unroll=False)
             row["down_loop_us"] = graph_ms([lambda s=s, x=x, p=loop: ours(c, x, s[1], s[2], p) for s in sets]) * 1e3
             assert torch.equal(ours(c, x, local, wts, loop), ours(c, x, local, wts)), "down_unroll changed the bits"
+        if t > fp8_moe.MAX_TOKENS:  # the grouped GEMMs with the weight tiles by plain loads (no TMA), same bits
+            plain = fp8_moe.GroupedConfig(tma=False)
+            row["no_tma_us"] = graph_ms([lambda s=s, x=x, g=plain: ours(c, x, s[1], s[2], None, g) for s in sets]) * 1e3
+            assert torch.equal(ours(c, x, local, wts, None, plain), ours(c, x, local, wts)), "TMA changed the bits"
         if fi is None:
             row["flashinfer_us"] = f"n/a ({fi_why})"
         else:
@@ -213,6 +219,9 @@ def bench_case(name: str, args, ceil) -> list[dict]:
                 row["flashinfer_us"] = graph_ms([lambda s=s, x=x: fi(x, s[0], s[2]) for s in sets]) * 1e3
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
                 row["flashinfer_us"] = f"n/a ({type(exc).__name__}: {str(exc)[:80]})"
+        if args.profile:
+            _profile(f"moe={name} {t} tokens, ours", lambda x=x, lo=local, w=wts: ours(c, x, lo, w))
+            _profile(f"moe={name} {t} tokens, bf16", lambda x=x, i=ids, lo=local, w=wts: bf16_path(c, x, i, lo, w))
         if args.sweep and t == args.tokens[0] and t <= 16:
             row.update(_sweep_few(c, x, [s[1] for s in sets], wts))
         rows.append(row)
@@ -220,11 +229,30 @@ def bench_case(name: str, args, ceil) -> list[dict]:
     return rows
 
 
+def _profile(label: str, fn, calls: int = 5, top: int = 14) -> None:
+    """Print the kernels of ``fn`` (eager, after a warm-up) by device time: µs per call, share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"profile {label}: {total / calls:.1f} us of kernels per call", flush=True)
+    for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]:
+        print(f"  {e.self_device_time_total / calls:9.1f} us {100 * e.self_device_time_total / total:5.1f}%  "
+              f"x{e.count // calls:<3} {e.key[:90]}", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512, 4096])
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["tp", "ep"])
     p.add_argument("--sweep", action="store_true", help="the few-token kernels' configs at the first count")
+    p.add_argument("--profile", action="store_true", help="print our path's kernels by device time, per count")
     p.add_argument("--quick", action="store_true", help="tokens 1, 16, 512; moe=tp; no FlashInfer")
     p.add_argument("--no-libs", action="store_true", help="skip FlashInfer's cutlass_fused_moe (its first call "
                    "compiles for minutes)")
@@ -242,12 +270,12 @@ def main(argv=None) -> None:
     for name in args.cases:
         rows += bench_case(name, args, ceil)
         torch.cuda.empty_cache()
-    short = ["case", "tokens", "ours_us", "down_loop_us", "bf16_us", "flashinfer_us", "ours_copy_pct", "rel_err", "bf16_rel_err",
+    short = ["case", "tokens", "ours_us", "no_tma_us", "down_loop_us", "bf16_us", "flashinfer_us", "ours_copy_pct", "rel_err", "bf16_rel_err",
              "flashinfer_rel_err", "speedup_vs_bf16", "expert_MB"]
     full = Table(rows, title="fp8 MoE experts, all columns", name="full")
     table = Table(rows, title="fp8 MoE experts (D 7168, top-8 of 256, graph-timed, µs; copy % over the touched "
                   "fp8 experts + scales)", columns=short + (["best_us", "fma_best_us", "best_config"] if args.sweep else []),
-                  formats={"ours_us": ".1f", "down_loop_us": ".1f", "bf16_us": ".1f", "ours_copy_pct": ".0f", "rel_err": ".2e",
+                  formats={"ours_us": ".1f", "no_tma_us": ".1f", "down_loop_us": ".1f", "bf16_us": ".1f", "ours_copy_pct": ".0f", "rel_err": ".2e",
                            "bf16_rel_err": ".2e", "flashinfer_rel_err": ".2e", "speedup_vs_bf16": ".2f",
                            "expert_MB": ".0f"}, name="short")
     report("fp8_moe_bench", ceil, [full, table], meta={"cases": args.cases, "tokens": args.tokens})

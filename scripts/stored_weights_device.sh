@@ -2,6 +2,7 @@
 # Stored-precision (block-fp8) weights on a GPU device machine, in two parts that each fit a 10-minute call:
 #   scripts/stored_weights_device.sh kernels   # the fp8 GEMM / MoE kernels' GPU tests, then both kernel benches
 #   scripts/stored_weights_device.sh tune      # sweeps of the few-row tiles (linear, experts)
+#   scripts/stored_weights_device.sh tiled     # the tiled W8A8 GEMM's tiles at M (default 4096), TMA variants too
 #   scripts/stored_weights_device.sh serve     # the fp8 preset end to end (parity), then decode_roofline bf16 vs fp8
 #   scripts/stored_weights_device.sh fulldepth # one TP8 rank of DeepSeek-V3 at all 61 layers, fp8 (an H200: ~78 GB
 #                                              # of weights): the chat workload served over HTTP at 1 / 32 / 128
@@ -12,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 out=${OUT:-/tmp}
-part=${1:?usage: scripts/stored_weights_device.sh kernels|tune|serve|fulldepth}
+part=${1:?usage: scripts/stored_weights_device.sh kernels|tune|tiled|serve|fulldepth}
 # shellcheck source=scripts/step.sh
 source scripts/step.sh  # step NAME SECONDS CMD...
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -25,6 +26,11 @@ case "$part" in
   tune)  # the few-row tiles of the fp8 linear and expert kernels
     step sweep_gemm 240 "$py" -m bench.fp8_gemm_bench --no-libs --m 1 --shapes gate_up,o_proj,qkv_a --sweep
     step sweep_moe 150 "$py" -m bench.fp8_moe_bench --no-libs --tokens 1 --sweep
+    ;;
+  tiled)  # the tiled W8A8 GEMM's tiles at prefill rows (TMA and warp-specialized variants included), FlashInfer beside
+    step tests 150 "$py" -m pytest -q -m gpu -p no:cacheprovider tests/test_fp8_gemm.py -k "tma or graph or tp8"
+    step sweep_tiled "${SWEEP_S:-400}" "$py" -m bench.fp8_gemm_bench --path w8a8 --m "${M:-4096}" \
+      --shapes "${SHAPES:-qkv_a,gate_up}" --sweep
     ;;
   serve)
     step e2e 200 "$py" -m runtime +deploy=h100_triton_tp8 model.weights=fp8 workload.num_requests=16
@@ -43,5 +49,5 @@ case "$part" in
     step roofline 330 "$py" -m bench.decode_roofline --preset h100_triton_tp8 --layers 61 --batches 1 32 128 \
       --out-len 16 --weights fp8
     ;;
-  *) echo "unknown part '$part': expected kernels, tune, serve or fulldepth" >&2; exit 2 ;;
+  *) echo "unknown part '$part': expected kernels, tune, tiled, serve or fulldepth" >&2; exit 2 ;;
 esac

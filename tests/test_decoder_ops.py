@@ -124,6 +124,10 @@ def check_dispatch_combine(t, k, e, d, dtype, dev, tol, sort_from=None):
     unsorted[order] = y.float()
     ref = (unsorted.view(t, k, d) * wts[:, :, None]).sum(dim=1).to(dtype) + shared
     _close(moe_combine(y, inv, wts, shared, dtype), ref, tol)
+    # limit: rows of y from it on (other ranks' pairs) read as zeros, whatever they hold
+    cut = torch.tensor([t * k // 2], dtype=torch.int32, device=dev)
+    zeroed = torch.where((torch.arange(t * k, device=dev) < cut)[:, None], y, 0.0)
+    assert torch.equal(moe_combine(y, inv, wts, shared, dtype, cut), moe_combine(zeroed, inv, wts, shared, dtype))
 
 
 # ---------------------------------------------------------------------------------------- CPU (interpreter)
@@ -326,6 +330,35 @@ def test_fused_moe_expert_parallel_partials_sum_to_the_whole(monkeypatch, e, gro
     want = REF.moe(spec, w, x, True)
     for ops in (FUSED, REF):
         _close(sum(ops.moe(spec, r, x, True) for r in ranks), want, 1e-5)
+
+
+@pytest.mark.parametrize("w8a8", [True, False])
+def test_fused_fp8_moe_expert_parallel_partials_sum_to_the_whole(w8a8):
+    """Stored block-fp8 experts above the few-row path (the grouped GEMMs reading x through the dispatch's tokens,
+    the combine skipping other ranks' rows, whatever they hold): two ranks' finite partial outputs sum to the
+    one-rank MoE's, W8A8 and W8A16."""
+    from runtime.model.quantized import BlockFP8
+
+    torch.manual_seed(31)
+    e, d, i, t, k, half = 8, 256, 128, 20, 3, 4
+    spec = _spec(n_group=2, topk_group=1, num_experts_per_tok=k)
+    gu = BlockFP8.quantize(torch.randn(e * 2 * i, d, device=DEV) / d**0.5)
+    dn = BlockFP8.quantize(torch.randn(e * d, i, device=DEV) / i**0.5)
+
+    def stack(w, rows, lo, hi):
+        return BlockFP8(w.weight.view(e, rows, -1)[lo:hi].contiguous(),
+                        w.scale.view(e, rows // 128, -1)[lo:hi].contiguous())
+
+    gate, bias = torch.randn(e, d, device=DEV) / d**0.5, torch.randn(e, device=DEV) * 0.01
+    whole = MoEWeights(gate, bias, stack(gu, 2 * i, 0, e), stack(dn, d, 0, e), None)
+    ranks = [MoEWeights(gate, bias, stack(gu, 2 * i, r * half, (r + 1) * half), stack(dn, d, r * half, (r + 1) * half),
+                        None, first_expert=r * half) for r in range(2)]
+    x = torch.randn(t, d, device=DEV).half()
+    ops = FusedOps(fp8_compute="w8a8" if w8a8 else "w8a16")
+    want = ops.moe(spec, whole, x, True).float()
+    parts = [ops.moe(spec, r, x, True).float() for r in ranks]
+    assert all(torch.isfinite(p).all() for p in parts)
+    _close(parts[0] + parts[1], want, 2e-2)
 
 
 @pytest.mark.gpu

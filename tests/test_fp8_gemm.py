@@ -124,6 +124,18 @@ def test_tile_configs_agree():
         assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=cfg), ref) <= TOL_W8A8
 
 
+def test_tma_tiles_give_the_plain_kernels_bits():
+    """The TMA-loaded GEMM (edges read as zeros, no masks): the plain kernel's bits at odd M / N / K, both paths."""
+    torch.manual_seed(5)
+    w, s, _ = make_weight(130, 384)
+    for m in (1, 7, 63):
+        x = torch.randn(m, 384, dtype=torch.float16, device=DEV)
+        for path, bk in (("w8a8", 128), ("w8a16", 64)):
+            plain = fp8_gemm.fp8_linear(x, w, s, path=path, config=fp8_gemm.GemmConfig(32, 32, bk, 2))
+            tma = fp8_gemm.fp8_linear(x, w, s, path=path, config=fp8_gemm.GemmConfig(32, 32, bk, 2, tma=True))
+            assert torch.equal(tma, plain), (m, path)
+
+
 FMA_CONFIGS = [fp8_gemm.FewConfig(4, 128, 4, 3, 1, True), fp8_gemm.FewConfig(16, 256, 4, 3, 3, True),
                fp8_gemm.FewConfig(64, 64, 4, 3, 1, True)]
 
@@ -247,8 +259,8 @@ def test_configs_by_rule():
     assert fp8_gemm.few_config(7168, 2048, cpu, 2) == fp8_gemm.FewConfig(8, 512, 4, 3, 1, True)
     assert fp8_gemm.few_config(7168, 2048, cpu, 3) == fp8_gemm.FewConfig(64, 256, 4, 4)
     assert fp8_gemm.few_config(512, 100, cpu, 1) == fp8_gemm.FewConfig(4, 128, 4, 3, 1, True)
-    assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 4)
-    assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 4)
+    assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 128, 128, 8, 4, 3)
+    assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 3)
     assert fp8_gemm.gemm_config(20, 512, 7168, 128, False, cpu) == fp8_gemm.GemmConfig(32, 64, 64, 8, 4, 4)
 
 
@@ -288,6 +300,20 @@ def test_tp8_shapes_bf16_gpu(name, n, kd):
             full = fp8_gemm.fp8_linear(x, w, s, path="few")
             for r in (3, 8):
                 assert torch.equal(fp8_gemm.fp8_linear(x[:r], w, s, path="few"), full[:r]), (name, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ws", [False, True])
+def test_tma_gemm_gpu(ws):
+    """TMA loads (warp-specialized or not) at a TP8 shape and odd rows: the plain kernel's bits."""
+    needs_gpu()
+    torch.manual_seed(7)
+    w, s, _ = make_weight(2112, 7168, dev="cuda")
+    for m in (17, 129, 1000):
+        x = torch.randn(m, 7168, dtype=torch.bfloat16, device="cuda")
+        plain = fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 3))
+        tma = fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 3, True, ws))
+        assert torch.equal(tma, plain), (m, ws)
 
 
 @pytest.mark.gpu
@@ -331,6 +357,8 @@ def test_library_path_is_refused_where_it_cannot_run():
     x = strided_x(3, 256, torch.float16, DEV)
     with pytest.raises(ValueError, match="path='flashinfer'"):
         fp8_gemm.fp8_linear(x, w, s, path="flashinfer")  # fp16 activations (and no SM90 GPU here)
+    with pytest.raises(ValueError, match="path='scaled_mm'"):
+        fp8_gemm.fp8_linear(x, w, s, path="scaled_mm")
     assert fp8_gemm.choose_path(3, 128, DEV, torch.float16) == "few"
 
 
@@ -348,3 +376,27 @@ def test_library_path_gpu():
         assert fp8_gemm.choose_path(m, 128, "cuda", torch.bfloat16) == ("few" if m <= 16 else "flashinfer")
         y = fp8_gemm.fp8_linear(x, w, s, path="flashinfer")
         assert rel_err(y, x.double() @ wd.double().T) <= TOL_W8A8, m
+
+
+@pytest.mark.gpu
+def test_scaled_mm_path_gpu():
+    """torch's block-scaled F.scaled_mm (cuBLAS), the default from SCALED_MM_ROWS rows where it serves: W8A8-level
+    error at odd M and N, strided rows; the same activation quantization as ours, so within an output rounding
+    of our W8A8 kernel."""
+    needs_gpu()
+    if not fp8_gemm._scaled_mm_serves(torch.bfloat16, (128, 128), "cuda", 7168):
+        pytest.skip("torch's block-scaled scaled_mm does not serve this GPU")
+    torch.manual_seed(4)
+    w, s, wd = make_weight(2112, 7168, dev="cuda")
+    big = fp8_gemm.SCALED_MM_ROWS + 3
+    # K 2304 (the dense down's: 18 scale blocks, not a multiple of 4): not cuBLAS's
+    assert fp8_gemm.choose_path(big, 128, "cuda", torch.bfloat16, k_dim=2304) != "scaled_mm"
+    for m in (17, 129, big):  # rows padded to 16 for cuBLAS, the padding's output rows dropped
+        x = strided_x(m, 7168, torch.bfloat16, "cuda")
+        want = "scaled_mm" if m >= fp8_gemm.SCALED_MM_ROWS else "flashinfer"
+        if want == "scaled_mm" or fp8_gemm._library_serves(torch.bfloat16, (128, 128), "cuda"):
+            assert fp8_gemm.choose_path(m, 128, "cuda", torch.bfloat16, k_dim=7168) == want
+        y = fp8_gemm.fp8_linear(x, w, s, path="scaled_mm")
+        assert y.shape == (m, 2112) and y.dtype == torch.bfloat16
+        assert rel_err(y, x.double() @ wd.double().T) <= TOL_W8A8, m
+        assert rel_err(y, fp8_gemm.fp8_linear(x, w, s, path="w8a8")) <= 5e-3, m

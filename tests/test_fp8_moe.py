@@ -150,6 +150,9 @@ def check_grouped(t, e, d, i, k, dtype, dev, config=None, ids=None):
     y = fp8_moe.fp8_grouped_expert_mlp(xs, *routed, offsets, swiglu, config)
     assert y.dtype == dtype and y.shape == xs.shape
     n = int(offsets[-1])
+    # the rows read from x through their tokens (no gathered copy, each token quantized once): the same bits
+    yg = fp8_moe.fp8_grouped_expert_mlp(x, *routed, offsets, swiglu, config, tokens=order // ids.shape[1])
+    assert yg.shape == xs.shape and torch.equal(yg[:n], y[:n])
     err_emu = rel_err(y[:n], emulated_reference(xs, routed, offsets, dtype)[:n])
     assert err_emu <= EMULATED_TOL[dtype], err_emu
     err = rel_err(combine(y, order, ids, wts, offsets).to(dtype), moe_reference(x, ids, wts, routed, (None,)))
@@ -274,9 +277,12 @@ def check_grouped_w8a16(t, e, d, i, k, dtype, dev, ids=None):
     x, ids, wts, routed, xs, order, offsets = grouped_inputs(t, e, d, i, k, dtype, dev, ids)
     ref = moe_reference(x, ids, wts, routed, (None,))
     errs = []
+    n = int(offsets[-1])
     for w8a8 in (False, True):
         y = fp8_moe.fp8_grouped_expert_mlp(xs, *routed, offsets, swiglu, w8a8=w8a8)
         assert y.dtype == dtype and y.shape == xs.shape
+        yg = fp8_moe.fp8_grouped_expert_mlp(x, *routed, offsets, swiglu, w8a8=w8a8, tokens=order // ids.shape[1])
+        assert torch.equal(yg[:n], y[:n]), w8a8
         errs.append(rel_err(combine(y, order, ids, wts, offsets).to(dtype), ref))
     assert errs[0] <= EMULATED_TOL[dtype] and errs[0] * 4 < errs[1], errs
     return errs
@@ -302,6 +308,27 @@ def test_grouped_odd_width_empty_and_single_expert():
     ids = torch.tensor([[2, 4]] * t, device=DEV)
     check_grouped(t, 4, 199, 128, k, torch.float16, DEV, ids=ids)
     check_grouped(t, 4, 199, 256, k, torch.float16, DEV, fp8_moe.GroupedConfig(block_m=16, block_n=64, group_m=3))
+
+
+def test_grouped_tma_weight_tiles_give_the_same_bits():
+    """The weight tiles by TMA (B as [E * N, K]: an expert's tile past N reads the next expert's rows, the last
+    expert's zeros) at N 96 with 64-column tiles, uneven groups, an empty expert: the pointer loads' bits, both
+    activation kinds; K not a multiple of 16 is refused."""
+    torch.manual_seed(3)
+    counts = torch.tensor([5, 0, 19, 2], device=DEV)
+    offsets = counts.cumsum(0).to(torch.int32)
+    w, ws = _quantize(torch.randn(4, 96, 256, device=DEV))
+    a = torch.randn(int(counts.sum()), 256, device=DEV).half()
+    q, s = fp8_moe.quantize_rows_fp8(a)
+    for x, xs in ((q, s), (a, None)):
+        outs = [fp8_moe.fp8_grouped_gemm(x, xs, w, ws, offsets, torch.float32, fp8_moe.GroupedConfig(16, 64, 2,
+                                                                                                     tma=tma))
+                for tma in (False, True)]
+        assert torch.equal(outs[0], outs[1])
+    w, ws = _quantize(torch.randn(4, 96, 200, device=DEV))
+    with pytest.raises(ValueError, match="K a multiple of 16"):
+        fp8_moe.fp8_grouped_gemm(a[:, :200].contiguous(), None, w, ws, offsets, torch.float32,
+                                 fp8_moe.GroupedConfig(tma=True))
 
 
 def test_grouped_tile_lookup_covers_every_row():

@@ -324,9 +324,10 @@ def _moe_dispatch_kernel(IDS, TOKENS, INV, OFFS, N, E, K: tl.constexpr,
 
 
 @triton.jit
-def _moe_combine_kernel(Y, INV, W, SHARED, OUT, D, stride_y, stride_s, stride_o,
-                        K: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t] = round(sum_j W[t, j] * Y[INV[t K + j]]) (float32, j in order) (+ SHARED[t], rounded)."""
+def _moe_combine_kernel(Y, INV, W, SHARED, LIMIT, OUT, D, stride_y, stride_s, stride_o,
+                        K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = round(sum_j W[t, j] * Y[INV[t K + j]]) (float32, j in order) (+ SHARED[t], rounded);
+    ``HAS_LIMIT``: rows of Y from LIMIT[0] on (other ranks' pairs, not computed) are read as zeros."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = d < D
@@ -335,7 +336,10 @@ def _moe_combine_kernel(Y, INV, W, SHARED, OUT, D, stride_y, stride_s, stride_o,
     for j in tl.static_range(K):
         p = tl.load(INV + t * K + j)
         w = tl.load(W + t * K + j)
-        acc += tl.load(Y + p * stride_y + d, mask=m, other=0.0).to(tl.float32) * w
+        mj = m
+        if HAS_LIMIT:
+            mj = m & ((d * 0 + p) < tl.load(LIMIT))
+        acc += tl.load(Y + p * stride_y + d, mask=mj, other=0.0).to(tl.float32) * w
     out = acc.to(DT)
     if HAS_SHARED:
         out = (out.to(tl.float32) + tl.load(SHARED + t * stride_s + d, mask=m, other=0.0).to(tl.float32)).to(DT)

@@ -287,21 +287,24 @@ def moe_dispatch(ids: torch.Tensor, num_experts: int, sort_from: int = SORT_DISP
 
 
 def moe_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Per token the weighted sum of its k expert rows (float32, slot order), rounded to ``dtype``, plus the
     shared experts' output. y [T*k, D] (sorted by expert); inv [T*k]; weights [T, k] float32; shared [T, D] or
-    None -> [T, D] in ``dtype``."""
+    None; ``limit``: a 1-element int32 / int64 tensor, rows of y from it on (other ranks' pairs, left unwritten by
+    the grouped GEMMs) read as zeros (on the device: no host sync) -> [T, D] in ``dtype``."""
     t, top_k = weights.shape
     d = y.shape[1]
     require(y.stride(-1) == 1 and weights.is_contiguous() and inv.shape == (t * top_k,)
             and (shared is None or (shared.shape == (t, d) and shared.stride(-1) == 1)),
             f"y [T*k, D], inv [T*k], weights [T, k], shared [T, D]; got y {tuple(y.shape)}, inv "
             f"{tuple(inv.shape)}, weights {tuple(weights.shape)}")
+    require(limit is None or (limit.numel() == 1 and limit.dtype in (torch.int32, torch.int64)),
+            f"limit a 1-element int32 / int64 tensor or None; got {None if limit is None else tuple(limit.shape)}")
     out = torch.empty(t, d, dtype=dtype, device=y.device)
     if t:
         block = min(1024, _pow2(d))
         k._moe_combine_kernel[(t, triton.cdiv(d, block))](
-            y, inv, weights, shared if shared is not None else y, out, d, y.stride(0),
-            shared.stride(0) if shared is not None else 0, out.stride(0), K=top_k, HAS_SHARED=shared is not None,
-            BLOCK_D=block, num_warps=4)
+            y, inv, weights, shared if shared is not None else y, limit if limit is not None else inv, out, d,
+            y.stride(0), shared.stride(0) if shared is not None else 0, out.stride(0), K=top_k,
+            HAS_SHARED=shared is not None, HAS_LIMIT=limit is not None, BLOCK_D=block, num_warps=4)
     return out

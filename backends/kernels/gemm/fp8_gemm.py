@@ -16,6 +16,9 @@ Paths (:func:`fp8_linear` picks by M, ``path=`` forces one):
   Needs compute capability 8.9+ on a GPU; with ``path=None`` a GPU without fp8 tensor cores gets ``"w8a16"``.
 * ``"w8a16"``: the tiled GEMM with bf16 / fp16 activations and weights widened in registers, any M (no
   activation rounding; for comparisons and GPUs without fp8 tensor cores).
+* ``"flashinfer"`` / ``"scaled_mm"``: the libraries' W8A8 block-scale GEMMs (FlashInfer's
+  ``fp8_blockscale_gemm_sm90``; torch's ``F.scaled_mm`` with 1 x 128 / 128 x 128 block scales, i.e. cuBLAS, after
+  :func:`quantize_act`), chosen above :data:`FEW_ROWS` rows by measurement (:func:`choose_path`).
 
 All launchers are CUDA-graph safe: outputs and temporaries from ``torch.empty``, grids from shapes, no host
 sync, tile choices by rule (no autotuning at run time).
@@ -27,18 +30,21 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from backends.kernels.checks import interpreted, require
 from backends.kernels.gemm import fp8_gemm_kernels as k
 from backends.kernels.gemm.skinny import CPU_SM_COUNT, TileConfig
 from backends.kernels.pdl import use_pdl
-from backends.kernels.sm_count import sm_count
+from backends.kernels.sm_count import capability_major, sm_count
 
 #: rows up to which :func:`fp8_linear` takes the few-row W8A16 kernel (one 16-row tensor-core tile)
 FEW_ROWS = 16
 FP8_BLOCK = (128, 128)
-PATHS = (None, "few", "w8a8", "w8a16", "flashinfer")
+PATHS = (None, "few", "w8a8", "w8a16", "flashinfer", "scaled_mm")
+#: rows from which ``path=None`` takes torch's block-scaled ``F.scaled_mm`` (cuBLAS) over FlashInfer's kernel
+SCALED_MM_ROWS = 2048
 #: where the library kernel serves: FlashInfer's ``fp8_blockscale_gemm_sm90`` (W8A8, 1 x 128 activation scales it
 #: computes itself, 128 x 128 weight blocks), Hopper only, bf16 activations
 LIBRARY_CC, LIBRARY_BLOCK = (9, 0), (128, 128)
@@ -48,7 +54,9 @@ ACT_DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class GemmConfig:
     """A launch of the tiled GEMM: output tile ``block_m x block_n``, reduction step ``block_k`` (a power of two
-    dividing the scale block's ``bk``), row tiles per L2 group, warps, pipeline stages."""
+    dividing the scale block's ``bk``), row tiles per L2 group, warps, pipeline stages; ``tma``: the tiles loaded by
+    the tensor memory accelerator (``_block_gemm_tma_kernel``, compiled for a Hopper+ GPU only; 16-byte aligned
+    rows), ``ws``: with it, Triton's warp-specialized loop."""
 
     block_m: int
     block_n: int
@@ -56,6 +64,8 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    tma: bool = False
+    ws: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,19 +114,31 @@ def _splits(k_dim: int, block_k: int, split: int) -> int:
 
 def gemm_config(m: int, n: int, k_dim: int, bk: int, a_fp8: bool, device: torch.device | str) -> GemmConfig:
     """Tiles of the tiled GEMM, by rule: ``block_k = min(bk, 128)`` for fp8 activations (one scale block per step,
-    as DeepSeek's ``fp8_gemm``), ``min(bk, 64)`` for bf16 / fp16 ones; ``block_m`` 64 up to 64 rows, else 128 (fp8
-    tensor-core products are 64 rows per warp group), for W8A16 the smallest of 16 / 32 / 64 / 128 holding M;
-    ``block_n`` 128 when that still gives every SM a tile, else 64; 8 warps at 128 rows, else 4; 4 stages
-    (128 x 128 x 128 fp8: 128 KiB of shared memory). NOT yet tuned on a GPU: compare with
-    ``python -m bench.fp8_gemm_bench --sweep``."""
-    block_k = min(bk, 128 if a_fp8 else 64)
-    if a_fp8:
-        block_m = 64 if m <= 64 else 128
-    else:
-        block_m = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
+    as DeepSeek's ``fp8_gemm``), ``min(bk, 64)`` for bf16 / fp16 ones; for W8A16 ``block_m`` the smallest of
+    16 / 32 / 64 / 128 holding M; ``block_n`` 128 when that still gives every SM a tile, else 64.
+
+    W8A8: 64 x 128 tiles, 4 warps, 3 stages, TMA loads on a Hopper+ GPU (rows 16-byte aligned). Swept on an H200
+    at M = 4096 over DeepSeek-V3's TP8 shapes (``python -m bench.fp8_gemm_bench --path w8a8 --m 4096 --sweep``,
+    36 configs): 1.26-1.46x faster than the 128 x 128, 8-warp tiles it replaced (qkv_a 201.8 against 294.7 µs,
+    o_proj 171.9 / 244.9, gate_up 395.0 / 506.3, down 193.4 / 281.6); two 64-row tiles share an SM, so one's
+    scaling runs while the other's products do (each k-step's product is scaled before it joins the
+    accumulator, so a tile waits for its own). TMA took 10-13% off the same tiles; Triton's warp-specialized
+    loop changed nothing at 128 x 128. Below M = 4096 not swept. W8A16: 8 warps at 128 rows, else 4; 4 stages."""
     sms = sm_count(device, CPU_SM_COUNT)
+    if a_fp8:
+        block_k = min(bk, 128)
+        block_n = 128 if triton.cdiv(m, 64) * triton.cdiv(n, 128) >= sms else 64
+        return GemmConfig(64, block_n, block_k, 8, 4, 3, tma=tma_serves(device, k_dim))
+    block_k = min(bk, 64)
+    block_m = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     block_n = 128 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= sms else 64
     return GemmConfig(block_m, block_n, block_k, 8, 8 if block_m == 128 else 4, 4)
+
+
+def tma_serves(device: torch.device | str, row_bytes: int) -> bool:
+    """TMA loads serve the fp8 tiles: a CUDA GPU of capability 9.0+ (off the GPU, Triton's interpreter included:
+    no) and rows of a multiple of 16 bytes."""
+    return capability_major(device) >= 9 and row_bytes % 16 == 0
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
@@ -136,9 +158,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         The scale block ``(bn, bk)``: bn >= 1, bk a power of two >= 16 (>= 32 for ``"w8a8"``).
     pdl : bool
         Launch with programmatic dependent launch (Hopper+, compiled kernels only).
-    path : {None, "few", "w8a8", "w8a16", "flashinfer"}
-        None: :func:`choose_path` (``"few"`` for M <= 16; above, FlashInfer's SM90 block-scale GEMM where it
-        serves, else ``"w8a8"``, or ``"w8a16"`` on a GPU without fp8 tensor cores or bk < 32). A forced path
+    path : {None, "few", "w8a8", "w8a16", "flashinfer", "scaled_mm"}
+        None: :func:`choose_path` (``"few"`` for M <= 16; above, the libraries' SM90 block-scale GEMMs where
+        they serve, else ``"w8a8"``, or ``"w8a16"`` on a GPU without fp8 tensor cores or bk < 32). A forced path
         that cannot run raises ValueError saying why.
     config : FewConfig or GemmConfig, optional
         Tiles: :class:`FewConfig` for ``"few"`` (default :func:`few_config`),
@@ -156,6 +178,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     chosen = _resolve_path(path, m, (bn, bk), x, w8a8)
     if chosen == "flashinfer" and m and n and kd:
         return _library_gemm()(x.contiguous(), w, None, scale, out_dtype=x.dtype)
+    if chosen == "scaled_mm" and m and n and kd:  # rows padded to 16: cuBLAS refuses unaligned row counts
+        q, qs = quantize_act(x, bk, pdl, row_multiple=16)
+        st = F.ScalingType  # the activations' scales outer-dim-major, as cuBLAS reads them
+        return F.scaled_mm(q, w.t(), qs.t().contiguous().t(), st.BlockWise1x128, scale.t(), st.BlockWise128x128,
+                           output_dtype=x.dtype)[:m]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -184,12 +211,31 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         a, a_scale = x, scale  # a_scale unused (A_FP8 off)
     p = use_pdl(pdl, k._block_gemm_kernel, x.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    if cfg.tma:
+        _tma_gemm(a, a_scale, w, scale, y, bn, bk, a_fp8, cfg, p, grid)
+        return y
     k._block_gemm_kernel[grid](
         a, a_scale, w, scale, y, m, n, kd, a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0),
         scale.stride(0), scale.stride(1), y.stride(0), bn, BK_S=bk, A_FP8=a_fp8, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, EVEN_K=kd % cfg.block_k == 0, PDL=p,
         launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
+
+def _tma_gemm(a, a_scale, w, scale, y, bn: int, bk: int, a_fp8: bool, cfg: GemmConfig, pdl: bool, grid) -> None:
+    """The tiled GEMM with TMA loads (:class:`GemmConfig` ``tma``): host-built descriptors of A and W."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    require(a.stride(-1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16
+            == 0, f"TMA loads need 16-byte aligned rows; got strides {a.stride()} / {w.stride()}")
+    m, kd = a.shape
+    a_desc = TensorDescriptor(a, [m, kd], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
+    b_desc = TensorDescriptor(w, [w.shape[0], kd], [w.stride(0), 1], [cfg.block_n, cfg.block_k])
+    k._block_gemm_tma_kernel[grid](
+        a_desc, a_scale, b_desc, scale, y, m, w.shape[0], kd, a_scale.stride(0), a_scale.stride(1), scale.stride(0),
+        scale.stride(1), y.stride(0), bn, BK_S=bk, A_FP8=a_fp8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PDL=pdl, WS=cfg.ws, launch_pdl=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def fp8_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, scale: torch.Tensor,
@@ -245,7 +291,8 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
                                                          launch_pdl=p, num_warps=4)
 
 
-def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False, row_multiple: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, per-``group``-inputs fp8 quantization of activations (DeepSeek-V3's ``act_quant``).
 
     Parameters
@@ -256,6 +303,9 @@ def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False) -> tuple[
         Inputs per scale, a power of two >= 16 (the weight's bk, 128 for DeepSeek-V3).
     pdl : bool
         Launch with programmatic dependent launch.
+    row_multiple : int
+        Both outputs get M rounded up to a multiple of it rows; the rows past M are left unwritten (a library
+        GEMM that needs aligned row counts reads them into output rows that are dropped).
 
     Returns
     -------
@@ -269,9 +319,10 @@ def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False) -> tuple[
             f"x [M, K] bf16 / fp16 / float32 with a contiguous last dim; got {tuple(x.shape)} {x.dtype} "
             f"strides {tuple(x.stride())} (fix: x.contiguous())")
     m, kd = x.shape
-    q = torch.empty(m, kd, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, triton.cdiv(kd, group), dtype=torch.float32, device=x.device)
-    if q.numel() == 0:
+    rows = triton.cdiv(m, row_multiple) * row_multiple
+    q = torch.empty(rows, kd, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, triton.cdiv(kd, group), dtype=torch.float32, device=x.device)
+    if m == 0 or kd == 0:
         return q, s
     block_m = 16 if m <= 16 else 32
     p = use_pdl(pdl, k._quant_act_kernel, x.device)
@@ -282,19 +333,27 @@ def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False) -> tuple[
 
 
 def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype = torch.float16,
-                block: tuple[int, int] | None = None, library: bool = True, w8a8: bool = True) -> str:
+                block: tuple[int, int] | None = None, library: bool = True, w8a8: bool = True, k_dim: int = 0
+                ) -> str:
     """The path :func:`fp8_linear` takes with ``path=None``: ``"few"`` for M <= :data:`FEW_ROWS` (bf16
     activations: the decode step keeps the dequantized model's precision; FlashInfer's W8A8 is 1.3-2.7x faster
     there on an H200, but its e4m3 activations took a 4-layer decode's hidden-state error from 3.6e-2 to 5.1e-2,
-    past the parity tolerance); above it ``"flashinfer"`` where the library serves (bf16 activations, 128 x 128
-    blocks, an SM90 GPU, FlashInfer importable: faster than ours at every TP8 shape measured), else ``"w8a8"``
-    where fp8 tensor cores exist and bk >= 32, else ``"w8a16"`` (``library`` False: our kernels' path only, for
-    the bench; ``w8a8`` False: ``"w8a16"`` above :data:`FEW_ROWS` whatever the GPU)."""
+    past the parity tolerance); above it the libraries where they serve (bf16 activations, 128 x 128 blocks, an
+    SM90 GPU): from :data:`SCALED_MM_ROWS` rows torch's ``F.scaled_mm`` (cuBLAS), below FlashInfer's kernel
+    (importable), both faster than ours at every TP8 shape measured on an H200 (``python -m bench.fp8_gemm_bench``:
+    at 2048 / 4096 rows cuBLAS 89.7-139.9 / 129.2-270.1 µs, FlashInfer 70.2-167.7 / 142.3-287.7 over qkv_a,
+    o_proj, gate_up; FlashInfer ahead up to 1024 rows); ``k_dim``: K, which cuBLAS's path needs a multiple of
+    512 (0: unknown, not taken); else ``"w8a8"`` where fp8 tensor cores exist and bk >= 32, else
+    ``"w8a16"`` (``library`` False: our kernels' path only, for the bench; ``w8a8`` False: ``"w8a16"`` above
+    :data:`FEW_ROWS` whatever the GPU)."""
     if m <= FEW_ROWS:
         return "few"
     if not w8a8:
         return "w8a16"
-    if library and _library_serves(dtype, tuple(block or (128, bk)), device):
+    block = tuple(block or (128, bk))
+    if library and m >= SCALED_MM_ROWS and _scaled_mm_serves(dtype, block, device, k_dim):
+        return "scaled_mm"
+    if library and _library_serves(dtype, block, device):
         return "flashinfer"
     return "w8a8" if _fp8_dot_ok(device) and bk >= 32 else "w8a16"
 
@@ -333,11 +392,16 @@ def _resolve_path(path: str | None, m: int, block: tuple[int, int], x: torch.Ten
     require(path in PATHS, f"path one of {PATHS}; got {path!r}")
     bk, device = block[1], x.device
     if path is None:
-        return choose_path(m, bk, device, x.dtype, block, w8a8=w8a8)
+        return choose_path(m, bk, device, x.dtype, block, w8a8=w8a8, k_dim=x.shape[1])
     if path == "flashinfer":
         require(_library_serves(x.dtype, block, device),
                 f"bf16 activations, {LIBRARY_BLOCK} blocks, a GPU of compute capability {LIBRARY_CC} and FlashInfer "
                 f"for path='flashinfer'; got {x.dtype}, {tuple(block)}, {device} (fix: path=None)")
+    if path == "scaled_mm":
+        require(_scaled_mm_serves(x.dtype, block, device, x.shape[1]),
+                f"bf16 activations, {LIBRARY_BLOCK} blocks, K a multiple of 512, a GPU of compute capability "
+                f"{LIBRARY_CC} and torch's F.scaled_mm with block scaling for path='scaled_mm'; got {x.dtype}, "
+                f"{tuple(block)}, K {x.shape[1]}, {device} (fix: path=None)")
     if path == "few":
         require(m <= FEW_ROWS, f"M <= {FEW_ROWS} rows for path='few' (one 16-row tile); got M = {m} "
                                f"(fix: path=None, 'w8a8' or 'w8a16')")
@@ -365,6 +429,17 @@ def _library_serves(dtype: torch.dtype, block: tuple[int, int], device: torch.de
         return False
     index = torch.cuda.current_device() if device.index is None else device.index
     return _cuda_capability(index) == LIBRARY_CC and _library_gemm() is not None
+
+
+def _scaled_mm_serves(dtype: torch.dtype, block: tuple[int, int], device: torch.device | str, k_dim: int) -> bool:
+    """torch's ``F.scaled_mm`` takes 1 x 128 activation / 128 x 128 weight block scales here (cuBLAS on SM90):
+    bf16 activations, 128 x 128 blocks, K a multiple of 512 (cuBLAS wants the weight scales' K blocks in fours:
+    the TP8 rank's dense down, K 2304, is refused), a GPU of :data:`LIBRARY_CC`, a torch with ``F.ScalingType``."""
+    device = torch.device(device)
+    if dtype != torch.bfloat16 or tuple(block) != LIBRARY_BLOCK or device.type != "cuda" or k_dim <= 0 or k_dim % 512:
+        return False
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return _cuda_capability(index) == LIBRARY_CC and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
 
 
 @functools.cache

@@ -17,6 +17,7 @@ scale row, so no relation between the scale block and the column tile is needed)
   DeepSeek's inference code (``act_quant`` + ``fp8_gemm``): A is fp8 with one scale per row and ``BK_S`` inputs
   (:func:`_quant_act_kernel`), ``acc += dot(a, b) * a_scale[:, None] * b_scale[None, :]``, fp8 tensor cores.
   Otherwise W8A16: A is bf16 / fp16, B widened to it in registers, ``acc += dot(a, b) * b_scale[None, :]``.
+  :func:`_block_gemm_tma_kernel`: the same with TMA loads (Hopper+), optionally warp-specialized.
 * :func:`_quant_act_kernel`: x [M, K] -> fp8 [M, K] and float32 scales [M, ceil(K / G)], per row and G inputs:
   ``s = max(amax / 448, 1e-12)``, ``q = clamp(x / s, +-448)`` (IEEE division, so the bits equal torch's).
 """
@@ -202,14 +203,7 @@ def _block_gemm_kernel(A, AS, B, BS, C, M, N, K, stride_am, stride_asm, stride_a
     of GROUP_M row tiles (the B tiles of a group stay in L2). Out-of-range rows / columns are read wrapped
     (``% M``, ``% N``) and not stored, so only the K edge is masked (not at all with ``EVEN_K``)."""
     pdl_enter(PDL)
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rma = rm % M
@@ -239,6 +233,51 @@ def _block_gemm_kernel(A, AS, B, BS, C, M, N, K, stride_am, stride_asm, stride_a
         b_ptrs += BLOCK_K
     c = acc.to(C.dtype.element_ty)
     tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], c, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _block_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, stride_asm, stride_ask, stride_bsn, stride_bsk,
+                           stride_cm, BN_S, BK_S: tl.constexpr, A_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+                           WS: tl.constexpr):
+    """:func:`_block_gemm_kernel` with its A / B tiles loaded by the tensor memory accelerator (host-built
+    descriptors ``a_desc`` [M, K] block [BLOCK_M, BLOCK_K], ``b_desc`` [N, K] block [BLOCK_N, BLOCK_K]; edges read
+    as zeros, so no masks and no wrapped rows); ``WS``: Triton's warp-specialized loop (a producer warp feeds the
+    consumer warps). The same products in the same order, so the same bits."""
+    pdl_enter(PDL)
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    m0 = pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    as_ptrs = AS + (rm % M) * stride_asm
+    bs_ptrs = BS + ((rn % N) // BN_S) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
+        a = a_desc.load([m0, k0])
+        b = b_desc.load([n0, k0])
+        kb = k0 // BK_S
+        b_s = tl.load(bs_ptrs + kb * stride_bsk)
+        if A_FP8:
+            a_s = tl.load(as_ptrs + kb * stride_ask)
+            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+        else:
+            acc += tl.dot(a, tl.trans(b.to(a.dtype))) * b_s[None, :]
+    c = acc.to(C.dtype.element_ty)
+    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], c, mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program: programs ordered in groups of GROUP_M row tiles, so the B tiles of
+    a group stay in L2."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_rows, (pid % in_group) // group_rows
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import triton
 
 from backends.kernels.checks import interpreted, require
 from backends.kernels.gemm import fp8_moe_kernels as k
+from backends.kernels.gemm.fp8_gemm import tma_serves
 from backends.kernels.pdl import use_pdl
 
 #: the most tokens :func:`fp8_moe_experts` takes (one 16-row tensor-core tile per pair)
@@ -239,14 +240,16 @@ def quantize_rows_fp8(x: torch.Tensor, eps: float = 1e-10, limit: torch.Tensor |
 @dataclass(frozen=True)
 class GroupedConfig:
     """:func:`fp8_grouped_gemm` launch: rows per tile (``block_m``; default from the mean rows per expert),
-    columns per tile, tile slots per swept column block (``group_m``), warps, stages. The k step is the 128-wide
-    scale block. Defaults as sglang's block-fp8 fused MoE (64 x 128 x 128, 4 warps, 3 stages); not yet swept."""
+    columns per tile, tile slots per swept column block (``group_m``), warps, stages, ``tma``: the weight tiles
+    loaded by the tensor memory accelerator (None: on a Hopper+ GPU where K is a multiple of 16). The k step is
+    the 128-wide scale block. Defaults as sglang's block-fp8 fused MoE (64 x 128 x 128, 4 warps, 3 stages)."""
 
     block_m: int | None = None
     block_n: int = 128
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool | None = None
 
 
 def grouped_block_m(rows: int, n_experts: int) -> int:
@@ -257,8 +260,8 @@ def grouped_block_m(rows: int, n_experts: int) -> int:
 
 
 def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
-                     offsets: torch.Tensor, out_dtype: torch.dtype, config: GroupedConfig | None = None
-                     ) -> torch.Tensor:
+                     offsets: torch.Tensor, out_dtype: torch.dtype, config: GroupedConfig | None = None,
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per expert e, out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e]).T, float32 accumulation,
     rounded to ``out_dtype``: W8A8 (fp8 ``a`` with its scales), or W8A16 (16-bit ``a``, ``a_scale`` None).
 
@@ -267,6 +270,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
     a, a_scale : torch.Tensor
         W8A8: [rows, K] float8_e4m3fn grouped by expert (contiguous rows), [rows, cdiv(K, 128)] float32
         (:func:`quantize_rows_fp8`). W8A16: [rows, K] bfloat16 / float16 grouped by expert, and None.
+        With ``rows``: [T, K] (and [T, cdiv(K, 128)]) per token, read through ``rows``.
     w, w_scale : torch.Tensor
         [E, N, K] float8_e4m3fn contiguous, [E, cdiv(N, 128), cdiv(K, 128)] float32.
     offsets : torch.Tensor
@@ -274,53 +278,71 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
     out_dtype : torch.dtype
         bfloat16 / float16 / float32.
     config : GroupedConfig, optional
+    rows : torch.Tensor, optional
+        [R] int64, the token (row of ``a``) of each grouped row (``moe_dispatch``'s tokens): the kernel gathers
+        them, so the grouped rows need no copy.
 
     Returns
     -------
     torch.Tensor
-        [rows, N] of ``out_dtype``; rows past ``offsets[-1]`` are left unwritten (as ``torch._grouped_mm``).
+        [rows, N] of ``out_dtype`` (R rows with ``rows``); rows past ``offsets[-1]`` are left unwritten (as
+        ``torch._grouped_mm``).
     """
     require(w.dim() == 3, f"w [E, N, K] float8_e4m3fn; got {_shape(w)}")
     n_experts, n, kd = w.shape
-    rows = a.shape[0] if a.dim() == 2 else -1
+    require(rows is None or (rows.dim() == 1 and rows.dtype == torch.int64 and rows.is_contiguous()),
+            f"rows [R] int64, contiguous (the token of each grouped row) or None; got {_shape(rows)}")
+    tokens = a.shape[0] if a.dim() == 2 else -1
     a_fp8 = a_scale is not None
     kinds = "float8_e4m3fn (W8A8)" if a_fp8 else "bfloat16 / float16 (W8A16: a_scale None)"
     require(a.dim() == 2 and a.shape[1] == kd and a.dtype in ((FP8,) if a_fp8 else DOT_DTYPES)
             and a.stride(-1) == 1, f"a [rows, K = {kd}] {kinds}, last dim contiguous; got {_shape(a)}")
-    require(not a_fp8 or (tuple(a_scale.shape) == (rows, triton.cdiv(kd, BLOCK)) and a_scale.dtype == torch.float32
-                          and a_scale.stride(-1) == 1), f"a_scale [{rows}, {triton.cdiv(kd, BLOCK)}] float32; got "
-            f"{_shape(a_scale)}. Fix: quantize_rows_fp8(x)")
+    require(not a_fp8 or (tuple(a_scale.shape) == (tokens, triton.cdiv(kd, BLOCK)) and a_scale.dtype ==
+                          torch.float32 and a_scale.stride(-1) == 1),
+            f"a_scale [{tokens}, {triton.cdiv(kd, BLOCK)}] float32; got {_shape(a_scale)}. Fix: quantize_rows_fp8(x)")
+    rows_out = tokens if rows is None else rows.shape[0]
     _check_fp8("w", w, w_scale, (n_experts,), n, kd)
     require(tuple(offsets.shape) == (n_experts,) and offsets.dtype == torch.int32 and offsets.is_contiguous(),
             f"offsets [E = {n_experts}] int32 (inclusive cumulative rows per expert), contiguous; got "
             f"{_shape(offsets)}. Fix: counts.cumsum(0).to(torch.int32)")
     require(out_dtype in (*DOT_DTYPES, torch.float32), f"out_dtype bfloat16 / float16 / float32; got {out_dtype}")
-    out = torch.empty(rows, n, dtype=out_dtype, device=a.device)
-    if rows == 0 or n == 0 or n_experts == 0:
+    out = torch.empty(rows_out, n, dtype=out_dtype, device=a.device)
+    if rows_out == 0 or n == 0 or n_experts == 0:
         return out
     c = config or GroupedConfig()
-    bm = c.block_m or grouped_block_m(rows, n_experts)
+    bm = c.block_m or grouped_block_m(rows_out, n_experts)
     require(bm in (16, 32, 64, 128) and c.block_n in (16, 32, 64, 128) and c.group_m >= 1,
             f"GroupedConfig block_m / block_n in 16, 32, 64, 128, group_m >= 1; got {c}")
     # the most row tiles any routing of these rows can take: sum over e of cdiv(n_e, bm) <= rows / bm + E
-    max_tiles = min(triton.cdiv(rows, bm) + n_experts, rows)
+    max_tiles = min(triton.cdiv(rows_out, bm) + n_experts, rows_out)
     slots = triton.cdiv(max_tiles, c.group_m) * c.group_m
     grid = (slots * triton.cdiv(n, c.block_n),)
     scales = a_scale if a_fp8 else w_scale  # W8A16: a pointer the kernel never reads
+    tma = tma_serves(a.device, kd) if c.tma is None else c.tma
+    require(not tma or kd % 16 == 0, f"GroupedConfig.tma needs K a multiple of 16 (16-byte weight rows); got K = "
+            f"{kd}. Fix: tma=None")
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_desc = TensorDescriptor(w.view(n_experts * n, kd), [n_experts * n, kd], [kd, 1], [c.block_n, BLOCK])
     k._fp8_grouped_gemm_kernel[grid](
-        a, scales, w, w_scale, out, offsets, n_experts, n, kd, a.stride(0), scales.stride(0), w.stride(0),
-        w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+        a, scales, w, b_desc if tma else w, w_scale, out, offsets, rows if rows is not None else offsets, n_experts,
+        n, kd, a.stride(0),
+        scales.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         E_P2=triton.next_power_of_2(n_experts), BLOCK_M=bm, BLOCK_N=c.block_n, GROUP_M=c.group_m, A_FP8=a_fp8,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        GATHER=rows is not None, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
 def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,
                            down: torch.Tensor, down_scale: torch.Tensor, offsets: torch.Tensor,
                            act: Callable[[torch.Tensor], torch.Tensor],
-                           config: GroupedConfig | None = None, w8a8: bool = True) -> torch.Tensor:
+                           config: GroupedConfig | None = None, w8a8: bool = True,
+                           tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Every expert's gated MLP over its rows of ``xs`` from fp8 block-scaled weights: the contract of
-    ``runtime.model.deepseek.moe.grouped_expert_mlp`` (prefill / many tokens).
+    ``runtime.model.deepseek.moe.grouped_expert_mlp`` (prefill / many tokens), or with ``tokens`` over
+    ``xs[tokens]`` without that copy: the gate_up GEMM reads each grouped row from its token's row, and W8A8
+    quantizes each token once (T rows, not T * k; the same bits).
 
     ``w8a8``: xs is quantized per token and 128 columns (:func:`quantize_rows_fp8`), multiplied by gate_up in one
     W8A8 grouped GEMM (output rounded to xs's dtype), ``act`` maps [n, 2 I] to [n, I] (SiLU(gate) * up), whose
@@ -331,7 +353,8 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
     Parameters
     ----------
     xs : torch.Tensor
-        [rows, D] bfloat16 / float16 / float32 grouped by expert, last dim contiguous.
+        [rows, D] bfloat16 / float16 / float32 grouped by expert, last dim contiguous; with ``tokens`` [T, D] per
+        token.
     gate_up, gate_up_scale : torch.Tensor
         [E, 2 I, D] float8_e4m3fn, [E, 2 I / 128, cdiv(D, 128)] float32 (I a multiple of 128).
     down, down_scale : torch.Tensor
@@ -344,12 +367,14 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
         Both GEMMs' tiles.
     w8a8 : bool
         True: activations quantized to e4m3 per token and 128 inputs (DeepSeek's inference code); False: W8A16.
+    tokens : torch.Tensor, optional
+        [rows] int64, the token of each grouped row (``moe_dispatch``'s tokens), each in ``0 .. T - 1``.
 
     Returns
     -------
     torch.Tensor
         [rows, D] in xs's dtype; rows past ``offsets[-1]`` (other ranks' pairs) are left unwritten, as
-        ``torch._grouped_mm`` leaves them: the caller masks them.
+        ``torch._grouped_mm`` leaves them: the caller masks them (``moe_combine``'s ``limit``).
     """
     require(gate_up.dim() == 3 and down.dim() == 3, f"gate_up [E, 2 I, D] and down [E, D, I]; got gate_up "
             f"{_shape(gate_up)}, down {_shape(down)}")
@@ -357,10 +382,13 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
     _check_inter("routed experts'", two_i // 2)
     _check_fp8("down", down, down_scale, (n_experts,), d, two_i // 2)
     last = offsets[-1:] if offsets.numel() else None  # rows past it (other ranks' pairs) are skipped
-    q, s = quantize_rows_fp8(xs, limit=last) if w8a8 else (xs, None)
-    h = fp8_grouped_gemm(q, s, gate_up, gate_up_scale, offsets, xs.dtype, config)
+    if w8a8:  # per token: every row (a token with no local pair costs one quantized row); grouped: to the last
+        q, s = quantize_rows_fp8(xs, limit=None if tokens is not None else last)
+    else:
+        q, s = xs, None
+    h = fp8_grouped_gemm(q, s, gate_up, gate_up_scale, offsets, xs.dtype, config, rows=tokens)
     a = act(h)
-    require(a.shape == (xs.shape[0], two_i // 2), f"act(h [rows, 2 I]) -> [rows, I = {two_i // 2}]; got "
+    require(a.shape == (h.shape[0], two_i // 2), f"act(h [rows, 2 I]) -> [rows, I = {two_i // 2}]; got "
             f"{tuple(a.shape)}")
     q, s = quantize_rows_fp8(a.contiguous(), limit=last) if w8a8 else (a.contiguous(), None)
     return fp8_grouped_gemm(q, s, down, down_scale, offsets, xs.dtype, config)

@@ -304,9 +304,10 @@ def expert_tile(OFFS, n_experts, n_out, E_P2: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _fp8_grouped_gemm_kernel(A, AS, B, BS, C, OFFS, n_experts, N, K, stride_a, stride_as, stride_be, stride_bn,
-                             stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, A_FP8: tl.constexpr):
+def _fp8_grouped_gemm_kernel(A, AS, B, B_DESC, BS, C, OFFS, ROWS, n_experts, N, K, stride_a, stride_as, stride_be,
+                             stride_bn, stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, A_FP8: tl.constexpr,
+                             GATHER: tl.constexpr, TMA: tl.constexpr):
     """C[rows of e] = (A[rows of e] * AS) @ (B[e] * BS[e]).T, rounded to C's dtype, for every expert e.
 
     ``A_FP8`` (W8A8): A [rows, K] e4m3 grouped by expert, AS [rows, cdiv(K, 128)] float32 (one scale per row and
@@ -314,6 +315,11 @@ def _fp8_grouped_gemm_kernel(A, AS, B, BS, C, OFFS, n_experts, N, K, stride_a, s
     in registers (exact: e4m3 fits in either), the products scaled per column. B [E, N, K] e4m3,
     BS [E, cdiv(N, 128), cdiv(K, 128)] float32; OFFS [E] int32, the inclusive cumulative row counts. Rows past
     OFFS[E - 1] are not written.
+
+    ``GATHER``: A (and AS) are per token, not grouped: grouped row r reads A row ROWS[r] (int64), so the rows
+    need no gathered copy and a token's activations are quantized once for all its experts. ``TMA``: the B tiles
+    are loaded by the tensor memory accelerator through B_DESC (B as [E * N, K], blocks [BLOCK_N, 128]; rows past
+    an expert's N belong to the next expert or read as zeros, and only feed output columns that are not stored).
 
     Each program finds its tile with :func:`expert_tile` (no host sync); slots past the last tile return.
     The k loop is 128 wide: one activation scale per row and one weight scale per column per step."""
@@ -326,16 +332,20 @@ def _fp8_grouped_gemm_kernel(A, AS, B, BS, C, OFFS, n_experts, N, K, stride_a, s
     nmask = rn < N
     rm64 = rm.to(tl.int64)
     e64 = e.to(tl.int64)
-    a_rows = A + rm64[:, None] * stride_a
+    ra = tl.load(ROWS + rm64, mask=mmask, other=0) if GATHER else rm64
+    a_rows = A + ra[:, None] * stride_a
     b_cols = B + e64 * stride_be + rn.to(tl.int64)[None, :] * stride_bn  # [BLOCK_K, BLOCK_N] tiles of B[e].T
-    a_scales = AS + rm64 * stride_as
+    a_scales = AS + ra * stride_as
     b_scales = BS + e64 * stride_bse + (rn // QBLOCK) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, QBLOCK)):
         rk = kb * QBLOCK + tl.arange(0, QBLOCK)
         kmask = rk < K
         a = tl.load(a_rows + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_cols + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if TMA:
+            b = tl.trans(B_DESC.load([e * N + pid_n * BLOCK_N, kb * QBLOCK]))
+        else:
+            b = tl.load(b_cols + rk[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
         sb = tl.load(b_scales + kb, mask=nmask, other=0.0)
         if A_FP8:
             sa = tl.load(a_scales + kb, mask=mmask, other=0.0)

@@ -178,12 +178,15 @@ def _moe_up_kernel(X, IDS, GU, SGU, H, n_pairs, K, inter, s_inter, n_local, stri
     """Program (p, i-block): pair p < n_pairs is (token p // TOPK, expert IDS[p]) over GU[e] [2 I, K]; p >= n_pairs
     is token p - n_pairs over the shared experts SGU [2 I_s, K]. H[p, i] = silu(gate) * up, each GEMM output
     rounded to H's dtype, silu rounded, the product rounded (as the grouped GEMM + SiLU * up kernels).
-    Pairs of other ranks' experts (IDS[p] >= n_local) compute nothing."""
+    Pairs of other ranks' experts (IDS[p] >= n_local) return at once (their H rows stay unwritten: the down
+    kernel skips their slots)."""
     pdl_enter(PDL)
     p = tl.program_id(0)
     ri = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     routed, e, t, width, live, g_rows, u_rows = expert_pair(p, ri, IDS, GU, SGU, n_pairs, inter, s_inter, n_local,
                                                             stride_ge, stride_gn, stride_sn, TOPK)
+    if e >= n_local:  # another rank's expert (the shared rows load e = 0)
+        return
     if DOT:  # 16-bit: the x row as row 0 of a 16-row tensor-core tile (the weight loads feed a dot: pipelined)
         r16 = tl.arange(0, 16)
         acc_g = tl.zeros([BLOCK_I, 16], dtype=tl.float32)
@@ -219,8 +222,8 @@ def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_lo
                      HAS_SHARED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr, DOT: tl.constexpr,
                      PDL: tl.constexpr):
     """Program (t, d-block): out[t] = round(sum_j WTS[t, j] * round(DN[e_j] @ H[t TOPK + j])) (float32, j in
-    order; other ranks' experts add 0) (+ round(SDN @ H[n_pairs + t]), the sum rounded), as the grouped GEMM and
-    the combine kernel.
+    order; other ranks' experts add nothing: their slots are skipped) (+ round(SDN @ H[n_pairs + t]), the sum
+    rounded), as the grouped GEMM and the combine kernel.
 
     One loop over (slot, chunk of the hidden dim) for all the slots (the routed ones, then the shared row), so the
     weight loads stay pipelined across experts (a loop per expert drained the pipeline at every expert); the
@@ -243,24 +246,25 @@ def _moe_down_kernel(H, IDS, WTS, DN, SDN, OUT, n_pairs, D, inter, s_inter, n_lo
         acc = tl.zeros([BLOCK_D, BLOCK_I], dtype=tl.float32)
     for it in range(0, SLOTS * n_chunks):
         j = it // n_chunks
-        ri = (it % n_chunks) * BLOCK_I + tl.arange(0, BLOCK_I)
         routed = j < TOPK
-        p = tl.where(routed, t * TOPK + j, n_pairs + t)
         e = tl.sum(tl.where(slots == j, ids, 0))  # the shared slot (j == TOPK) reads 0
-        width = tl.where(routed, tl.where(e < n_local, inter, 0), s_inter)  # other ranks' experts: nothing
-        rows = tl.where(routed, DN + e * stride_de + rd.to(tl.int64)[:, None] * stride_dd,
-                        SDN + rd.to(tl.int64)[:, None] * stride_sd)
-        imask = ri < width
-        w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0)
-        if DOT:
-            h = tl.load(H + p * stride_h + r16[:, None] * 0 + ri[None, :], mask=(r16 < 1)[:, None] & imask[None, :],
-                        other=0.0)
-            acc = tl.dot(w, tl.trans(h), acc)
-        else:
-            h = tl.load(H + p * stride_h + ri, mask=imask, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * h[None, :]
-        if (it + 1) % n_chunks == 0:  # the slot's last chunk: round its product, fold it in, start the next
-            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # DOT: columns 1..15 are zeros
-            out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
-            acc = tl.zeros_like(acc)
+        if e < n_local:  # other ranks' slots: skipped (their H rows are unwritten)
+            ri = (it % n_chunks) * BLOCK_I + tl.arange(0, BLOCK_I)
+            p = tl.where(routed, t * TOPK + j, n_pairs + t)
+            width = tl.where(routed, inter, s_inter)
+            rows = tl.where(routed, DN + e * stride_de + rd.to(tl.int64)[:, None] * stride_dd,
+                            SDN + rd.to(tl.int64)[:, None] * stride_sd)
+            imask = ri < width
+            w = tl.load(rows + ri[None, :], mask=dmask[:, None] & imask[None, :], other=0.0)
+            if DOT:
+                h = tl.load(H + p * stride_h + r16[:, None] * 0 + ri[None, :],
+                            mask=(r16 < 1)[:, None] & imask[None, :], other=0.0)
+                acc = tl.dot(w, tl.trans(h), acc)
+            else:
+                h = tl.load(H + p * stride_h + ri, mask=imask, other=0.0).to(tl.float32)
+                acc += w.to(tl.float32) * h[None, :]
+            if (it + 1) % n_chunks == 0:  # the slot's last chunk: round its product, fold it in, start the next
+                y = tl.sum(acc, axis=1).to(DT).to(tl.float32)  # DOT: columns 1..15 are zeros
+                out, shared = fold_slot(y, routed, tl.sum(tl.where(slots == j, wts, 0.0)), out, shared)
+                acc = tl.zeros_like(acc)
     store_down_sum(OUT + t * stride_o + rd, out, shared, HAS_SHARED, dmask)

@@ -337,15 +337,15 @@ class FusedOps:
                                       *(shared or (None, None)), pdl=self.pdl)
         tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
         offsets = offsets[:n_local]
-        if stored:
-            y = self.f8moe.fp8_grouped_expert_mlp(x[tokens], w.gate_up.weight, w.gate_up.scale, w.down.weight,
-                                                  w.down.scale, offsets, self.silu_mul, w8a8=self.w8a8)
+        if stored:  # the grouped rows read from x through tokens (no gathered copy)
+            y = self.f8moe.fp8_grouped_expert_mlp(x, w.gate_up.weight, w.gate_up.scale, w.down.weight,
+                                                  w.down.scale, offsets, self.silu_mul, w8a8=self.w8a8,
+                                                  tokens=tokens)
         else:
             y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)
-        if mine is not None:  # rows past the last offset (other ranks' experts) are not computed: zero them
-            y = torch.where((torch.arange(y.shape[0], device=y.device) < offsets[-1])[:, None], y, 0.0)
         shared = self.dense_mlp(w.shared, x) if w.shared is not None else None
-        return self.k.moe_combine(y, inv, weights, shared, x.dtype)
+        # rows past the last offset (other ranks' experts) are not computed: the combine reads them as zeros
+        return self.k.moe_combine(y, inv, weights, shared, x.dtype, offsets[-1:] if mine is not None else None)
 
     def v4_route(self, w, x, input_ids, cfg):
         """The router's product (the few-row kernel at few rows: logits in x's dtype, as the reference), then one
