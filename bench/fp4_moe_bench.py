@@ -167,7 +167,7 @@ def skinny_path(c: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) 
 
     n = c["n_local"]
     local = torch.where(ids < n, ids, n).contiguous()
-    return skinny.moe_experts(x, local, wts, *c["bf16"], None, None)
+    return skinny.moe_experts(x, local, wts, *c["bf16"], None, None, others=n < N_EXPERTS)
 
 
 def torch_loop(c: dict, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ def bf16_path(c: dict, x: torch.Tensor, ids: torch.Tensor, local: torch.Tensor, 
 
     gu, dn, sgu, sdn = c["bf16"]
     if x.shape[0] <= skinny.MAX_ROWS:
-        return skinny.moe_experts(x, local, wts, gu, dn, sgu, sdn)
+        return skinny.moe_experts(x, local, wts, gu, dn, sgu, sdn, others=c["n_local"] < N_EXPERTS)
     out = routed_expert_sum(x, wts, ids, gu, dn, 0, N_EXPERTS, swiglu, True, torch.float32).to(x.dtype)
     return out + F.linear(swiglu(F.linear(x, sgu)), sdn)
 

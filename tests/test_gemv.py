@@ -161,12 +161,13 @@ def test_moe_experts_match_float64(t, i, i_s, dtype, tol):
     check_moe(t, 40, 6, i, i_s, 2, dtype, DEV, tol, skinny.ExpertConfig(16, 32, 16, 16))
 
 
+@pytest.mark.parametrize("others", [True, False])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
-def test_moe_experts_expert_parallel_partials_sum_to_the_whole(monkeypatch, dtype, tol):
+def test_moe_experts_expert_parallel_partials_sum_to_the_whole(monkeypatch, dtype, tol, others):
     """parallel.moe=ep: two ranks hold 3 of 6 experts each (other ranks' pairs carry id n_local: the up kernel
-    returns at once and the down kernel skips their slots, so their hidden rows, NaN-filled here, are never read);
-    the shared experts live on rank 0. The partial sums add up to the whole MoE (float32 CUDA-core products and
-    16-bit tensor-core ones)."""
+    returns at once, the down kernel branches over their slots (``others``) or loads nothing of them, so their
+    hidden rows, NaN-filled here, are never read); the shared experts live on rank 0. The partial sums add up to
+    the whole MoE (float32 CUDA-core products and 16-bit tensor-core ones)."""
     empty = torch.empty
 
     def nan_empty(*args, **kwargs):
@@ -187,7 +188,7 @@ def test_moe_experts_expert_parallel_partials_sum_to_the_whole(monkeypatch, dtyp
         local = torch.where((local >= 0) & (local < 3), local, 3).contiguous()
         sh = shared if r == 0 else (None, None)
         parts.append(skinny.moe_experts(x, local, wts, gu[3 * r:3 * r + 3].contiguous(),
-                                        dn[3 * r:3 * r + 3].contiguous(), *sh, config=cfg))
+                                        dn[3 * r:3 * r + 3].contiguous(), *sh, config=cfg, others=others))
     monkeypatch.undo()
     assert all(torch.isfinite(p).all() for p in parts)
     assert rel_err(parts[0].float() + parts[1].float(), moe_reference(x, ids, wts, gu, dn, shared)) <= tol

@@ -43,8 +43,11 @@ from backends.kernels.sm_count import capability_major, sm_count
 FEW_ROWS = 16
 FP8_BLOCK = (128, 128)
 PATHS = (None, "few", "w8a8", "w8a16", "flashinfer", "scaled_mm")
-#: rows from which ``path=None`` takes torch's block-scaled ``F.scaled_mm`` (cuBLAS) over FlashInfer's kernel
-SCALED_MM_ROWS = 2048
+#: rows from which ``path=None`` would take torch's block-scaled ``F.scaled_mm`` (cuBLAS) over FlashInfer's
+#: kernel; None: never. On an H200 cuBLAS is ahead per GEMM from 2048 rows (``python -m bench.fp8_gemm_bench``,
+#: CUDA graphs), yet a 16-layer fp8 prefill of 2048 / 4096 tokens (eager) measured 53.2 / 54.3 ms with it against
+#: 33.5 / 45.4 without (8000 tokens: 73.5 / 76.0), not understood, so it is off by default
+SCALED_MM_ROWS: int | None = None
 #: where the library kernel serves: FlashInfer's ``fp8_blockscale_gemm_sm90`` (W8A8, 1 x 128 activation scales it
 #: computes itself, 128 x 128 weight blocks), Hopper only, bf16 activations
 LIBRARY_CC, LIBRARY_BLOCK = (9, 0), (128, 128)
@@ -339,8 +342,9 @@ def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype 
     activations: the decode step keeps the dequantized model's precision; FlashInfer's W8A8 is 1.3-2.7x faster
     there on an H200, but its e4m3 activations took a 4-layer decode's hidden-state error from 3.6e-2 to 5.1e-2,
     past the parity tolerance); above it the libraries where they serve (bf16 activations, 128 x 128 blocks, an
-    SM90 GPU): from :data:`SCALED_MM_ROWS` rows torch's ``F.scaled_mm`` (cuBLAS), below FlashInfer's kernel
-    (importable), both faster than ours at every TP8 shape measured on an H200 (``python -m bench.fp8_gemm_bench``:
+    SM90 GPU): FlashInfer's kernel (importable), or from :data:`SCALED_MM_ROWS` rows (None, the default: never)
+    torch's ``F.scaled_mm`` (cuBLAS), both faster than ours at every TP8 shape measured on an H200
+    (``python -m bench.fp8_gemm_bench``:
     at 2048 / 4096 rows cuBLAS 89.7-139.9 / 129.2-270.1 µs, FlashInfer 70.2-167.7 / 142.3-287.7 over qkv_a,
     o_proj, gate_up; FlashInfer ahead up to 1024 rows); ``k_dim``: K, which cuBLAS's path needs a multiple of
     512 (0: unknown, not taken); else ``"w8a8"`` where fp8 tensor cores exist and bk >= 32, else
@@ -351,7 +355,8 @@ def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype 
     if not w8a8:
         return "w8a16"
     block = tuple(block or (128, bk))
-    if library and m >= SCALED_MM_ROWS and _scaled_mm_serves(dtype, block, device, k_dim):
+    if library and SCALED_MM_ROWS is not None and m >= SCALED_MM_ROWS and _scaled_mm_serves(dtype, block, device,
+                                                                                             k_dim):
         return "scaled_mm"
     if library and _library_serves(dtype, block, device):
         return "flashinfer"

@@ -175,14 +175,16 @@ class ExpertConfig:
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
-                config: ExpertConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                config: ExpertConfig | None = None, pdl: bool = False, others: bool = False) -> torch.Tensor:
     """The routed experts' weighted sum plus the shared experts, for few tokens, in two kernels (no sort, no
     grouped GEMM, no combine pass): every (token, slot) pair streams its expert's rows once.
 
     x [T, D]; ids [T, k] int64 local expert ids (``n_local = gate_up.shape[0]`` marks other ranks' experts, which
     add 0); weights [T, k] float32; gate_up [E, 2 I, D], down [E, D, I]; shared_gate_up [2 I_s, D] and
     shared_down [D, I_s] or both None -> [T, D] in x's dtype, rounded as the grouped-GEMM path with the combine
-    kernel rounds (each GEMM output, SiLU, the product, the weighted sum, the shared add)."""
+    kernel rounds (each GEMM output, SiLU, the product, the weighted sum, the shared add). ``others`` (expert
+    parallelism: ids may carry n_local): the down kernel branches over other ranks' slots (faster there, slower
+    where every expert is local); either way they add 0."""
     t, d = x.shape
     top_k = ids.shape[1] if ids.dim() == 2 else 0
     n_local, two_i, _ = gate_up.shape
@@ -219,5 +221,6 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
         down.stride(1), sdn.stride(0), out.stride(0), TOPK=top_k, TOPK_P2=triton.next_power_of_2(max(top_k, 1)),
         HAS_SHARED=has_shared,
         BLOCK_D=c.down_block_d, BLOCK_I=min(c.down_block_i, triton.next_power_of_2(max(inter, s_inter, 16))),
-        DOT=x.dtype in DOT_DTYPES, PDL=p, launch_pdl=p, num_warps=c.num_warps, num_stages=c.num_stages)
+        DOT=x.dtype in DOT_DTYPES, SKIP=bool(others), PDL=p, launch_pdl=p, num_warps=c.num_warps,
+        num_stages=c.num_stages)
     return out

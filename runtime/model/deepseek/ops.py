@@ -334,7 +334,7 @@ class FusedOps:
                                               w.gate_up.scale, w.down.weight, w.down.scale, *sh, pdl=self.pdl)
         if few:  # every (token, slot) pair streams its expert once; other ranks' experts (id n_local) add 0
             return self.s.moe_experts(x, local.contiguous(), weights.contiguous(), w.gate_up, w.down,
-                                      *(shared or (None, None)), pdl=self.pdl)
+                                      *(shared or (None, None)), pdl=self.pdl, others=mine is not None)
         tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
         offsets = offsets[:n_local]
         if stored:  # the grouped rows read from x through tokens (no gathered copy)
