@@ -210,6 +210,37 @@ def test_the_reader_keeps_fp4_scales_as_ue8m0_bytes_where_it_can(as_, tmp_path):
     reader.close()
 
 
+@pytest.mark.parametrize("as_", ["u8", "f32"])
+def test_fp4_scales_past_what_the_kernels_take_are_refused_as_read(as_, tmp_path):
+    """A kept fp4 weight whose scales reach past 2**64 (ue8m0 byte 192; 255, e8m0's NaN) is refused when read,
+    whole or cut, with the scale tensor's name and the fix; 2**64 itself (byte 191) is held."""
+    from safetensors.torch import save_file
+
+    packed, e = fp4_rows(torch.randn(4, 128, generator=torch.Generator().manual_seed(4)))
+    for top, ok in ((64, True), (65, False), (128, False)):
+        if as_ == "f32" and top == 128:
+            continue  # 2**128 is not a float32 power of two: inf, refused as such by the u8 case's NaN byte
+        e2 = e.clone()
+        e2[2, 1] = top
+        scale = stored_scale(e2, as_)
+        path = tmp_path / f"w{top}.safetensors"
+        save_file({"w": packed, "w.scale": scale}, str(path))
+        index = {"w": TensorInfo(path, "I8", (4, 64)), "w.scale": TensorInfo(path, "U8" if as_ == "u8" else "F32",
+                                                                             (4, 4))}
+        reader = _Reader(index, CPU, torch.float32, {"w": ScaledTensor(StoredKind.fp4, "w.scale", (1, 32))},
+                         keep=lambda name: True)
+        for cut in (Cut(((slice(None), slice(None)),)), Cut(((slice(None), slice(32, 64)),), dim=1)):
+            if ok:
+                assert isinstance(reader.get("w", cut=cut), PackedFP4)
+                continue
+            with pytest.raises(CheckpointError) as err:
+                reader.get("w", cut=cut)
+            msg = str(err.value)
+            assert "w.scale (the fp4 scales of w)" in msg and "scales up to 2**64" in msg
+            assert "download the shard" in msg
+        reader.close()
+
+
 # ------------------------------------------------------------------------------------------- checkpoints
 def test_auto_is_stored_for_a_quantized_v4_checkpoint(release):
     _, model = release

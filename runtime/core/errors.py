@@ -33,7 +33,8 @@ class ConfigError(ValueError):
 
 class CheckpointError(ConfigError):
     """A checkpoint folder cannot be served (missing or truncated shard, missing tensor, wrong shape or dtype);
-    each problem names the file and the tensor. Raised before any weight is loaded."""
+    each problem names the file and the tensor. Raised before any weight is loaded, except for stored values a
+    header cannot show (an fp4 scale past what the kernels take), found as their tensor is read."""
 
     header = "checkpoint refused"
 

@@ -9,8 +9,9 @@ Triton keeps float32 subnormals: its FMULs and FFMAs are not flush-to-zero). The
 activation times 2 ** 63, so they are e2m1 * x * 2 ** -63 (normal unless |e2m1 * x| < 2 ** -63); a word's 8 products
 are summed, then times its group's scale times 2 ** 63 (an exact power of two: the scale ``2 ** (b - 127)`` of ue8m0
 byte b is ``(b + 63) << 23`` as float32 bits) into one float32 accumulator per word lane. The sums are those of the
-dequantized weights in float32 up to summation order. Limits: scales up to 2 ** 64 (ue8m0 bytes <= 191) and
-|activations| below 2 ** 65; the release's scales are ~2 ** -8.
+dequantized weights in float32 up to summation order. Limits: scales up to 2 ** 64 (ue8m0 bytes <= 191: the
+checkpoint reader refuses larger ones, ``runtime.model.deepseek.checkpoint.FP4_MAX_SCALE``) and |activations| below
+2 ** 65; the release's scales are ~2 ** -8.
 
 The loop is ~11 instructions a packed byte (offline SASS for sm_90a, 4 x 1024 up tile), against ~25 of the
 byte-wise CUDA-core kernels these replaced (16-byte groups of nibbles widened with compares and selects, reduced

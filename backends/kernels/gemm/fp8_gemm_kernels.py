@@ -222,17 +222,10 @@ def _block_gemm_kernel(A, AS, B, BS, C, M, N, K, stride_am, stride_asm, stride_a
             kmask = (k0 + rk) < K
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[None, :], other=0.0)
-        kb = k0 // BK_S
-        b_s = tl.load(bs_ptrs + kb * stride_bsk)
-        if A_FP8:
-            a_s = tl.load(as_ptrs + kb * stride_ask)
-            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-        else:
-            acc += tl.dot(a, tl.trans(b.to(a.dtype))) * b_s[None, :]
+        acc = _scaled_step(acc, a, b, as_ptrs, bs_ptrs, k0 // BK_S, stride_ask, stride_bsk, A_FP8)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    c = acc.to(C.dtype.element_ty)
-    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], c, mask=(rm < M)[:, None] & (rn < N)[None, :])
+    _store_tile(C, acc, rm, rn, M, N, stride_cm)
 
 
 @triton.jit
@@ -254,17 +247,28 @@ def _block_gemm_tma_kernel(a_desc, AS, b_desc, BS, C, M, N, K, stride_asm, strid
     bs_ptrs = BS + ((rn % N) // BN_S) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WS):
-        a = a_desc.load([m0, k0])
-        b = b_desc.load([n0, k0])
-        kb = k0 // BK_S
-        b_s = tl.load(bs_ptrs + kb * stride_bsk)
-        if A_FP8:
-            a_s = tl.load(as_ptrs + kb * stride_ask)
-            acc += tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
-        else:
-            acc += tl.dot(a, tl.trans(b.to(a.dtype))) * b_s[None, :]
-    c = acc.to(C.dtype.element_ty)
-    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], c, mask=(rm < M)[:, None] & (rn < N)[None, :])
+        acc = _scaled_step(acc, a_desc.load([m0, k0]), b_desc.load([n0, k0]), as_ptrs, bs_ptrs, k0 // BK_S,
+                           stride_ask, stride_bsk, A_FP8)
+    _store_tile(C, acc, rm, rn, M, N, stride_cm)
+
+
+@triton.jit
+def _scaled_step(acc, a, b, as_ptrs, bs_ptrs, kb, stride_ask, stride_bsk, A_FP8: tl.constexpr):
+    """One k-step of the tiled GEMMs: the tile product of a [BLOCK_M, BLOCK_K] and b [BLOCK_N, BLOCK_K] scaled by
+    its scale block ``kb`` (W8A8: activation scale x weight scale; W8A16: b widened, the weight scale) and added to
+    the float32 accumulator."""
+    b_s = tl.load(bs_ptrs + kb * stride_bsk)
+    if A_FP8:
+        a_s = tl.load(as_ptrs + kb * stride_ask)
+        return acc + tl.dot(a, tl.trans(b)) * a_s[:, None] * b_s[None, :]
+    return acc + tl.dot(a, tl.trans(b.to(a.dtype))) * b_s[None, :]
+
+
+@triton.jit
+def _store_tile(C, acc, rm, rn, M, N, stride_cm):
+    """The accumulator rounded to C's dtype, stored where the rows / columns are in range."""
+    tl.store(C + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit

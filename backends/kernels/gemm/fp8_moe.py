@@ -6,7 +6,8 @@ copy of the weights.
   experts in two kernels, with :func:`backends.kernels.gemm.skinny.moe_experts`'s semantics and rounding.
 * :func:`fp8_grouped_expert_mlp`: prefill, ``runtime.model.deepseek.moe.grouped_expert_mlp``'s contract (rows
   grouped by expert, inclusive int32 offsets, an ``act`` callable), as W8A8 grouped GEMMs with per-token, 128-column
-  activation scales (:func:`quantize_rows_fp8`), or W8A16 ones on the 16-bit rows (``model.fp8_compute=w8a16``).
+  activation scales (:func:`quantize_rows_fp8`), or W8A16 ones on the 16-bit rows (``model.fp8_compute=w8a16``);
+  with ``tokens`` (the dispatch's) the first GEMM reads each grouped row from x itself (no gathered copy).
 
 Layout (DeepSeek-V3's checkpoints, experts stacked): gate_up [E, 2 I, D] e4m3 (gate rows, then up rows) with
 scales [E, 2 I / 128, cdiv(D, 128)]; down [E, D, I] e4m3 with scales [E, cdiv(D, 128), I / 128]; the shared

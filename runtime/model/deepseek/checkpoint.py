@@ -56,11 +56,15 @@ from runtime.model.quantized import (
     Weight,
     apply_block_scales,
     cat_rows,
+    scale_values,
     stored_weight,
     unpack_fp4,
 )
 
 INDEX_FILE = "model.safetensors.index.json"
+#: the largest fp4 scale a weight kept as stored may have: the CUDA-core fp4 expert kernels scale by 2**63 twice
+#: (``backends/kernels/gemm/fp4_fma_kernels.py``), so they hold ue8m0 bytes up to 191
+FP4_MAX_SCALE = 2.0**64
 SINGLE_FILE = "model.safetensors"
 FP8 = "F8_E4M3"
 F4 = "F4"  # safetensors' float4 (DeepSeek-V4 fp4 experts; its header counts fp4 elements)
@@ -295,6 +299,19 @@ class _Reader:
         h = self._open(self.index[stored.scale].file)
         return h.get_tensor(stored.scale) if blocks is None else h.get_slice(stored.scale)[blocks]
 
+    def _kept_scale(self, name: str, stored: ScaledTensor, scale: torch.Tensor) -> torch.Tensor:
+        """The scales of a weight kept as stored, as read (on the host), after the check the fp4 kernels need:
+        every scale at most 2**64 (:data:`FP4_MAX_SCALE`, ue8m0 bytes <= 191; NaN / inf refused too)."""
+        if stored.kind == StoredKind.fp4 and scale.numel():
+            raw = scale.dtype in (torch.uint8, torch.float8_e8m0fnu)  # ue8m0 bytes: compared as bytes (fast)
+            top = scale_values(scale.view(torch.uint8).max().reshape(1)) if raw else scale_values(scale).max()
+            if not bool(top.max() <= FP4_MAX_SCALE):
+                raise CheckpointError([Problem(
+                    f"{stored.scale} (the fp4 scales of {name})", f"a scale of {float(top.max()):g}",
+                    "scales up to 2**64 (ue8m0 bytes <= 191; the CUDA-core fp4 kernels take no more, and a "
+                    "release's are near 2**-8)", "the file is damaged: download the shard that holds it again")])
+        return scale
+
     def _whole(self, name: str, info: TensorInfo, want: torch.dtype) -> Weight:
         t = self._open(info.file).get_tensor(name)
         stored = self.scaled.get(name)
@@ -302,7 +319,8 @@ class _Reader:
             return t.to(device=self.device, dtype=want)
         scale = self._scale(stored)
         if self.kept(name):
-            return stored_weight(stored.kind, stored.block, t.to(self.device), scale.to(self.device))
+            return stored_weight(stored.kind, stored.block, t.to(self.device),
+                                 self._kept_scale(name, stored, scale).to(self.device))
         return stored.dequantize(t.to(self.device), scale.to(self.device), want)
 
     def _piece(self, name: str, info: TensorInfo, piece: tuple[slice, ...], want: torch.dtype) -> torch.Tensor:
@@ -322,7 +340,7 @@ class _Reader:
             h = self._open(info.file)
             t = h.get_tensor(name)[w_idx] if info.dtype == F4 else h.get_slice(name)[w_idx]
             return stored_weight(stored.kind, stored.block, t.to(self.device),
-                                 self._scale(stored, s_idx).to(self.device))
+                                 self._kept_scale(name, stored, self._scale(stored, s_idx)).to(self.device))
         (br, bc), (r0, r1), (c0, c1) = stored.block, *(_span(s, n) for s, n in zip(piece + (slice(None),) * 2,
                                                                                   (rows, cols)))
         b0, b1 = (c0 // 2, -(-c1 // 2)) if fp4 else (c0, c1)  # the stored columns (fp4: bytes) that hold the piece
