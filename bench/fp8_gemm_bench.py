@@ -7,8 +7,8 @@ L2 never serves a repeated read (``copies_for_l2``):
 * ``ours_us``: :func:`fp8_linear` on the path it picks (``path``), ``--path`` forces one;
 * ``bf16_us``: ``F.linear`` over the dequantized bf16 weight (what a model expanded at load time runs);
 * ``fi_us``: FlashInfer ``fp8_blockscale_gemm_sm90(x_bf16, w, None, scale)`` (it quantizes x itself);
-* ``tsm_us``: torch's blockwise scaled mm (``F.scaled_mm`` 1x128 x 128x128, else ``torch._scaled_mm``),
-  our ``quantize_act`` included in its time (torch has no activation quantizer);
+* ``tsm_us``: torch's blockwise scaled mm (``fp8_linear(path="scaled_mm")``: ``F.scaled_mm`` 1x128 x 128x128,
+  cuBLAS), our ``quantize_act`` included in its time (torch has no activation quantizer);
 * ``*_err``: relative error against float64 (x times the dequantized weight); ``n/a`` + the reason when a
   library cannot run;
 * ``copy_pct``: ours as % of the copy bandwidth, bytes = fp8 weight + scales + x + y;
@@ -114,16 +114,6 @@ def _flashinfer():
     return (lambda x, w, s: fp8_blockscale_gemm_sm90(x, w, None, s, out_dtype=BF)), ""
 
 
-def _torch_blockwise(x, w, s, fp8_gemm):
-    """torch's 1x128 x 128x128 blockwise scaled mm, with our activation quantizer in front."""
-    q, qs = fp8_gemm.quantize_act(x, 128)
-    qs = qs.t().contiguous().t()  # 1x128 scales outer-dim-major
-    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
-        st = F.ScalingType
-        return F.scaled_mm(q, w.t(), qs, st.BlockWise1x128, s.t(), st.BlockWise128x128, output_dtype=x.dtype)
-    return torch._scaled_mm(q, w.t(), scale_a=qs, scale_b=s.t(), out_dtype=x.dtype)
-
-
 def _try(fn, ref, copies, label):
     """(us, rel_err) of fn graph-timed over the copies, or ("n/a", reason) when it fails."""
     try:
@@ -212,7 +202,7 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
             if args.no_libs:
                 tsm_us, tsm_err = "n/a", "--no-libs"
             else:
-                tsm_us, tsm_err = _try(lambda x, w, s: _torch_blockwise(x, w, s, fp8_gemm), ref, ours_sets,
+                tsm_us, tsm_err = _try(lambda x, w, s: fp8_gemm.fp8_linear(x, w, s, path="scaled_mm"), ref, ours_sets,
                                        "torch scaled_mm")
             nbytes = w_bytes + (m * kd + m * n) * 2
             row = {"shape": name, "N": n, "K": kd, "M": m, "path": path, "ours_us": ours_us, "bf16_us": bf_us,

@@ -30,7 +30,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from backends.kernels.checks import interpreted, require
@@ -183,9 +182,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         return _library_gemm()(x.contiguous(), w, None, scale, out_dtype=x.dtype)
     if chosen == "scaled_mm" and m and n and kd:  # rows padded to 16: cuBLAS refuses unaligned row counts
         q, qs = quantize_act(x, bk, pdl, row_multiple=16)
-        st = F.ScalingType  # the activations' scales outer-dim-major, as cuBLAS reads them
-        return F.scaled_mm(q, w.t(), qs.t().contiguous().t(), st.BlockWise1x128, scale.t(), st.BlockWise128x128,
-                           output_dtype=x.dtype)[:m]
+        scaled_mm, st = _torch_block_scaled()  # the activations' scales outer-dim-major, as cuBLAS reads them
+        return scaled_mm(q, w.t(), qs.t().contiguous().t(), st.BlockWise1x128, scale.t(), st.BlockWise128x128,
+                         output_dtype=x.dtype)[:m]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -444,7 +443,17 @@ def _scaled_mm_serves(dtype: torch.dtype, block: tuple[int, int], device: torch.
     if dtype != torch.bfloat16 or tuple(block) != LIBRARY_BLOCK or device.type != "cuda" or k_dim <= 0 or k_dim % 512:
         return False
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _cuda_capability(index) == LIBRARY_CC and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+    return _cuda_capability(index) == LIBRARY_CC and _torch_block_scaled() is not None
+
+
+@functools.cache
+def _torch_block_scaled():
+    """(torch's ``F.scaled_mm``, its ``ScalingType``), None with a torch that has no block-scaled product."""
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm
+    except ImportError:  # an older torch: FlashInfer or our kernels serve
+        return None
+    return scaled_mm, ScalingType
 
 
 @functools.cache
