@@ -44,6 +44,7 @@ BENCHES: dict[str, list[str]] = {
     "fp8_moe_bench": ["--quick"],  # block-fp8 experts
     "fp4_moe_bench": ["--quick"],  # V4's packed fp4 experts
     "dsa_prefill_bench": ["--quick"],  # V3.2 sparse prefill vs dense, one layer (issue 48)
+    "prefill_bench": ["--quick"],  # eager prefill of a preset per fp8 GEMM variant
     "serving": ["--quick"],  # the OpenAI server under Poisson arrivals against the offline engine
 }
 

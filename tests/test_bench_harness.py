@@ -21,7 +21,7 @@ from bench.harness import Ceilings, Table, format_table, json_line, parse_json_l
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_MODULES = ["bench_dsa", "bench_engine_decode", "bench_flashinfer", "bench_speculative", "profile_engine_step",
                  "triton_mla_kernels_gpu", "mla_decode_grid", "ceilings", "run_all", "tp_decode", "host_step",
-                 "dsv4_decode_bench", "gemv_bench"]
+                 "dsv4_decode_bench", "gemv_bench", "prefill_bench"]
 CEIL = Ceilings("Fake GPU", copy_gbs=2000.0, matmul_tflops=500.0)
 
 
@@ -234,6 +234,33 @@ def test_decode_roofline_fits_layers_by_kind():
     assert layers_that_fit([dense] * 3 + [moe], kv, 3 * (dense + kv) + 5 * (moe + kv) + 100, 61) == 8
     assert layers_that_fit([dense] * 3 + [moe], kv, 10**9, 61) == 61
     assert layers_that_fit([moe], kv, 5, 61) == 1  # at least one layer
+
+
+def test_prefill_bench_shapes_variants_and_its_runs_config():
+    """bench.prefill_bench: BxP shapes (bad ones refused with the form), each variant's launcher constants set for
+    its block and restored after (an error inside included), and a shape's run prefilling all B requests at once."""
+    import argparse
+
+    from backends.kernels.gemm import fp8_gemm, fp8_moe
+    from bench.decode_roofline import overrides
+    from bench.engine_config import compose_config
+    from bench.prefill_bench import build_parser, parse_shape, variant
+
+    assert parse_shape("8x1000") == (8, 1000)
+    for bad in ("8", "0x10", "ax2", "4x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BxP"):
+            parse_shape(bad)
+    args = build_parser().parse_args(["--shapes", "2x64", "--variants", "cublas", "no_tma", "--quick"])
+    assert args.shapes == [(2, 64)] and args.variants == ["cublas", "no_tma"]
+    before = (fp8_gemm.SCALED_MM_ROWS, fp8_moe.TMA_ROWS)
+    with variant("cublas"):
+        assert fp8_gemm.SCALED_MM_ROWS == 2048 and fp8_moe.TMA_ROWS == before[1]
+    with pytest.raises(RuntimeError), variant("no_tma"):
+        assert fp8_moe.TMA_ROWS == 0
+        raise RuntimeError("inside")
+    assert (fp8_gemm.SCALED_MM_ROWS, fp8_moe.TMA_ROWS) == before
+    cfg = compose_config(overrides("h100_triton_tp8", 4, 2, 1024, 2, "on", extra=("model.weights=fp8",)))
+    assert cfg.workload.chunked_prefill_size >= 4 * 1024 and cfg.model.weights == "fp8"
 
 
 def test_decode_roofline_set_adds_overrides_to_every_run():

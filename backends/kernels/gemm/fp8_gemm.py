@@ -46,6 +46,7 @@ PATHS = (None, "few", "w8a8", "w8a16", "flashinfer", "scaled_mm")
 #: kernel; None: never. On an H200 cuBLAS is ahead per GEMM from 2048 rows (``python -m bench.fp8_gemm_bench``,
 #: CUDA graphs), yet a 16-layer fp8 prefill of 2048 / 4096 tokens (eager) measured 53.2 / 54.3 ms with it against
 #: 33.5 / 45.4 without (8000 tokens: 73.5 / 76.0), not understood, so it is off by default
+#: (``python -m bench.prefill_bench --variants default cublas`` measures it again)
 SCALED_MM_ROWS: int | None = None
 #: where the library kernel serves: FlashInfer's ``fp8_blockscale_gemm_sm90`` (W8A8, 1 x 128 activation scales it
 #: computes itself, 128 x 128 weight blocks), Hopper only, bf16 activations

@@ -259,6 +259,7 @@ class GroupedConfig:
 #: 663.3 to 613.0 at 512 and 1563.5 to 1505.7 at 4096 (moe=ep: 348.1 / 363.3 at 32 tokens, 617.5 / 608.9 at
 #: 512); a 16-layer eager prefill of 1024 / 2048 tokens measured 44.1 / 33.5 ms with it against 28.7 / 29.3
 #: without (not understood; 4096 / 8000 tokens: even), so prefill-sized launches keep the plain loads
+#: (``python -m bench.prefill_bench --variants default tma_all`` measures it again)
 TMA_ROWS = 4096
 
 

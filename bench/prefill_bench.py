@@ -1,0 +1,159 @@
+"""Prefill step time of a preset, eager as the engine runs prefill, per batch shape and per fp8 GEMM variant.
+
+``python -m bench.prefill_bench [--preset h100_triton_tp8] [--layers 16] [--shapes 1x1024 2x1024 4x1024 8x1000]
+[--weights fp8] [--variants default tma_all no_tma cublas] [--runs 3] [--kernels] [--quick]``
+
+Why: the fp8 GEMM benches time one product in CUDA graphs, and a decision made from them (cuBLAS's block-scaled
+``scaled_mm`` from 2048 rows, TMA weight tiles in the grouped expert GEMM at every size) measured slower in a
+16-layer eager prefill (docs/kernels.md, "The tiled W8A8 GEMM"). This bench times that prefill.
+
+Per (shape ``BxP``: B requests of P prompt tokens, all prefilled in one step; variant):
+
+* prefill ms: the prefill steps' GPU time from their CUDA-event marks, the median over ``--runs`` engine runs
+  after one warm-up run (the engine runs each request to 2 output tokens, so a run is its prefill and one decode);
+* tok/s: prompt tokens / prefill time; steps: prefill steps per run (1 unless the batch exceeds the chunk size);
+* ``--kernels``: one more, profiled run: the union of GPU activity inside the prefill window (kernel ms), the
+  window's idle rest (idle ms: the GPU waiting for the host's launches), and a table of its top kernels.
+
+Variants set module constants of the fp8 launchers for their runs and restore them after:
+
+* ``default``: the runtime's choice;
+* ``tma_all`` / ``no_tma``: the grouped expert GEMM's weight tiles by TMA at every size / never
+  (``fp8_moe.TMA_ROWS``);
+* ``cublas``: dense fp8 products by torch's block-scaled ``scaled_mm`` from 2048 rows where it serves
+  (``fp8_gemm.SCALED_MM_ROWS``).
+
+Prints the ceilings, the table and the ``BENCH_JSON`` line (bench/harness.py). Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import runtime.core.config  # noqa: E402, F401  (registers the schemas)
+from bench.decode_roofline import gpu_events, kernel_breakdown, overrides, union_us  # noqa: E402
+from bench.engine_config import compose_config  # noqa: E402
+from bench.harness import Table, measure_ceilings, report  # noqa: E402
+from containers import build  # noqa: E402
+
+#: variant -> {(module, constant): value}
+VARIANTS = {"default": {}, "tma_all": {("fp8_moe", "TMA_ROWS"): 2**62}, "no_tma": {("fp8_moe", "TMA_ROWS"): 0},
+            "cublas": {("fp8_gemm", "SCALED_MM_ROWS"): 2048}}
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """The launchers' constants of ``name`` (:data:`VARIANTS`) for the block, restored after."""
+    from backends.kernels.gemm import fp8_gemm, fp8_moe
+
+    mods = {"fp8_gemm": fp8_gemm, "fp8_moe": fp8_moe}
+    saved = {key: getattr(mods[key[0]], key[1]) for key in VARIANTS[name]}
+    try:
+        for (mod, const), value in VARIANTS[name].items():
+            setattr(mods[mod], const, value)
+        yield
+    finally:
+        for (mod, const), value in saved.items():
+            setattr(mods[mod], const, value)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``BxP`` -> (B requests, P prompt tokens)."""
+    b, sep, p = text.partition("x")
+    if not sep or not b.isdigit() or not p.isdigit() or int(b) < 1 or int(p) < 1:
+        raise argparse.ArgumentTypeError(f"shape BxP (requests x prompt tokens, e.g. 4x1024); got {text!r}")
+    return int(b), int(p)
+
+
+def prefill_ms(res) -> tuple[float, int, int]:
+    """(GPU ms, steps, tokens) of a run's prefill steps, from their CUDA-event marks."""
+    pre = [s for s in res.steps if s.phase == "prefill"]
+    torch.cuda.synchronize()
+    return sum(s.marks[0].elapsed_time(s.marks[1]) for s in pre), len(pre), sum(s.tokens for s in pre)
+
+
+def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
+    """Every variant at one shape, on one build of the preset."""
+    cfg = compose_config(overrides(args.preset, batch, args.layers, prompt, 2, "on",
+                                   extra=(f"model.weights={args.weights}", *args.set)))
+    rt = build(cfg)
+    rows, tables = [], []
+    for name in args.variants:
+        with variant(name):
+            rt.engine.run(record_hidden=False)  # warm-up: JIT, allocator caches
+            times = [prefill_ms(rt.engine.run(record_hidden=False)) for _ in range(args.runs)]
+            ms = statistics.median(t[0] for t in times)
+            row = {"shape": f"{batch}x{prompt}", "variant": name, "tokens": times[0][2], "steps": times[0][1],
+                   "prefill_ms": ms, "min_ms": min(t[0] for t in times), "max_ms": max(t[0] for t in times),
+                   "tok_s": times[0][2] / ms * 1e3}
+            if args.kernels:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    res = rt.engine.run(record_hidden=False)
+                window_ms = prefill_ms(res)[0]
+                ev = gpu_events(prof)
+                lo = ev[0][0]  # the run starts with its prefill
+                hi = lo + window_ms * 1e3
+                busy = union_us([(s, e, c) for s, e, c, _ in ev], lo, hi)
+                row.update(kernel_ms=busy / 1e3, idle_ms=max(0.0, window_ms - busy / 1e3))
+                tables.append(Table(kernel_breakdown(ev, lo, hi, 1, args.layers, top=args.top),
+                                    f"kernels of the prefill: {batch}x{prompt}, {name}, {args.layers} layers",
+                                    ["kernel", "per_step", "per_layer", "us_per_step", "share"],
+                                    {"per_step": ".0f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"},
+                                    name="kernels"))
+        rows.append(row)
+        print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    del rt
+    torch.cuda.empty_cache()
+    return rows, tables
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.prefill_bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="h100_triton_tp8")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[(1, 1024), (2, 1024), (4, 1024), (8, 1000)],
+                    help="BxP: B requests of P prompt tokens, prefilled in one step")
+    ap.add_argument("--weights", default="fp8", choices=["bf16", "fp8"], help="model.weights")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--runs", type=int, default=3, help="timed engine runs per variant (the median is reported)")
+    ap.add_argument("--kernels", action="store_true", help="one profiled run per variant: kernel / idle time, top kernels")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled run")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more Hydra overrides for every run")
+    ap.add_argument("--quick", action="store_true", help="4 layers, shapes 1x1024 and 4x1024, 1 run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.layers, args.shapes, args.runs = 4, [(1, 1024), (4, 1024)], 1
+    if not torch.cuda.is_available():
+        raise SystemExit("prefill_bench: needs a CUDA GPU (got none). Fix: run it on the device machine.")
+    ceilings = measure_ceilings()
+    rows, tables = [], []
+    for batch, prompt in args.shapes:
+        r, t = run_shape(args, batch, prompt)
+        rows += r
+        tables += t
+    cols = ["shape", "variant", "tokens", "steps", "prefill_ms", "min_ms", "max_ms", "tok_s"]
+    cols += ["kernel_ms", "idle_ms"] if args.kernels else []
+    fmt = {c: ".2f" for c in ("prefill_ms", "min_ms", "max_ms", "kernel_ms", "idle_ms")} | {"tok_s": ".0f"}
+    title = (f"prefill: {args.preset}, {args.layers} layers, model.weights={args.weights}"
+             f"{''.join(' ' + o for o in args.set)}; eager, GPU time from the steps' CUDA events, median of "
+             f"{args.runs} runs")
+    report("prefill_bench", ceilings, tables + [Table(rows, title, cols, fmt, name="prefill")],
+           meta={"preset": args.preset, "layers": args.layers, "weights": args.weights, "set": args.set})
+
+
+if __name__ == "__main__":
+    main()
