@@ -333,12 +333,14 @@ def _moe_combine_kernel(Y, INV, W, SHARED, LIMIT, OUT, D, stride_y, stride_s, st
     m = d < D
     DT: tl.constexpr = OUT.dtype.element_ty
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_LIMIT:
+        limit = tl.load(LIMIT)
     for j in tl.static_range(K):
         p = tl.load(INV + t * K + j)
         w = tl.load(W + t * K + j)
         mj = m
         if HAS_LIMIT:
-            mj = m & ((d * 0 + p) < tl.load(LIMIT))
+            mj = m & ((d * 0 + p) < limit)
         acc += tl.load(Y + p * stride_y + d, mask=mj, other=0.0).to(tl.float32) * w
     out = acc.to(DT)
     if HAS_SHARED:

@@ -303,11 +303,11 @@ class _Reader:
         """The scales of a weight kept as stored, as read (on the host), after the check the fp4 kernels need:
         every scale at most 2**64 (:data:`FP4_MAX_SCALE`, ue8m0 bytes <= 191; NaN / inf refused too)."""
         if stored.kind == StoredKind.fp4 and scale.numel():
-            raw = scale.dtype in (torch.uint8, torch.float8_e8m0fnu)  # ue8m0 bytes: compared as bytes (fast)
-            top = scale_values(scale.view(torch.uint8).max().reshape(1)) if raw else scale_values(scale).max()
-            if not bool(top.max() <= FP4_MAX_SCALE):
+            raw = scale.dtype in (torch.uint8, torch.float8_e8m0fnu)  # ue8m0 bytes: the largest byte only (fast)
+            top = float(scale_values(scale.view(torch.uint8).max().reshape(1) if raw else scale).max())
+            if not top <= FP4_MAX_SCALE:  # NaN fails too
                 raise CheckpointError([Problem(
-                    f"{stored.scale} (the fp4 scales of {name})", f"a scale of {float(top.max()):g}",
+                    f"{stored.scale} (the fp4 scales of {name})", f"a scale of {top:g}",
                     "scales up to 2**64 (ue8m0 bytes <= 191; the CUDA-core fp4 kernels take no more, and a "
                     "release's are near 2**-8)", "the file is damaged: download the shard that holds it again")])
         return scale
