@@ -1,27 +1,32 @@
 """Prefill step time of a preset, eager as the engine runs prefill, per batch shape and per fp8 GEMM variant.
 
 ``python -m bench.prefill_bench [--preset h100_triton_tp8] [--layers 16] [--shapes 1x1024 2x1024 4x1024 8x1000]
-[--weights fp8] [--variants default tma_all no_tma cublas] [--runs 3] [--kernels] [--quick]``
+[--weights fp8] [--variants default no_tma no_cublas cublas_2048] [--runs 3] [--kernels] [--host N] [--quick]``
 
-Why: the fp8 GEMM benches time one product in CUDA graphs, and a decision made from them (cuBLAS's block-scaled
-``scaled_mm`` from 2048 rows, TMA weight tiles in the grouped expert GEMM at every size) measured slower in a
-16-layer eager prefill (docs/kernels.md, "The tiled W8A8 GEMM"). This bench times that prefill.
+Why: the fp8 GEMM benches time one product in CUDA graphs; an eager prefill also waits on the host, whose
+launches at prompts up to ~2048 tokens take longer than the GPU's kernels (docs/kernels.md, "Prefill"). This
+bench times the prefill, splits it into kernel and idle time, and says where the host's time goes.
 
 Per (shape ``BxP``: B requests of P prompt tokens, all prefilled in one step; variant):
 
+* gc n / gc ms: Python's garbage collections per run (all of it, the decode step too) and their host ms (on an
+  H100, 2026-11-28: none, so the idle time below is not the collector's);
 * prefill ms: the prefill steps' GPU time from their CUDA-event marks, the median over ``--runs`` engine runs
   after one warm-up run (the engine runs each request to 2 output tokens, so a run is its prefill and one decode);
 * tok/s: prompt tokens / prefill time; steps: prefill steps per run (1 unless the batch exceeds the chunk size);
 * ``--kernels``: one more, profiled run: the union of GPU activity inside the prefill window (kernel ms), the
-  window's idle rest (idle ms: the GPU waiting for the host's launches), and a table of its top kernels.
+  window's idle rest (idle ms: the GPU waiting for the host's launches; the profiler adds host time), and a
+  table of its top kernels;
+* ``--host N``: one more run under ``cProfile`` (the first variant, each shape): the N functions of most host
+  time (own time, calls), which is what the idle ms above waits for at prompt lengths where the host is slower
+  than the GPU.
 
-Variants set module constants of the fp8 launchers for their runs and restore them after:
+Variants set module constants of the runtime for their runs and restore them after:
 
-* ``default``: the runtime's choice;
-* ``tma_all`` / ``no_tma``: the grouped expert GEMM's weight tiles by TMA at every size / never
-  (``fp8_moe.TMA_ROWS``);
-* ``cublas``: dense fp8 products by torch's block-scaled ``scaled_mm`` from 2048 rows where it serves
-  (``fp8_gemm.SCALED_MM_ROWS``).
+* ``default``: the runtime's choice (TMA weight tiles at every size, cuBLAS from 4096 rows);
+* ``no_tma``: the grouped expert GEMM's weight tiles by plain loads (``fp8_moe.TMA_ROWS`` 0);
+* ``no_cublas`` / ``cublas_2048``: dense fp8 products by torch's block-scaled ``scaled_mm`` never / from 2048
+  rows, where it serves (``fp8_gemm.SCALED_MM_ROWS``); FlashInfer's kernel (or ours) below.
 
 Prints the ceilings, the table and the ``BENCH_JSON`` line (bench/harness.py). Needs a CUDA GPU.
 """
@@ -30,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: the repository root on the path
@@ -44,11 +51,12 @@ import runtime.core.config  # noqa: E402, F401  (registers the schemas)
 from bench.decode_roofline import gpu_events, kernel_breakdown, overrides, union_us  # noqa: E402
 from bench.engine_config import compose_config  # noqa: E402
 from bench.harness import Table, measure_ceilings, report  # noqa: E402
+from bench.host_step import profile_top  # noqa: E402
 from containers import build  # noqa: E402
 
 #: variant -> {(module, constant): value}
-VARIANTS = {"default": {}, "tma_all": {("fp8_moe", "TMA_ROWS"): 2**62}, "no_tma": {("fp8_moe", "TMA_ROWS"): 0},
-            "cublas": {("fp8_gemm", "SCALED_MM_ROWS"): 2048}}
+VARIANTS = {"default": {}, "no_tma": {("fp8_moe", "TMA_ROWS"): 0},
+            "no_cublas": {("fp8_gemm", "SCALED_MM_ROWS"): None}, "cublas_2048": {("fp8_gemm", "SCALED_MM_ROWS"): 2048}}
 
 
 @contextlib.contextmanager
@@ -67,6 +75,27 @@ def variant(name: str):
             setattr(mods[mod], const, value)
 
 
+class CollectorTime:
+    """Python's garbage collections while active: how many, and their host ms (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.count, self.ms, self._t0 = 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """``BxP`` -> (B requests, P prompt tokens)."""
     b, sep, p = text.partition("x")
@@ -82,6 +111,11 @@ def prefill_ms(res) -> tuple[float, int, int]:
     return sum(s.marks[0].elapsed_time(s.marks[1]) for s in pre), len(pre), sum(s.tokens for s in pre)
 
 
+def host_profile(rt, top: int, label: str) -> None:
+    """One engine run under cProfile: the ``top`` functions by own host time, printed."""
+    print(f"host profile of one run (prefill + one decode step), {label}:\n{profile_top(rt, top)}", flush=True)
+
+
 def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
     """Every variant at one shape, on one build of the preset."""
     cfg = compose_config(overrides(args.preset, batch, args.layers, prompt, 2, "on",
@@ -91,11 +125,13 @@ def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
     for name in args.variants:
         with variant(name):
             rt.engine.run(record_hidden=False)  # warm-up: JIT, allocator caches
-            times = [prefill_ms(rt.engine.run(record_hidden=False)) for _ in range(args.runs)]
+            with CollectorTime() as collected:
+                times = [prefill_ms(rt.engine.run(record_hidden=False)) for _ in range(args.runs)]
             ms = statistics.median(t[0] for t in times)
             row = {"shape": f"{batch}x{prompt}", "variant": name, "tokens": times[0][2], "steps": times[0][1],
                    "prefill_ms": ms, "min_ms": min(t[0] for t in times), "max_ms": max(t[0] for t in times),
-                   "tok_s": times[0][2] / ms * 1e3}
+                   "tok_s": times[0][2] / ms * 1e3, "gc_n": collected.count / args.runs,
+                   "gc_ms": collected.ms / args.runs}
             if args.kernels:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     res = rt.engine.run(record_hidden=False)
@@ -110,6 +146,8 @@ def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
                                     ["kernel", "per_step", "per_layer", "us_per_step", "share"],
                                     {"per_step": ".0f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"},
                                     name="kernels"))
+            if args.host and name == args.variants[0]:
+                host_profile(rt, args.host, f"{batch}x{prompt}, {name}")
         rows.append(row)
         print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     del rt
@@ -127,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--runs", type=int, default=3, help="timed engine runs per variant (the median is reported)")
     ap.add_argument("--kernels", action="store_true", help="one profiled run per variant: kernel / idle time, top kernels")
+    ap.add_argument("--host", type=int, default=0, metavar="N",
+                    help="one cProfile'd run per shape (first variant): the N functions of most host time")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profiled run")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more Hydra overrides for every run")
     ap.add_argument("--quick", action="store_true", help="4 layers, shapes 1x1024 and 4x1024, 1 run")
@@ -145,9 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         r, t = run_shape(args, batch, prompt)
         rows += r
         tables += t
-    cols = ["shape", "variant", "tokens", "steps", "prefill_ms", "min_ms", "max_ms", "tok_s"]
+    cols = ["shape", "variant", "tokens", "steps", "prefill_ms", "min_ms", "max_ms", "tok_s", "gc_n", "gc_ms"]
     cols += ["kernel_ms", "idle_ms"] if args.kernels else []
-    fmt = {c: ".2f" for c in ("prefill_ms", "min_ms", "max_ms", "kernel_ms", "idle_ms")} | {"tok_s": ".0f"}
+    fmt = {c: ".2f" for c in ("prefill_ms", "min_ms", "max_ms", "kernel_ms", "idle_ms", "gc_ms")} | {"tok_s": ".0f",
+                                                                                               "gc_n": ".1f"}
     title = (f"prefill: {args.preset}, {args.layers} layers, model.weights={args.weights}"
              f"{''.join(' ' + o for o in args.set)}; eager, GPU time from the steps' CUDA events, median of "
              f"{args.runs} runs")

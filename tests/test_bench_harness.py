@@ -250,11 +250,14 @@ def test_prefill_bench_shapes_variants_and_its_runs_config():
     for bad in ("8", "0x10", "ax2", "4x"):
         with pytest.raises(argparse.ArgumentTypeError, match="BxP"):
             parse_shape(bad)
-    args = build_parser().parse_args(["--shapes", "2x64", "--variants", "cublas", "no_tma", "--quick"])
-    assert args.shapes == [(2, 64)] and args.variants == ["cublas", "no_tma"]
+    args = build_parser().parse_args(["--shapes", "2x64", "--variants", "cublas_2048", "no_tma", "--quick",
+                                      "--host", "5"])
+    assert args.shapes == [(2, 64)] and args.variants == ["cublas_2048", "no_tma"] and args.host == 5
     before = (fp8_gemm.SCALED_MM_ROWS, fp8_moe.TMA_ROWS)
-    with variant("cublas"):
+    with variant("cublas_2048"):
         assert fp8_gemm.SCALED_MM_ROWS == 2048 and fp8_moe.TMA_ROWS == before[1]
+    with variant("no_cublas"):
+        assert fp8_gemm.SCALED_MM_ROWS is None
     with pytest.raises(RuntimeError), variant("no_tma"):
         assert fp8_moe.TMA_ROWS == 0
         raise RuntimeError("inside")

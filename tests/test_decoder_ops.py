@@ -216,12 +216,35 @@ def test_route_sigmoid_breaks_ties_toward_the_lower_expert_id():
     assert torch.allclose(w.cpu().double(), want_w, rtol=1e-6)
 
 
-@pytest.mark.parametrize("sort_from", [None, 1], ids=["counting-kernel", "torch-sort"])
+@pytest.mark.parametrize("sort_from", [None, 1], ids=["counting-kernel", "block-sort"])
 def test_dispatch_combine_small(sort_from):
-    """Both ways of grouping the pairs (the counting kernel of decode, the sort of prefill sizes) give the stable
-    order."""
+    """Both ways of grouping the pairs (the counting kernel of decode, the block counting sort of prefill sizes)
+    give the stable order."""
     torch.manual_seed(0)
     check_dispatch_combine(5, 3, 8, 24, torch.float32, DEV, 1e-5, sort_from)
+
+
+def check_dispatch(ids, e, sort_from):
+    """moe_dispatch of any ids (repeats, idle experts) against a stable argsort."""
+    from backends.kernels.decoder.decoder_ops import moe_dispatch
+
+    tokens, inv, offs = moe_dispatch(ids, e, sort_from)
+    k = ids.shape[1]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    assert torch.equal(tokens, order // k)
+    assert torch.equal(inv[order], torch.arange(ids.numel(), device=ids.device))
+    assert torch.equal(offs, torch.bincount(ids.reshape(-1), minlength=e).cumsum(0).to(torch.int32))
+
+
+@pytest.mark.parametrize("t,k,e", [(300, 3, 9), (129, 8, 16), (1, 1, 1), (100, 2, 1), (70, 4, 257)])
+def test_dispatch_block_sort_odd_sizes(t, k, e):
+    """The block counting sort across several blocks of 256 pairs (and a partial last one): skewed routing (half
+    the pairs on expert 0), experts with no pair, one expert taking every pair, E a power of two (its spare bin
+    in the next one), 257 groups (moe=ep's 256 + the other ranks' group)."""
+    torch.manual_seed(t)
+    ids = torch.randint(0, e, (t, k), device=DEV)
+    ids[torch.rand(t, k, device=DEV) < 0.5] = 0
+    check_dispatch(ids, e, 1)
 
 
 def test_torch_ops_without_delta_return_x():
@@ -252,6 +275,41 @@ def test_fused_ops_match_torch_gpu(t):
     check_v4_rms_norm((t, 1024), BF, "cuda", 1e-2, True)
     check_v4_rms_norm((t, 64, 512), BF, "cuda", 1e-2, False)
     check_v4_rms_norm((t, 16384), BF, "cuda", 1e-5, False, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e", [(513, 256), (1024, 257), (16384, 257)])
+def test_dispatch_block_sort_gpu(t, e):
+    """Prefill-sized dispatch (the block counting sort: 4104 to 131072 pairs) against a stable argsort, routing
+    skewed to expert 0."""
+    needs_gpu()
+    torch.manual_seed(t)
+    ids = torch.randint(0, e, (t, 8), device="cuda")
+    ids[torch.rand(t, 8, device="cuda") < 0.3] = 0
+    check_dispatch(ids, e, 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [17, 2048])
+def test_router_product_bf16_gpu(t):
+    """Past the few-row kernel a 16-bit router's float32 logits come from one tensor-core product with float32
+    output (16-bit products are exact in float32): within float32 summation order of the reference's
+    F.linear(x.float(), gate.float()); the same experts but for near-ties (summation order: at most 1% of the
+    tokens), the weights within 1e-5 elsewhere."""
+    needs_gpu()
+    torch.manual_seed(7 + t)
+    e, d = 256, 7168
+    spec = _spec(num_experts_per_tok=8, n_group=8, topk_group=4)
+    w = MoEWeights(gate=(torch.randn(e, d, device="cuda") / d**0.5).to(BF), bias=torch.randn(e, device="cuda") * 0.01,
+                   gate_up=None, down=None, shared=None)
+    x = torch.randn(t, d, device="cuda").to(BF)
+    _close(torch.mm(x, w.gate.t(), out_dtype=torch.float32), torch.nn.functional.linear(x.float(), w.gate.float()),
+           1e-5)
+    wf, idf = FUSED._route(spec, w, x, few=False)
+    wr, ir = route(spec, w, x)
+    same = (idf == ir).all(-1)
+    assert int((~same).sum()) <= t // 100, f"{int((~same).sum())} of {t} tokens route elsewhere"
+    _close(wf[same], wr[same], 1e-5)
 
 
 @pytest.mark.gpu

@@ -130,7 +130,7 @@ def test_workspace_specs_are_the_ones_the_capabilities_name(over):
 
 
 @pytest.mark.parametrize("over", [(), ("model.weights=fp8",), ("model=tiny_dsa", "backend=dsa"),
-                                  ("model=ring_hybrid_tiny",)])
+                                  ("model=ring_hybrid_tiny",), ("model.dtype=bfloat16",)])
 def test_weight_estimate_is_what_the_model_holds(over):
     rt = containers.build(compose_config(*over, "check=off", "device=cpu"))
     assert weight_bytes(rt.config["model"], 1, "tp") == rt.container.model().weights.bytes_by_dtype()

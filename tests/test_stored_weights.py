@@ -18,6 +18,7 @@ from test_tp_sharding import assert_reassembles
 from containers import build, to_plain
 from runtime.app.make_checkpoint import main as make_checkpoint
 from runtime.app.make_checkpoint import write_checkpoint
+from runtime.app.memory_estimate import weight_bytes
 from runtime.app.weights_checks import weights_problems
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import CheckpointError, ConfigError
@@ -117,6 +118,28 @@ def test_stored_checkpoint_holds_the_preset_blocks(fp8_folder):
         assert isinstance(got, BlockFP8)
         assert torch.equal(got.weight.float(), want.weight.float()) and torch.equal(got.scale, want.scale)
     assert torch.equal(loaded.layers[0].attn.w_uk, preset.layers[0].attn.w_uk)  # kv_b: fp8, then float
+
+
+def test_the_router_is_held_as_the_release_stores_it(tmp_path):
+    """The V3 release stores the router in bf16: a bf16 model holds it so (its float32 logits are exact from those
+    bits), a float32 model in float32 with the same values; the presets generate bf16 values in every dtype, and
+    the memory estimate counts the router in the dtype held."""
+    from runtime.model.deepseek.stored import router_dtype
+
+    assert router_dtype("BF16", torch.bfloat16) == torch.bfloat16 and router_dtype("F16", torch.float16) == torch.float16
+    assert router_dtype("BF16", torch.float32) == torch.float32 and router_dtype("F32", torch.bfloat16) == torch.float32
+    assert router_dtype("BF16", torch.float16) == torch.float32  # another 16-bit dtype: float32, values exact
+    bf16 = random_weights(spec_of("model.dtype=bfloat16"), CPU)
+    f32 = random_weights(spec_of(), CPU)
+    assert bf16.layers[1].mlp.gate.dtype == torch.bfloat16 and f32.layers[1].mlp.gate.dtype == torch.float32
+    assert torch.equal(bf16.layers[1].mlp.gate.float(), f32.layers[1].mlp.gate)  # the same (bf16) values
+    assert make_checkpoint([*ALIGNED, "model.dtype=bfloat16", f"out={tmp_path}"]) == 0
+    for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        cfg = to_plain(compose_config("model=hf", f"model.path={tmp_path}", f"model.dtype={dtype}", "device=cpu"))
+        loaded = load_checkpoint(ModelSpec.from_config(cfg["model"]), CPU)
+        assert loaded.layers[1].mlp.gate.dtype == want
+        assert torch.equal(loaded.layers[1].mlp.gate.float(), f32.layers[1].mlp.gate)
+        assert weight_bytes(cfg["model"], 1, "tp") == loaded.bytes_by_dtype()
 
 
 def test_stored_serves_the_dequantized_tokens(fp8_folder):

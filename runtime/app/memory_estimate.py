@@ -1,7 +1,7 @@
 """What each line of the memory plan holds, computed from the config alone (nothing is allocated).
 
 * weights: every tensor the model reads (the checkpoint layout), this rank's cut of it, in the precision it is held
-  (block-fp8 values + float32 scales, packed fp4 + ue8m0 scales, the model dtype, float32 routers): the same bytes
+  (block-fp8 values + float32 scales, packed fp4 + ue8m0 scales, the model dtype, routers as held): the same bytes
   per dtype as ``ModelWeights.bytes_by_dtype`` reports after the build (tests compare them; a V4 checkpoint whose
   fp4 scales are stored as floats is counted at float32, the upper bound: the loader keeps them as ue8m0 bytes when
   every value is a power of two, :func:`runtime.model.quantized.fp4_scales`);
@@ -30,7 +30,7 @@ from runtime.core.workspace import WorkspaceInputs
 from runtime.engine.hisparse import host_page_count
 from runtime.model.deepseek.checkpoint import checkpoint_index, expected_tensors
 from runtime.model.deepseek.sharding import local_shape, tensor_cut
-from runtime.model.deepseek.stored import kept_fp8, release_fp8
+from runtime.model.deepseek.stored import RELEASE_ROUTER, ROUTER, kept_fp8, release_fp8, router_dtype
 from runtime.model.dsv4.checkpoint import expected_tensors as dsv4_expected_tensors
 from runtime.model.dsv4.hf_config import dsv4_config
 from runtime.model.dsv4.sharding import dsv4_tensor_cut, rank_config
@@ -117,6 +117,7 @@ def weight_bytes(model: dict, tp: int, moe: str, rank: int = 0) -> dict[str, int
     linear = {f"model.layers.{i}." for i in spec.linear_layers}  # synthetic hybrids: no checkpoint layout
     d, hl = spec.hidden_size, spec.linear_num_heads * spec.linear_head_dim
     _add(out, name_of, len(linear) * (d + 4 * d * hl + hl) * item)  # norm, q / k / v / out projections, out norm
+    index = checkpoint_index(Path(spec.path))[0] if spec.path else {}  # the stored dtypes (the router's)
     for name, shape in expected_tensors(spec).items():
         if name.startswith(tuple(linear)) and ".mlp" not in name and "post_attention" not in name:
             continue
@@ -124,8 +125,11 @@ def weight_bytes(model: dict, tp: int, moe: str, rank: int = 0) -> dict[str, int
         if cut is None:  # another rank's expert
             continue
         local = local_shape(shape, cut)
-        if name.endswith(("mlp.gate.weight", "e_score_correction_bias", "weights_proj.weight")):
-            _add(out, "float32", math.prod(local) * F32)  # routers and the indexer's head weights
+        if name.endswith(ROUTER):  # as the loader holds it: float32, or the model's 16-bit dtype as stored
+            held = router_dtype(index[name].dtype if name in index else RELEASE_ROUTER, spec.dtype)
+            _add(out, str(held).removeprefix("torch."), math.prod(local) * held.itemsize)
+        elif name.endswith(("e_score_correction_bias", "weights_proj.weight")):
+            _add(out, "float32", math.prod(local) * F32)  # the router's bias and the indexer's head weights
         elif quantized and release_fp8(name, shape) and kept_fp8(name):
             _fp8(out, local)
         else:

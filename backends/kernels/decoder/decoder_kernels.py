@@ -324,6 +324,59 @@ def _moe_dispatch_kernel(IDS, TOKENS, INV, OFFS, N, E, K: tl.constexpr,
 
 
 @triton.jit
+def _moe_block_count_kernel(IDS, CNT, N, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The block counting sort's first pass: CNT[b, e] = #{pairs i of block b (BLOCK pairs): id_i == e}, a row
+    of BLOCK_E counts per block (BLOCK_E > E: the pairs past N fall in the unused last bin)."""
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(IDS + i, mask=i < N, other=BLOCK_E - 1).to(tl.int32)
+    tl.store(CNT + b * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(ids, BLOCK_E))
+
+
+@triton.jit
+def _moe_block_scan_kernel(CNT, OFFS, NB, E, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program, in place: CNT[b, e] <- the first sorted row of block b's pairs of expert e = the rows of
+    experts < e + the pairs of expert e in blocks < b; OFFS[e] = #{pairs: id <= e} (int32, inclusive)."""
+    ex = tl.arange(0, BLOCK_E)
+    run = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for b0 in range(0, NB, BLOCK_B):  # exclusive prefix over blocks, per expert
+        bb = b0 + tl.arange(0, BLOCK_B)
+        ptr = CNT + bb[:, None] * BLOCK_E + ex[None, :]
+        m = (bb < NB)[:, None]
+        c = tl.load(ptr, mask=m, other=0)
+        tl.store(ptr, run[None, :] + tl.cumsum(c, axis=0) - c, mask=m)
+        run += tl.sum(c, axis=0)
+    total = tl.where(ex < E, run, 0)
+    incl = tl.cumsum(total, axis=0)
+    tl.store(OFFS + ex, incl, mask=ex < E)
+    start = incl - total
+    for b0 in range(0, NB, BLOCK_B):  # + the rows of the experts before
+        bb = b0 + tl.arange(0, BLOCK_B)
+        ptr = CNT + bb[:, None] * BLOCK_E + ex[None, :]
+        m = (bb < NB)[:, None]
+        tl.store(ptr, tl.load(ptr, mask=m, other=0) + start[None, :], mask=m)
+
+
+@triton.jit
+def _moe_block_scatter_kernel(IDS, CNT, TOKENS, INV, N, K: tl.constexpr, BLOCK: tl.constexpr,
+                              BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr):
+    """The last pass: pair i of block b goes to CNT[b, id_i] + #{j < i in block b: id_j == id_i} (stable);
+    INV[i] = that position, TOKENS[position] = i // K."""
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    mi = i < N
+    idi = tl.load(IDS + i, mask=mi, other=0).to(tl.int32)
+    rank = tl.zeros([BLOCK], dtype=tl.int32)
+    for j0 in range(b * BLOCK, b * BLOCK + BLOCK, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        idj = tl.load(IDS + j, mask=j < N, other=-1).to(tl.int32)
+        rank += tl.sum(((idj[None, :] == idi[:, None]) & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+    pos = tl.load(CNT + b * BLOCK_E + idi, mask=mi, other=0) + rank
+    tl.store(INV + i, pos.to(tl.int64), mask=mi)
+    tl.store(TOKENS + pos, (i // K).to(tl.int64), mask=mi)
+
+
+@triton.jit
 def _moe_combine_kernel(Y, INV, W, SHARED, LIMIT, OUT, D, stride_y, stride_s, stride_o,
                         K: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_LIMIT: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t] = round(sum_j W[t, j] * Y[INV[t K + j]]) (float32, j in order) (+ SHARED[t], rounded);

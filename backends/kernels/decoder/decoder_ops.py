@@ -253,32 +253,36 @@ def v4_route(logits: torch.Tensor, scoring: str, bias: torch.Tensor | None, tid2
     return w, ids
 
 
-#: (token, slot) pairs from which :func:`moe_dispatch` sorts with torch (a stable radix sort) instead of the counting
+#: (token, slot) pairs from which :func:`moe_dispatch` takes the block counting sort (three launches: a histogram
+#: per block of :data:`DISPATCH_BLOCK` pairs, one scan program, a stable scatter) instead of the one-launch counting
 #: kernel, which compares every pair with every other: O(N^2), 7.4 ms a call at 8192 prefill tokens x 8 slots on an
 #: H200 (44% of a prefill step of 8 DeepSeek-V3 TP8 layers); a decode batch of 256 x 8 stays on the kernel
 SORT_DISPATCH_FROM = 4096
+#: pairs per block of the block counting sort: each pair is compared with the pairs of its block only
+DISPATCH_BLOCK = 256
 
 
 def moe_dispatch(ids: torch.Tensor, num_experts: int, sort_from: int = SORT_DISPATCH_FROM
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by expert, stably: ids [T, k] int64 in [0, num_experts) ->
     (tokens [T*k] int64: the token of each sorted position, inv [T*k] int64: each pair's sorted position,
-    offsets [E] int32: inclusive cumulative rows per expert). From ``sort_from`` pairs torch's stable sort does it
-    (the same three tensors; no host sync), below that one counting-sort launch."""
+    offsets [E] int32: inclusive cumulative rows per expert). Below ``sort_from`` pairs one counting-sort launch,
+    from it the block counting sort (three launches); no host sync either way, the same three tensors as a
+    stable argsort of the ids."""
     t, top_k = ids.shape
     n = t * top_k
     require(ids.is_contiguous(), f"contiguous ids [T, k]; got strides {ids.stride()}")
-    if n >= sort_from:
-        flat = ids.view(-1)
-        order = torch.sort(flat, stable=True).indices
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(n, device=ids.device)
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat,
-                                                                                             torch.ones_like(flat))
-        return order // top_k, inv, counts.cumsum(0).to(torch.int32)
     tokens = torch.empty(n, dtype=torch.int64, device=ids.device)
     inv = torch.empty(n, dtype=torch.int64, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    if n >= sort_from:
+        nb, block_e = triton.cdiv(n, DISPATCH_BLOCK), _pow2(num_experts + 1)  # a spare bin past the experts
+        starts = torch.empty(nb, block_e, dtype=torch.int32, device=ids.device)
+        k._moe_block_count_kernel[(nb,)](ids, starts, n, BLOCK=DISPATCH_BLOCK, BLOCK_E=block_e, num_warps=4)
+        k._moe_block_scan_kernel[(1,)](starts, offs, nb, num_experts, BLOCK_B=16, BLOCK_E=block_e, num_warps=8)
+        k._moe_block_scatter_kernel[(nb,)](ids, starts, tokens, inv, n, K=top_k, BLOCK=DISPATCH_BLOCK,
+                                           BLOCK_E=block_e, BLOCK_J=32, num_warps=4)
+        return tokens, inv, offs
     block_i = 64 if n <= 1024 else 128
     k._moe_dispatch_kernel[(max(1, triton.cdiv(n, block_i)),)](ids, tokens, inv, offs, n, num_experts, K=top_k,
                                                                 BLOCK_I=block_i, BLOCK_J=64,

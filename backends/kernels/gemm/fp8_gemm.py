@@ -42,12 +42,12 @@ from backends.kernels.sm_count import capability_major, sm_count
 FEW_ROWS = 16
 FP8_BLOCK = (128, 128)
 PATHS = (None, "few", "w8a8", "w8a16", "flashinfer", "scaled_mm")
-#: rows from which ``path=None`` would take torch's block-scaled ``F.scaled_mm`` (cuBLAS) over FlashInfer's
-#: kernel; None: never. On an H200 cuBLAS is ahead per GEMM from 2048 rows (``python -m bench.fp8_gemm_bench``,
-#: CUDA graphs), yet a 16-layer fp8 prefill of 2048 / 4096 tokens (eager) measured 53.2 / 54.3 ms with it against
-#: 33.5 / 45.4 without (8000 tokens: 73.5 / 76.0), not understood, so it is off by default
-#: (``python -m bench.prefill_bench --variants default cublas`` measures it again)
-SCALED_MM_ROWS: int | None = None
+#: rows from which ``path=None`` takes torch's block-scaled ``F.scaled_mm`` (cuBLAS) over FlashInfer's kernel
+#: (None: never). On an H200 cuBLAS is ahead per GEMM from 2048 rows (``python -m bench.fp8_gemm_bench``, CUDA
+#: graphs); in a 16-layer eager fp8 prefill (``python -m bench.prefill_bench --kernels``) the GPU's kernel time
+#: with it from 2048 rows was 23.7 / 39.6 / 71.5 ms at 2048 / 4096 / 8000 tokens against 23.4 / 40.9 / 74.5
+#: without, so it starts at 4096
+SCALED_MM_ROWS: int | None = 4096
 #: where the library kernel serves: FlashInfer's ``fp8_blockscale_gemm_sm90`` (W8A8, 1 x 128 activation scales it
 #: computes itself, 128 x 128 weight blocks), Hopper only, bf16 activations
 LIBRARY_CC, LIBRARY_BLOCK = (9, 0), (128, 128)
@@ -342,7 +342,7 @@ def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype 
     activations: the decode step keeps the dequantized model's precision; FlashInfer's W8A8 is 1.3-2.7x faster
     there on an H200, but its e4m3 activations took a 4-layer decode's hidden-state error from 3.6e-2 to 5.1e-2,
     past the parity tolerance); above it the libraries where they serve (bf16 activations, 128 x 128 blocks, an
-    SM90 GPU): FlashInfer's kernel (importable), or from :data:`SCALED_MM_ROWS` rows (None, the default: never)
+    SM90 GPU): FlashInfer's kernel (importable), or from :data:`SCALED_MM_ROWS` rows (4096 by default)
     torch's ``F.scaled_mm`` (cuBLAS), both faster than ours at every TP8 shape measured on an H200
     (``python -m bench.fp8_gemm_bench``:
     at 2048 / 4096 rows cuBLAS 89.7-139.9 / 129.2-270.1 µs, FlashInfer 70.2-167.7 / 142.3-287.7 over qkv_a,

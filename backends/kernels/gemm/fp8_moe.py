@@ -242,9 +242,9 @@ def quantize_rows_fp8(x: torch.Tensor, eps: float = 1e-10, limit: torch.Tensor |
 class GroupedConfig:
     """:func:`fp8_grouped_gemm` launch: rows per tile (``block_m``; default from the mean rows per expert),
     columns per tile, tile slots per swept column block (``group_m``), warps, stages, ``tma``: the weight tiles
-    loaded by the tensor memory accelerator (None: up to :data:`TMA_ROWS` rows on a Hopper+ GPU where K is a
-    multiple of 16). The k step is the 128-wide scale block. Defaults as sglang's block-fp8 fused MoE (64 x 128 x
-    128, 4 warps, 3 stages)."""
+    loaded by the tensor memory accelerator (None: up to :data:`TMA_ROWS` rows, by default every size, on a
+    Hopper+ GPU where K is a multiple of 16). The k step is the 128-wide scale block. Defaults as sglang's
+    block-fp8 fused MoE (64 x 128 x 128, 4 warps, 3 stages)."""
 
     block_m: int | None = None
     block_n: int = 128
@@ -254,13 +254,13 @@ class GroupedConfig:
     tma: bool | None = None
 
 
-#: (token, expert) rows up to which the grouped GEMM loads its weight tiles by TMA by default. On an H200
-#: (``python -m bench.fp8_moe_bench``, CUDA graphs) TMA took moe=tp from 359.9 to 328.2 µs at 32 tokens (256 rows),
-#: 663.3 to 613.0 at 512 and 1563.5 to 1505.7 at 4096 (moe=ep: 348.1 / 363.3 at 32 tokens, 617.5 / 608.9 at
-#: 512); a 16-layer eager prefill of 1024 / 2048 tokens measured 44.1 / 33.5 ms with it against 28.7 / 29.3
-#: without (not understood; 4096 / 8000 tokens: even), so prefill-sized launches keep the plain loads
-#: (``python -m bench.prefill_bench --variants default tma_all`` measures it again)
-TMA_ROWS = 4096
+#: (token, expert) rows up to which the grouped GEMM loads its weight tiles by TMA by default (None: every size).
+#: On an H200 (``python -m bench.fp8_moe_bench``, CUDA graphs) TMA took moe=tp from 359.9 to 328.2 µs at 32
+#: tokens (256 rows), 663.3 to 613.0 at 512 and 1563.5 to 1505.7 at 4096; in a 16-layer eager fp8 prefill
+#: (``python -m bench.prefill_bench --kernels``) the GPU's kernel time with it was 15.9 / 23.6 / 40.3 / 73.2 ms at
+#: 1024 / 2048 / 4096 / 8000 tokens against 17.2 / 23.6 / 40.7 / 73.7 without. (The prefill's wall time differs
+#: by more, both ways: at up to 2048 tokens it waits on the host's launches, docs/kernels.md.)
+TMA_ROWS: int | None = None
 
 
 def grouped_block_m(rows: int, n_experts: int) -> int:
@@ -329,7 +329,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
     slots = triton.cdiv(max_tiles, c.group_m) * c.group_m
     grid = (slots * triton.cdiv(n, c.block_n),)
     scales = a_scale if a_fp8 else w_scale  # W8A16: a pointer the kernel never reads
-    tma = (rows_out <= TMA_ROWS and tma_serves(a.device, kd)) if c.tma is None else c.tma
+    tma = ((TMA_ROWS is None or rows_out <= TMA_ROWS) and tma_serves(a.device, kd)) if c.tma is None else c.tma
     require(not tma or kd % 16 == 0, f"GroupedConfig.tma needs K a multiple of 16 (16-byte weight rows); got K = "
             f"{kd}. Fix: tma=None")
     if tma:

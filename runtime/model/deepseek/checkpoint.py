@@ -37,7 +37,7 @@ from runtime.core.errors import CheckpointError, Problem
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.sharding import FULL, Cut, experts_of, local_shape, tensor_cut
-from runtime.model.deepseek.stored import block_layout_problems, kept_fp8
+from runtime.model.deepseek.stored import ROUTER, block_layout_problems, kept_fp8, router_dtype
 from runtime.model.deepseek.weights import (
     AttentionWeights,
     DecoderLayerWeights,
@@ -71,7 +71,7 @@ F4 = "F4"  # safetensors' float4 (DeepSeek-V4 fp4 experts; its header counts fp4
 # safetensors dtype names we serve -> torch dtypes
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           FP8: torch.float8_e4m3fn}
-FLOAT32_TENSORS = ("mlp.gate.weight", "e_score_correction_bias", "indexer.weights_proj.weight")
+FLOAT32_TENSORS = ("e_score_correction_bias", "indexer.weights_proj.weight")  # the router: router_dtype
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,10 @@ class _Reader:
         """Tensor ``name`` (this rank's ``cut`` of it: only those bytes are read) on the device, in ``dtype`` (or as
         stored: a BlockFP8)."""
         info = self.index[name]
-        want = dtype or (torch.float32 if name.endswith(FLOAT32_TENSORS) else self.dtype)
+        if name.endswith(ROUTER):
+            want = dtype or router_dtype(info.dtype, self.dtype)
+        else:
+            want = dtype or (torch.float32 if name.endswith(FLOAT32_TENSORS) else self.dtype)
         if cut.replicated:
             parts = [self._whole(name, info, want)]
         else:

@@ -313,7 +313,12 @@ class FusedOps:
         few-row kernel at few rows), softmax routing in torch."""
         if spec.scoring_func != "sigmoid":
             return route(spec, w, x)
-        logits = self.s.linear_f32(x, w.gate, pdl=self.pdl) if few else F.linear(x.float(), w.gate.float())
+        if few:
+            logits = self.s.linear_f32(x, w.gate, pdl=self.pdl)
+        elif x.is_cuda and x.dtype in self.s.DOT_DTYPES and w.gate.dtype == x.dtype:  # 16-bit products are exact
+            logits = torch.mm(x, w.gate.t(), out_dtype=torch.float32)  # in float32: its product, on tensor cores
+        else:
+            logits = F.linear(x.float(), w.gate.float())
         return self.k.route_sigmoid(logits, w.bias, spec.n_group, spec.topk_group, spec.num_experts_per_tok,
                                     spec.norm_topk_prob, spec.routed_scaling_factor, self.pdl)
 

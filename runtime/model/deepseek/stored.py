@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+import torch
+
 from runtime.core.errors import Problem
 from runtime.core.model_spec import ModelSpec
 from runtime.core.parallel import Sharding
@@ -29,6 +31,17 @@ from runtime.model.quantized import FP8_BLOCK
 NOT_FP8 = ("norm", "embed_tokens", "lm_head", "mlp.gate.", "e_score_correction_bias", "weights_proj")
 #: fp8 in the release, held in the model dtype here (the absorbed path's per-head products)
 DEQUANTIZED = ("self_attn.kv_b_proj.weight",)
+#: the MoE router and the safetensors dtype the V3 release stores it in (presets generate its values so)
+ROUTER, RELEASE_ROUTER = "mlp.gate.weight", "BF16"
+_SIXTEEN_BIT = {"BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def router_dtype(stored: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the MoE router is held in, from its stored safetensors dtype and the model's: the model's 16-bit
+    dtype when stored in it (the V3 release's bf16), else float32. The logits are float32 either way: the float32
+    product of 16-bit values is exact from those bits (tensor cores with float32 output, or the few-row kernel
+    widening them), at half the bytes and without a float32 GEMM."""
+    return dtype if _SIXTEEN_BIT.get(stored) == dtype else torch.float32
 
 
 def release_fp8(name: str, shape: tuple[int, ...]) -> bool:

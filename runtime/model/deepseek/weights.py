@@ -28,7 +28,7 @@ from runtime.core.config import LayerKind
 from runtime.core.model_spec import MLPLayer, ModelSpec
 from runtime.core.parallel import ONE_RANK, Sharding
 from runtime.model.deepseek.sharding import FULL, experts_of, tensor_cut
-from runtime.model.deepseek.stored import release_fp8
+from runtime.model.deepseek.stored import RELEASE_ROUTER, release_fp8, router_dtype
 from runtime.model.indexer import IndexerWeights
 from runtime.model.quantized import BlockFP8, bytes_by_dtype, cat_rows
 
@@ -121,7 +121,7 @@ class DenseMLPWeights:
 class MoEWeights:
     """Router, routed experts (stacked), shared experts."""
 
-    gate: torch.Tensor  # [E, D] float32 router
+    gate: torch.Tensor  # [E, D] router: float32, or the model's 16-bit dtype as stored (stored.router_dtype)
     bias: torch.Tensor | None  # [E] float32 e_score_correction_bias (sigmoid routing)
     gate_up: torch.Tensor  # [E, 2 * I_moe, D]
     down: torch.Tensor  # [E, D, I_moe]
@@ -290,7 +290,7 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
                     gate_ups[x - mine.start], downs[x - mine.start] = gu, down
             layer.mlp_norm = ones(d)
             layer.mlp = MoEWeights(
-                gate=w(e, d, fan_in=d, dtype=torch.float32),
+                gate=w(e, d, fan_in=d, dtype=torch.bfloat16).to(router_dtype(RELEASE_ROUTER, s.dtype)),
                 bias=w(e, fan_in=1e4, dtype=torch.float32) if s.scoring_func == "sigmoid" else None,
                 gate_up=gate_ups, down=downs,
                 shared=mlp(im * s.n_shared_experts, f"{p}.mlp.shared_experts") if s.n_shared_experts else None,
