@@ -14,6 +14,8 @@ Per (shape ``BxP``: B requests of P prompt tokens, all prefilled in one step; va
 * prefill ms: the prefill steps' GPU time from their CUDA-event marks, the median over ``--runs`` engine runs
   after one warm-up run (the engine runs each request to 2 output tokens, so a run is its prefill and one decode);
 * tok/s: prompt tokens / prefill time; steps: prefill steps per run (1 unless the batch exceeds the chunk size);
+* host ms: the host's time to enqueue the prefill forwards of a run (``MLAModel.forward`` timed on the host; no
+  sync inside): near or above prefill ms, the prefill waits on the host (not yet run on a GPU);
 * ``--kernels``: one more, profiled run: the union of GPU activity inside the prefill window (kernel ms), the
   window's idle rest (idle ms: the GPU waiting for the host's launches; the profiler adds host time), and a
   table of its top kernels;
@@ -53,6 +55,7 @@ from bench.engine_config import compose_config  # noqa: E402
 from bench.harness import Table, measure_ceilings, report  # noqa: E402
 from bench.host_step import profile_top  # noqa: E402
 from containers import build  # noqa: E402
+from runtime.core.batch import ForwardMode  # noqa: E402
 
 #: variant -> {(module, constant): value}
 VARIANTS = {"default": {}, "no_tma": {("fp8_moe", "TMA_ROWS"): 0},
@@ -96,6 +99,30 @@ class CollectorTime:
         gc.callbacks.remove(self)
 
 
+class HostTime:
+    """Host ms of the model's eager prefill forwards while active: the time Python takes to enqueue a prefill's
+    kernels (no sync inside), wrapped around the model instance's ``forward`` and restored after."""
+
+    def __init__(self, model):
+        self.model, self.ms = model, []
+
+    def __enter__(self):
+        forward = self.model.forward
+
+        def timed(ids, batch):
+            t0 = time.perf_counter()
+            out = forward(ids, batch)
+            if batch.mode == ForwardMode.EXTEND:
+                self.ms.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        self.model.forward = timed
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.forward  # the class's method again
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """``BxP`` -> (B requests, P prompt tokens)."""
     b, sep, p = text.partition("x")
@@ -125,13 +152,13 @@ def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
     for name in args.variants:
         with variant(name):
             rt.engine.run(record_hidden=False)  # warm-up: JIT, allocator caches
-            with CollectorTime() as collected:
+            with CollectorTime() as collected, HostTime(rt.container.model()) as host:
                 times = [prefill_ms(rt.engine.run(record_hidden=False)) for _ in range(args.runs)]
             ms = statistics.median(t[0] for t in times)
             row = {"shape": f"{batch}x{prompt}", "variant": name, "tokens": times[0][2], "steps": times[0][1],
                    "prefill_ms": ms, "min_ms": min(t[0] for t in times), "max_ms": max(t[0] for t in times),
-                   "tok_s": times[0][2] / ms * 1e3, "gc_n": collected.count / args.runs,
-                   "gc_ms": collected.ms / args.runs}
+                   "tok_s": times[0][2] / ms * 1e3, "host_ms": sum(host.ms) / args.runs,
+                   "gc_n": collected.count / args.runs, "gc_ms": collected.ms / args.runs}
             if args.kernels:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     res = rt.engine.run(record_hidden=False)
@@ -185,10 +212,11 @@ def main(argv: list[str] | None = None) -> None:
         r, t = run_shape(args, batch, prompt)
         rows += r
         tables += t
-    cols = ["shape", "variant", "tokens", "steps", "prefill_ms", "min_ms", "max_ms", "tok_s", "gc_n", "gc_ms"]
+    cols = ["shape", "variant", "tokens", "steps", "prefill_ms", "min_ms", "max_ms", "tok_s", "host_ms", "gc_n",
+            "gc_ms"]
     cols += ["kernel_ms", "idle_ms"] if args.kernels else []
-    fmt = {c: ".2f" for c in ("prefill_ms", "min_ms", "max_ms", "kernel_ms", "idle_ms", "gc_ms")} | {"tok_s": ".0f",
-                                                                                               "gc_n": ".1f"}
+    fmt = {c: ".2f" for c in ("prefill_ms", "min_ms", "max_ms", "host_ms", "kernel_ms", "idle_ms", "gc_ms")}
+    fmt |= {"tok_s": ".0f", "gc_n": ".1f"}
     title = (f"prefill: {args.preset}, {args.layers} layers, model.weights={args.weights}"
              f"{''.join(' ' + o for o in args.set)}; eager, GPU time from the steps' CUDA events, median of "
              f"{args.runs} runs")

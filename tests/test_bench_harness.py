@@ -266,6 +266,26 @@ def test_prefill_bench_shapes_variants_and_its_runs_config():
     assert cfg.workload.chunked_prefill_size >= 4 * 1024 and cfg.model.weights == "fp8"
 
 
+def test_prefill_bench_times_the_hosts_prefill_forwards_and_the_collector():
+    """HostTime records the host ms of each eager prefill forward (none of the decode steps) and gives the model
+    its own method back; CollectorTime counts the collections it sees."""
+    import gc
+
+    from bench.engine_config import compose_config
+    from bench.prefill_bench import CollectorTime, HostTime
+    from containers import build
+
+    rt = build(compose_config(["device=cpu", "workload=smoke", "workload.num_requests=2", "check=off"]))
+    model = rt.container.model()
+    with HostTime(model) as host:
+        res = rt.engine.run(record_hidden=False)
+    assert len(host.ms) == sum(s.phase == "prefill" for s in res.steps) >= 1 and min(host.ms) > 0
+    assert "forward" not in vars(model)  # the class's method again
+    with CollectorTime() as collected:
+        gc.collect()
+    assert collected.count >= 1 and collected.ms >= 0 and collected not in gc.callbacks
+
+
 def test_decode_roofline_set_adds_overrides_to_every_run():
     """--set KEY=VALUE reaches the composed config of each run (e.g. FlashInfer's fa2 kernel against fa3), last,
     so it wins over the preset."""

@@ -381,8 +381,8 @@ def test_library_path_gpu():
 @pytest.mark.gpu
 def test_scaled_mm_path_gpu(monkeypatch):
     """torch's block-scaled F.scaled_mm (cuBLAS), chosen from SCALED_MM_ROWS rows where it serves (4096 by
-    default; 2048 here): W8A8-level error at odd M and N, strided rows; the same activation quantization as ours, so within
-    an output rounding of our W8A8 kernel."""
+    default; 2048 here): W8A8-level error at odd M and N, strided rows; the same activation quantization as ours,
+    so within an output rounding of our W8A8 kernel."""
     needs_gpu()
     assert fp8_gemm.choose_path(2048, 128, "cuda", torch.bfloat16, k_dim=7168) != "scaled_mm"  # the default
     monkeypatch.setattr(fp8_gemm, "SCALED_MM_ROWS", 2048)

@@ -126,7 +126,8 @@ def test_the_router_is_held_as_the_release_stores_it(tmp_path):
     the memory estimate counts the router in the dtype held."""
     from runtime.model.deepseek.stored import router_dtype
 
-    assert router_dtype("BF16", torch.bfloat16) == torch.bfloat16 and router_dtype("F16", torch.float16) == torch.float16
+    assert router_dtype("BF16", torch.bfloat16) == torch.bfloat16
+    assert router_dtype("F16", torch.float16) == torch.float16
     assert router_dtype("BF16", torch.float32) == torch.float32 and router_dtype("F32", torch.bfloat16) == torch.float32
     assert router_dtype("BF16", torch.float16) == torch.float32  # another 16-bit dtype: float32, values exact
     bf16 = random_weights(spec_of("model.dtype=bfloat16"), CPU)
