@@ -74,18 +74,18 @@ def _fp4_ue8m0(spec: ModelSpec) -> bool:
     return all(index[s].dtype in UE8M0_SCALE_DTYPES for s in fp4)
 
 
-def _quantized(model: dict, spec: ModelSpec) -> bool:
+def _quantized(model: dict, spec: ModelSpec, index: dict) -> bool:
     """Whether the fp8 release's tensors are held quantized: a preset with model.weights=fp8, or a checkpoint kept
-    as stored (auto / stored) whose config declares fp8 (V4: ``v4.fp8_block``; V2/V3: assumed from the weights)."""
+    as stored (auto / stored) whose config declares fp8 (V4: ``v4.fp8_block``; V2/V3: assumed from the weights of
+    its ``index``)."""
     if spec.path:
-        return spec.weights in ("auto", "stored") and _checkpoint_fp8(model, spec)
+        return spec.weights in ("auto", "stored") and _checkpoint_fp8(model, spec, index)
     return spec.weights == "fp8"
 
 
-def _checkpoint_fp8(model: dict, spec: ModelSpec) -> bool:
+def _checkpoint_fp8(model: dict, spec: ModelSpec, index: dict) -> bool:
     if spec.is_dsv4:
         return bool((model.get("v4") or {}).get("fp8_block"))
-    index, _ = checkpoint_index(Path(spec.path))
     return any("F8" in info.dtype.upper() for info in index.values())
 
 
@@ -93,7 +93,9 @@ def weight_bytes(model: dict, tp: int, moe: str, rank: int = 0) -> dict[str, int
     """dtype -> bytes this rank's weights will hold (``model``: the resolved full-model config)."""
     spec = ModelSpec.from_config(model)
     shard = Sharding(rank, tp, moe)
-    quantized = _quantized(model, spec)
+    # a V2 / V3 checkpoint's headers, read once: whether it is fp8, the router's stored dtype
+    index = checkpoint_index(Path(spec.path))[0] if spec.path and not spec.is_dsv4 else {}
+    quantized = _quantized(model, spec, index)
     item = torch.empty(0, dtype=spec.dtype).element_size()
     name_of = str(spec.dtype).removeprefix("torch.")
     out: dict[str, int] = {}
@@ -117,7 +119,6 @@ def weight_bytes(model: dict, tp: int, moe: str, rank: int = 0) -> dict[str, int
     linear = {f"model.layers.{i}." for i in spec.linear_layers}  # synthetic hybrids: no checkpoint layout
     d, hl = spec.hidden_size, spec.linear_num_heads * spec.linear_head_dim
     _add(out, name_of, len(linear) * (d + 4 * d * hl + hl) * item)  # norm, q / k / v / out projections, out norm
-    index = checkpoint_index(Path(spec.path))[0] if spec.path else {}  # the stored dtypes (the router's)
     for name, shape in expected_tensors(spec).items():
         if name.startswith(tuple(linear)) and ".mlp" not in name and "post_attention" not in name:
             continue
