@@ -21,12 +21,14 @@ L2 never serves a repeated read (``copies_for_l2``):
     python -m bench.fp8_gemm_bench                    # every shape, M = 1 2 4 8 16 32 64 4096
     python -m bench.fp8_gemm_bench --m 1,16 --shapes qkv_a,q_b
     python -m bench.fp8_gemm_bench --sweep            # also every few-row / GEMM tile config (best printed)
+    python -m bench.fp8_gemm_bench --path split --m 32 --sweep   # the 17-32-row W8A8 kernel's tiles and splits
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -68,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.fp8_gemm_bench", description=__doc__.split("\n")[0])
     p.add_argument("--m", type=_ints, default=DEFAULT_M, help="rows (tokens), comma-separated")
     p.add_argument("--shapes", default="", help=f"comma-separated names of {[s[0] for s in SHAPES]} (default all)")
-    p.add_argument("--path", choices=["few", "w8a8", "w8a16"], default=None, help="force fp8_linear's path")
+    p.add_argument("--path", choices=["few", "split", "w8a8", "w8a16"], default=None, help="force fp8_linear's path")
     p.add_argument("--sweep", action="store_true", help="time every tile config of the path taken")
     p.add_argument("--no-libs", action="store_true", help="skip FlashInfer and torch's scaled mm")
     p.add_argument("--quick", action="store_true", help="M 1, 16, 64, 4096 over qkv_a, o_proj and gate_up")
@@ -137,6 +139,10 @@ def _sweep(fp8_gemm, path, m, n, kd, copies, ref):
         if m <= fp8_gemm.FMA_ROWS:  # the CUDA-core kernel
             tiles = ((4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8))
             cfgs += [F_(bn, bk // m, wp, 3, sp, True) for bn, bk, wp in tiles for sp in (1, 2, 4)]
+    elif path == "split":  # weight rows a program x splits, in-kernel quantization; then the best's options
+        steps = -(-kd // 128)
+        cfgs = [fp8_gemm.SplitConfig(bn, sp, True, 4, 3, True) for bn in (64, 128)
+                for sp in (1, 2, 3, 4, 6, 8, 12, 16) if sp <= steps]
     else:
         G = fp8_gemm.GemmConfig
         bks = (128,) if path == "w8a8" else (64, 128)
@@ -147,24 +153,43 @@ def _sweep(fp8_gemm, path, m, n, kd, copies, ref):
             cfgs += [G(bm, bn, 128, 8, wp, st, True, ws) for bm, bn, wp, st in TMA_TILES for ws in (False, True)]
     best = (float("inf"), None)
     for cfg in cfgs:
-        try:
-            x, w, s = copies[0]
-            err = rel_err(fp8_gemm.fp8_linear(x, w, s, path=path, config=cfg), ref)
-            t = graph_ms([lambda x=x, w=w, s=s, c=cfg: fp8_gemm.fp8_linear(x, w, s, path=path, config=c)
-                          for x, w, s in copies], rep_ms=50)
-        except Exception as e:  # noqa: BLE001 - out of shared memory / registers
-            print(f"  sweep {cfg}: {type(e).__name__}"[:120])
+        t = _time_config(fp8_gemm, path, cfg, copies)
+        if t == float("inf"):
             continue
+        x, w, s = copies[0]
+        err = rel_err(fp8_gemm.fp8_linear(x, w, s, path=path, config=cfg), ref)
         best = min(best, (t, cfg), key=lambda b: b[0])
-        if path == "few":
+        if path == "split":
+            print(f"    {t * 1e3:7.2f} us  {cfg}", flush=True)
+        elif path == "few":
             print(f"    {t * 1e3:7.2f} us  {cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
                   f"split {cfg.split_k}{' fma' if cfg.fma else ''}", flush=True)
         else:
             print(f"    {t * 1e3:7.2f} us  {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
                   f"s{cfg.num_stages}{' tma' if cfg.tma else ''}{' ws' if cfg.ws else ''}  err {err:.2e}", flush=True)
+    if path == "split" and best[1] is not None:  # around the best: activations quantized first, other stages
+        b = best[1]
+        for cfg in (replace(b, quant=False), replace(b, num_stages=4), replace(b, num_stages=6),
+                    replace(b, num_warps=8), replace(b, tma=False)):
+            t = _time_config(fp8_gemm, path, cfg, copies)
+            print(f"    {t * 1e3:7.2f} us  {cfg}", flush=True)
+            best = min(best, (t, cfg), key=lambda b: b[0])
+    dev = copies[0][0].device
+    default = (fp8_gemm.few_config(n, kd, dev, m) if path == "few"
+               else fp8_gemm.split_config(m, n, kd, 128, dev) if path == "split" else None)
     print(f"  sweep {path} M={m} N={n} K={kd}: best {best[0] * 1e3:.2f} us with {best[1]}"
-          + (f" (default {fp8_gemm.few_config(n, kd, copies[0][0].device, m)})" if path == "few" else ""), flush=True)
+          + (f" (default {default})" if default else ""), flush=True)
     return best
+
+
+def _time_config(fp8_gemm, path, cfg, copies) -> float:
+    """ms of one config graph-timed over the copies (inf when it cannot run)."""
+    try:
+        return graph_ms([lambda x=x, w=w, s=s: fp8_gemm.fp8_linear(x, w, s, path=path, config=cfg)
+                         for x, w, s in copies], rep_ms=50)
+    except Exception as e:  # noqa: BLE001 - out of shared memory / registers
+        print(f"  sweep {cfg}: {type(e).__name__}"[:120])
+        return float("inf")
 
 
 def bench(args, ceil, fp8_tflops) -> list[dict]:

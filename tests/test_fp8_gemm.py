@@ -11,6 +11,8 @@ DeepSeek-V3, every path, and CUDA-graph replay.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,13 +79,39 @@ def test_w8a8_matches_float64_and_quantized_x(n, kd, block):
         assert rel_err(y, xq @ wd.T) <= TOL_W8A16[torch.float16]
 
 
+@pytest.mark.parametrize("n,kd,block", [s for s in SHAPES if s[2][1] >= 32])
+def test_split_w8a8_matches_float64_and_quantized_x(n, kd, block):
+    """The "split" W8A8 kernel (the weight on the wide side, inputs split over programs): within the W8A8 bound of
+    float64, at the output's rounding against x's own e4m3 values, whatever the split; its in-kernel quantization
+    (times the scale's reciprocal) against quantize_act's (a division) within the output's rounding."""
+    torch.manual_seed(5 * n + kd)
+    w, s, wd = make_weight(n, kd, block)
+    steps = -(-kd // block[1])
+    for m in (1, 17, 33, 64):
+        x = strided_x(m, kd, torch.float16)
+        q, qs = fp8_gemm.quantize_act(x, block[1])
+        xq = q.double() * qs.double().repeat_interleave(block[1], 1)[:, :kd]
+        for split in sorted({1, 2, steps}):
+            cfg = fp8_gemm.SplitConfig(64, split)
+            y = fp8_gemm.fp8_linear(x, w, s, block, path="split", config=cfg)
+            assert y.dtype == torch.float16 and y.shape == (m, n)
+            err = rel_err(y, x.double() @ wd.T)
+            assert 5e-3 < err <= TOL_W8A8, (m, split, err)
+            assert rel_err(y, xq @ wd.T) <= TOL_W8A16[torch.float16], (m, split)
+            pre = fp8_gemm.fp8_linear(x, w, s, block, path="split", config=fp8_gemm.SplitConfig(64, split, False))
+            assert rel_err(y, pre) <= TOL_W8A16[torch.float16], (m, split)
+
+
 def test_default_path_by_rows():
     torch.manual_seed(1)
     w, s, wd = make_weight(64, 128)
-    x = torch.randn(17, 128, dtype=torch.float16, device=DEV)
-    assert fp8_gemm.choose_path(16, 128, DEV) == "few" and fp8_gemm.choose_path(17, 128, DEV) == "w8a8"
+    x = torch.randn(fp8_gemm.SPLIT_ROWS + 1, 128, dtype=torch.float16, device=DEV)
+    assert fp8_gemm.choose_path(16, 128, DEV) == "few" and fp8_gemm.choose_path(17, 128, DEV) == "split"
+    assert fp8_gemm.choose_path(fp8_gemm.SPLIT_ROWS, 128, DEV) == "split"
+    assert fp8_gemm.choose_path(fp8_gemm.SPLIT_ROWS + 1, 128, DEV) == "w8a8"
     assert fp8_gemm.choose_path(17, 16, DEV) == "w8a16"  # fp8 steps are 32 deep
     assert torch.equal(fp8_gemm.fp8_linear(x[:16], w, s), fp8_gemm.fp8_linear(x[:16], w, s, path="few"))
+    assert torch.equal(fp8_gemm.fp8_linear(x[:17], w, s), fp8_gemm.fp8_linear(x[:17], w, s, path="split"))
     assert torch.equal(fp8_gemm.fp8_linear(x, w, s), fp8_gemm.fp8_linear(x, w, s, path="w8a8"))
     # w8a8=False (model.fp8_compute=w8a16): 16-bit activations above 16 rows, the few-row kernel below
     assert fp8_gemm.choose_path(17, 128, DEV, w8a8=False) == "w8a16" and fp8_gemm.choose_path(16, 128, DEV,
@@ -234,6 +262,10 @@ def test_refuses_what_it_cannot_take():
         ((x, w, s), {"config": fp8_gemm.FewConfig(16, 32), "path": "w8a8"}, "GemmConfig"),
         ((x, w, s), {"config": fp8_gemm.FewConfig(16, 32, 4, 3, 0), "path": "few"}, "split_k a positive int"),
         ((x, w, s), {"config": fp8_gemm.GemmConfig(16, 16, 16), "path": "w8a8"}, "block_k a power of two >= 32"),
+        ((torch.randn(129, 64, dtype=torch.float16), w, s), {"path": "split"}, "M <= 128"),
+        ((x, w, s), {"config": fp8_gemm.FewConfig(16, 32), "path": "split"}, "SplitConfig"),
+        ((x, w, s), {"config": fp8_gemm.SplitConfig(48), "path": "split"}, "block_n a power of two"),
+        ((x, w, s), {"config": fp8_gemm.SplitConfig(64, 0), "path": "split"}, "split_k a positive int"),
     ]
     for args, kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
@@ -241,6 +273,10 @@ def test_refuses_what_it_cannot_take():
     w16, s16, _ = make_weight(40, 64, (128, 16))
     with pytest.raises(ValueError, match="bk >= 32 for path='w8a8'"):
         fp8_gemm.fp8_linear(x, w16, s16, (128, 16), path="w8a8")
+    w256, s256, _ = make_weight(40, 512, (128, 256))
+    with pytest.raises(ValueError, match="quant=False"):  # a 256-input scale group spans two 128-input steps
+        fp8_gemm.fp8_linear(torch.randn(20, 512, dtype=torch.float16), w256, s256, (128, 256), path="split",
+                            config=fp8_gemm.SplitConfig(64, 1, True))
     with pytest.raises(ValueError, match="group a power of two"):
         fp8_gemm.quantize_act(x, 100)
     with pytest.raises(ValueError, match="bf16 / fp16 / float32"):
@@ -262,6 +298,11 @@ def test_configs_by_rule():
     assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 128, 128, 8, 4, 3)
     assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 3)
     assert fp8_gemm.gemm_config(20, 512, 7168, 128, False, cpu) == fp8_gemm.GemmConfig(32, 64, 64, 8, 4, 4)
+    # the split W8A8 kernel: 128 weight rows, splits for ~2 programs an SM, each at least two 128-input steps
+    assert fp8_gemm.split_config(32, 2112, 7168, 128, cpu) == fp8_gemm.SplitConfig(128, 14, True, 4, 3)
+    assert fp8_gemm.split_config(32, 7168, 2048, 128, cpu) == fp8_gemm.SplitConfig(128, 4, True, 4, 3)
+    assert fp8_gemm.split_config(32, 7168, 256, 128, cpu) == fp8_gemm.SplitConfig(128, 1, True, 4, 3)
+    assert fp8_gemm.split_config(32, 512, 512, 256, cpu) == fp8_gemm.SplitConfig(128, 2, False, 4, 3)
 
 
 def test_bench_arguments_and_shapes():
@@ -314,6 +355,38 @@ def test_tma_gemm_gpu(ws):
         plain = fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 3))
         tma = fp8_gemm.fp8_linear(x, w, s, path="w8a8", config=fp8_gemm.GemmConfig(128, 128, 128, 8, 8, 3, True, ws))
         assert torch.equal(tma, plain), (m, ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,kd", TP8_SHAPES)
+def test_split_w8a8_tp8_shapes_gpu(name, n, kd):
+    """The "split" kernel at one TP8 rank's shapes, 17-128 rows, TMA and pointer loads, any split: within the W8A8
+    bound of float64 and at bf16's rounding of the tiled W8A8 GEMM's result (the same e4m3 activations); in-kernel
+    quantization agrees with quantize_act's; a CUDA graph with PDL replays the eager bits."""
+    needs_gpu()
+    torch.manual_seed(n + kd)
+    w, s, wd = make_weight(n, kd, dev="cuda")
+    for m in (17, 32, 64, 128):
+        x = torch.randn(m, kd, dtype=torch.bfloat16, device="cuda")
+        tiled = fp8_gemm.fp8_linear(x, w, s, path="w8a8")
+        for cfg in (None, fp8_gemm.SplitConfig(64, 1, True, 4, 3, False), fp8_gemm.SplitConfig(128, 5, False)):
+            y = fp8_gemm.fp8_linear(x, w, s, path="split", config=cfg)
+            assert 5e-3 < rel_err(y, x.double() @ wd.T) <= TOL_W8A8, (name, m, cfg)
+            assert rel_err(y, tiled) <= TOL_W8A16[torch.bfloat16], (name, m, cfg)
+        cfg = fp8_gemm.split_config(m, n, kd, 128, "cuda")
+        assert rel_err(fp8_gemm.fp8_linear(x, w, s, path="split", config=replace(cfg, quant=not cfg.quant)),
+                       fp8_gemm.fp8_linear(x, w, s, path="split", config=cfg)) <= TOL_W8A16[torch.bfloat16]
+    out = {}
+
+    def step():
+        out["y"] = fp8_gemm.fp8_linear(x, w, s, path="split", pdl=True)
+
+    graph = capture_graph(step)
+    x.copy_(torch.randn_like(x))
+    eager = fp8_gemm.fp8_linear(x, w, s, path="split", pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out["y"], eager)
 
 
 @pytest.mark.gpu

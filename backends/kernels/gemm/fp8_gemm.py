@@ -14,6 +14,9 @@ Paths (:func:`fp8_linear` picks by M, ``path=`` forces one):
 * ``"w8a8"`` (M > 16 by default): x quantized per row and ``bk`` inputs by :func:`quantize_act` (DeepSeek's
   ``act_quant``: amax / 448), then a block-scaled fp8 GEMM on the fp8 tensor cores (:func:`gemm_config`).
   Needs compute capability 8.9+ on a GPU; with ``path=None`` a GPU without fp8 tensor cores gets ``"w8a16"``.
+* ``"split"`` (17 to :data:`SPLIT_ROWS` rows by default): W8A8 for decode batches, the weight tile on the tensor
+  cores' 64 / 128-row side and the activations, quantized inside the kernel, on the narrow side; the inputs
+  split over programs so that the grid fills the GPU (:func:`split_config`), partials summed in order.
 * ``"w8a16"``: the tiled GEMM with bf16 / fp16 activations and weights widened in registers, any M (no
   activation rounding; for comparisons and GPUs without fp8 tensor cores).
 * ``"flashinfer"`` / ``"scaled_mm"``: the libraries' W8A8 block-scale GEMMs (FlashInfer's
@@ -41,7 +44,13 @@ from backends.kernels.sm_count import capability_major, sm_count
 #: rows up to which :func:`fp8_linear` takes the few-row W8A16 kernel (one 16-row tensor-core tile)
 FEW_ROWS = 16
 FP8_BLOCK = (128, 128)
-PATHS = (None, "few", "w8a8", "w8a16", "flashinfer", "scaled_mm")
+PATHS = (None, "few", "split", "w8a8", "w8a16", "flashinfer", "scaled_mm")
+#: rows up to which ``path=None`` takes the ``"split"`` W8A8 kernel above :data:`FEW_ROWS` (0: never), and the
+#: most rows it takes (its activation tile holds every row). 32: a 16-layer fp8 decode step at batch 32 on an
+#: H200 (``python -m bench.decode_roofline --preset h100_triton_tp8 --layers 16 --batches 32 --weights fp8``) took
+#: 5199 µs a step with it against 5417 with FlashInfer's kernel there (whose launches break the PDL chain); at
+#: batch 64 it was slower (6855 against 6613 µs)
+SPLIT_ROWS, SPLIT_MAX_ROWS = 32, 128
 #: rows from which ``path=None`` takes torch's block-scaled ``F.scaled_mm`` (cuBLAS) over FlashInfer's kernel
 #: (None: never). On an H200 cuBLAS is ahead per GEMM from 2048 rows (``python -m bench.fp8_gemm_bench``, CUDA
 #: graphs); in a 16-layer eager fp8 prefill (``python -m bench.prefill_bench --kernels``) the GPU's kernel time
@@ -82,6 +91,22 @@ class FewConfig(TileConfig):
 
     split_k: int = 1
     fma: bool = False
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """A launch of the ``"split"`` W8A8 kernel (``_split_w8a8_kernel``): ``block_n`` weight rows per program (the
+    tensor cores' wide side, 64 or 128), ``split_k`` programs sharing each block of columns (> 1: float32
+    partials summed in order by a second kernel), ``quant``: each program quantizes its activation tiles (else one
+    :func:`quantize_act` launch first; the same scales, a quotient's last bit may differ), ``tma``: weight tiles
+    by TMA (Hopper+, 16-byte rows)."""
+
+    block_n: int = 128
+    split_k: int = 1
+    quant: bool = True
+    num_warps: int = 4
+    num_stages: int = 3
+    tma: bool = False
 
 
 #: rows up to which a :class:`FewConfig` with ``fma`` may run (the CUDA-core kernel, ``_few_fma_kernel``)
@@ -136,6 +161,20 @@ def gemm_config(m: int, n: int, k_dim: int, bk: int, a_fp8: bool, device: torch.
     block_m = next(b for b in (16, 32, 64, 128) if m <= b or b == 128)
     block_n = 128 if triton.cdiv(m, block_m) * triton.cdiv(n, 128) >= sms else 64
     return GemmConfig(block_m, block_n, block_k, 8, 8 if block_m == 128 else 4, 4)
+
+
+def split_config(m: int, n: int, k_dim: int, bk: int, device: torch.device | str) -> SplitConfig:
+    """Tiles of the ``"split"`` kernel, by rule: 128 weight rows a program, and the inputs split so that the
+    programs number about twice the SMs (each program at least two 128-input steps); 3 stages, TMA where it
+    serves. Swept at 32 rows over a TP8 rank's shapes on an H200 (``python -m bench.fp8_gemm_bench --path split
+    --m 32 --sweep``): the rule's split was within 10% of the best of 15 (64 / 128 rows x 1-16 splits) at every
+    shape, 3 stages at or ahead of 4 (6: up to 1.5x slower)."""
+    sms = sm_count(device, CPU_SM_COUNT)
+    block_k = min(bk, 128)
+    steps = triton.cdiv(max(k_dim, 1), block_k)
+    tiles = triton.cdiv(n, 128)
+    split = max(1, min(steps // 2, round(2 * sms / tiles)))
+    return SplitConfig(128, _splits(k_dim, block_k, split), block_k == bk, 4, 3, tma_serves(device, k_dim))
 
 
 def tma_serves(device: torch.device | str, row_bytes: int) -> bool:
@@ -201,6 +240,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
                 f"config.block_n a power of two >= {low} ({'fma' if cfg.fma else 'one tensor-core tile'}); got "
                 f"{cfg.block_n}")
         _few(x, w, scale, y, bn, bk, cfg, pdl)
+        return y
+    if chosen == "split":
+        require(config is None or isinstance(config, SplitConfig),
+                f"config a fp8_gemm.SplitConfig for the split path; got {type(config).__name__}")
+        _split(x, w, scale, y, bn, bk, config or split_config(m, n, kd, bk, x.device), pdl)
         return y
     require(config is None or isinstance(config, GemmConfig),
             f"config a fp8_gemm.GemmConfig for the {chosen} path; got {type(config).__name__}")
@@ -290,8 +334,41 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
                                   PARTIAL=split > 1, PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
                                   num_stages=cfg.num_stages)
     if split > 1:
-        k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, y.stride(0), SPLIT=split, BLOCK=1024, PDL=p,
-                                                         launch_pdl=p, num_warps=4)
+        k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, 16, y.stride(0), SPLIT=split, BLOCK=1024,
+                                                         PDL=p, launch_pdl=p, num_warps=4)
+
+
+def _split(x, w, scale, y, bn: int, bk: int, cfg: SplitConfig, pdl: bool) -> None:
+    """The ``"split"`` W8A8 kernel into ``y`` (M <= :data:`SPLIT_MAX_ROWS`); with more than one split its float32
+    partials go to a ``[split, M, N]`` temporary that :func:`k._sum_splits_kernel` sums in order."""
+    m, kd = x.shape
+    n = w.shape[0]
+    block_k = min(bk, 128)
+    require(isinstance(cfg.block_n, int) and cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0,
+            f"config.block_n a power of two >= 16 (one tensor-core tile); got {cfg.block_n!r}")
+    require(isinstance(cfg.split_k, int) and cfg.split_k >= 1, f"config.split_k a positive int; got {cfg.split_k!r}")
+    require(not cfg.quant or block_k == bk, f"config.quant: one 128-input step per activation scale group; the "
+                                            f"scale block's bk is {bk} (fix: quant=False)")
+    split = _splits(kd, block_k, cfg.split_k)
+    k_split = triton.cdiv(triton.cdiv(kd, block_k), split) * block_k
+    a, a_scale = (x, scale) if cfg.quant else quantize_act(x, bk, pdl)  # scale: unused with quant
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    p = use_pdl(pdl, k._split_w8a8_kernel, x.device)
+    w_desc = w
+    if cfg.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        require((w.stride(0) * w.element_size()) % 16 == 0, f"TMA loads need 16-byte aligned rows; got {w.stride()}")
+        w_desc = TensorDescriptor(w, [n, kd], [w.stride(0), 1], [cfg.block_n, block_k])
+    k._split_w8a8_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        a, a_scale, w, w_desc, scale, y, part, m, n, kd, k_split, a.stride(0), a_scale.stride(0), w.stride(0),
+        scale.stride(0), scale.stride(1), y.stride(0), bn, BK_S=bk, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=cfg.block_n, BLOCK_K=block_k, QUANT=cfg.quant, TMA=cfg.tma, PARTIAL=split > 1,
+        ROUND_FIRST=interpreted(k._split_w8a8_kernel), PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if split > 1:
+        k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, m, y.stride(0), SPLIT=split, BLOCK=1024,
+                                                         PDL=p, launch_pdl=p, num_warps=4)
 
 
 def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False, row_multiple: int = 1
@@ -341,7 +418,8 @@ def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype 
     """The path :func:`fp8_linear` takes with ``path=None``: ``"few"`` for M <= :data:`FEW_ROWS` (bf16
     activations: the decode step keeps the dequantized model's precision; FlashInfer's W8A8 is 1.3-2.7x faster
     there on an H200, but its e4m3 activations took a 4-layer decode's hidden-state error from 3.6e-2 to 5.1e-2,
-    past the parity tolerance); above it the libraries where they serve (bf16 activations, 128 x 128 blocks, an
+    past the parity tolerance); up to :data:`SPLIT_ROWS` our ``"split"`` W8A8 kernel (fp8 tensor cores, bk >=
+    32: the decode batches); above it the libraries where they serve (bf16 activations, 128 x 128 blocks, an
     SM90 GPU): FlashInfer's kernel (importable), or from :data:`SCALED_MM_ROWS` rows (4096 by default)
     torch's ``F.scaled_mm`` (cuBLAS), both faster than ours at every TP8 shape measured on an H200
     (``python -m bench.fp8_gemm_bench``:
@@ -354,6 +432,8 @@ def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype 
         return "few"
     if not w8a8:
         return "w8a16"
+    if m <= SPLIT_ROWS and bk >= 32 and _fp8_dot_ok(device):
+        return "split"
     block = tuple(block or (128, bk))
     if library and SCALED_MM_ROWS is not None and m >= SCALED_MM_ROWS and _scaled_mm_serves(dtype, block, device,
                                                                                              k_dim):
@@ -410,10 +490,13 @@ def _resolve_path(path: str | None, m: int, block: tuple[int, int], x: torch.Ten
     if path == "few":
         require(m <= FEW_ROWS, f"M <= {FEW_ROWS} rows for path='few' (one 16-row tile); got M = {m} "
                                f"(fix: path=None, 'w8a8' or 'w8a16')")
-    if path == "w8a8":
-        require(bk >= 32, f"bk >= 32 for path='w8a8' (fp8 tensor-core steps are 32 deep); got bk = {bk} "
+    if path == "split":
+        require(m <= SPLIT_MAX_ROWS, f"M <= {SPLIT_MAX_ROWS} rows for path='split' (one activation tile); got M = "
+                                     f"{m} (fix: path=None or 'w8a8')")
+    if path in ("w8a8", "split"):
+        require(bk >= 32, f"bk >= 32 for path={path!r} (fp8 tensor-core steps are 32 deep); got bk = {bk} "
                           f"(fix: path='w8a16')")
-        require(_fp8_dot_ok(device), f"a GPU with fp8 tensor cores (compute capability 8.9+) for path='w8a8'; "
+        require(_fp8_dot_ok(device), f"a GPU with fp8 tensor cores (compute capability 8.9+) for path={path!r}; "
                                      f"got {device} (fix: path='w8a16')")
     return path
 

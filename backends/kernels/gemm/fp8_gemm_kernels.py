@@ -13,6 +13,8 @@ scale row, so no relation between the scale block and the column tile is needed)
   A row's result does not depend on M (padded rows are zeros, same tile, same order).
 * :func:`_few_fma_kernel`: M <= 2 rows on the CUDA cores (float32 products of the widened weights), same
   split-K; the few-row path's choice at one row where it measures faster.
+* :func:`_split_w8a8_kernel`: W8A8 for a few dozen rows (decode batches): the weight tile on the tensor cores'
+  wide side, the activations (quantized in the kernel) on the narrow one, the inputs split over programs.
 * :func:`_block_gemm_kernel`: a tiled GEMM for any M, block scales applied per k-step. ``A_FP8``: W8A8 as
   DeepSeek's inference code (``act_quant`` + ``fp8_gemm``): A is fp8 with one scale per row and ``BK_S`` inputs
   (:func:`_quant_act_kernel`), ``acc += dot(a, b) * a_scale[:, None] * b_scale[None, :]``, fp8 tensor cores.
@@ -177,17 +179,100 @@ def _fma_row(x_ptr, NW, rk, kmask, rstd, sv, NORM: tl.constexpr, ONE_SCALE_ROW: 
 
 
 @triton.jit
-def _sum_splits_kernel(P, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Y[m, n] = sum over j in order of P[j, m, n] (float32), in Y's dtype: the split-K partials of
-    :func:`_few_w8a16_kernel`. One program per BLOCK outputs of one row (grid: column blocks x M)."""
+def _sum_splits_kernel(P, Y, M, N, ROWS_P, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Y[m, n] = sum over j in order of P[j, m, n] (float32, ``ROWS_P`` rows a split), in Y's dtype: the split-K
+    partials of :func:`_few_w8a16_kernel` and :func:`_split_w8a8_kernel`. One program per BLOCK outputs of one
+    row (grid: column blocks x M)."""
     pdl_enter(PDL)
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = rn < N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(SPLIT):
-        acc += tl.load(P + (j * 16 + m).to(tl.int64) * N + rn, mask=mask, other=0.0)
+        acc += tl.load(P + (j * ROWS_P + m).to(tl.int64) * N + rn, mask=mask, other=0.0)
     tl.store(Y + m * stride_ym + rn, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_w8a8_kernel(X, XS, W, w_desc, S, Y, P, M, N, K, K_SPLIT, stride_xm, stride_xsm, stride_wn, stride_sn,
+                       stride_sk, stride_ym, BN_S, BK_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, QUANT: tl.constexpr, TMA: tl.constexpr, PARTIAL: tl.constexpr,
+                       ROUND_FIRST: tl.constexpr, PDL: tl.constexpr):
+    """W8A8 for a few dozen rows: Y[:M, n-block] = X[:M] @ dequant(W)[n-block].T, the weight on the wide side.
+
+    At 17-64 rows a 64-row tile of the tiled GEMM holds every row, so the grid is only the column blocks (33 for
+    a TP8 rank's qkv_a) and most SMs idle. Here the product is turned around: each program multiplies a
+    ``[BLOCK_N, BLOCK_K]`` fp8 weight tile (the tensor cores' 64 / 128-row side) by the ``[BLOCK_M, BLOCK_K]``
+    e4m3 activations (BLOCK_M >= M, 16 to 128: their narrow side), and the inputs are split over programs
+    (program (n-block, j) sums ``[j K_SPLIT, (j + 1) K_SPLIT)``, K_SPLIT a multiple of BLOCK_K), so the grid
+    fills the GPU and every weight byte is read once. BLOCK_K divides BK_S: each step lies in one scale block and
+    ``acc[BLOCK_N, BLOCK_M] += dot(w, q.T) * w_scale[:, None] * x_scale[None, :]`` (each weight row's own scale
+    row: any BN_S).
+
+    ``QUANT``: X is bf16 / fp16 and each program quantizes its own activation tiles with the scales of
+    :func:`_quant_act_kernel` (per row and BK_S inputs), each input times the scale's reciprocal (that kernel
+    divides: a quotient may differ in its last float32 bit, so an e4m3 value at a rounding tie may differ), so no
+    quantize launch and no fp8 copy of X in memory; else X is that kernel's e4m3 output with scales XS. ``TMA``:
+    the weight tiles by the tensor memory accelerator (``w_desc``, block [BLOCK_N, BLOCK_K], edges read as
+    zeros); else pointer loads (wrapped rows, masked K edge). ``PARTIAL``: the float32 partial goes to ``P [splits, M, N]`` for :func:`_sum_splits_kernel`."""
+    tl.static_assert(BK_S % BLOCK_K == 0, "a step lies in one scale block")
+    tl.static_assert(not QUANT or BLOCK_K == BK_S, "QUANT: a step is one activation scale group")
+    pdl_enter(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < M
+    w_rows = W + (rn % N).to(tl.int64)[:, None] * stride_wn
+    s_rows = S + ((rn % N) // BN_S) * stride_sn
+    x_rows = X + rm.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kmask = (k0 + rk) < K
+        if TMA:
+            w = w_desc.load([n0, k0])
+        else:
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=kmask[None, :], other=0.0)
+        xmask = mmask[:, None] & kmask[None, :]
+        if QUANT:  # times the reciprocal of the row's scale: one division a row, not one an input
+            x = tl.load(x_rows + (k0 + rk)[None, :], mask=xmask, other=0.0).to(tl.float32)
+            xs = _row_scales(x)
+            q = tl.minimum(tl.maximum(x * tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), xs)[:, None], -FP8_MAX),
+                           FP8_MAX)
+            if ROUND_FIRST:
+                q = _round_e4m3(q)
+            q = q.to(w.dtype)
+        else:
+            q = tl.load(x_rows + (k0 + rk)[None, :], mask=xmask, other=0.0)
+            xs = tl.load(XS + rm * stride_xsm + k0 // BK_S, mask=mmask, other=0.0)
+        ws = tl.load(s_rows + (k0 // BK_S) * stride_sk)
+        acc += tl.dot(w, tl.trans(q)) * ws[:, None] * xs[None, :]
+    if PARTIAL:
+        part = P + tl.program_id(1).to(tl.int64) * M * N
+        tl.store(part + rm[:, None] * N + rn[None, :], tl.trans(acc), mask=mmask[:, None] & (rn < N)[None, :])
+    else:
+        _store_tile(Y, tl.trans(acc), rm, rn, M, N, stride_ym)
+
+
+@triton.jit
+def _quant_rows(x, ROUND_FIRST: tl.constexpr):
+    """float32 x [rows, G] -> (x / s clamped to +-448, s) per row, ``s = max(amax(|x|) / 448, 1e-12)``, both
+    divisions IEEE-rounded (``tl.div_rn``: the bits of torch's); the quotient still float32, to be cast to e4m3
+    (nearest, ties to even). ``ROUND_FIRST`` (Triton's CPU interpreter, whose cast rounds a carry into the next
+    binade wrong): the quotient is first rounded on e4m3's grid (:func:`_round_e4m3`), so the cast is exact."""
+    s = _row_scales(x)
+    q = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX)
+    if ROUND_FIRST:
+        q = _round_e4m3(q)
+    return q, s
+
+
+@triton.jit
+def _row_scales(x):
+    """The e4m3 scale of each row of float32 x [rows, G]: ``max(amax(|x|) / 448, 1e-12)``, IEEE-rounded."""
+    return tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), 1e-12)
 
 
 @triton.jit
@@ -310,11 +395,7 @@ def _quant_act_kernel(X, Q, QS, M, K, stride_xm, stride_qm, stride_qsm, BLOCK_M:
     rk = g * G + tl.arange(0, G)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    s = tl.maximum(tl.div_rn(amax, FP8_MAX), 1e-12)
-    q = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX)
-    if ROUND_FIRST:
-        q = _round_e4m3(q)
+    q, s = _quant_rows(x, ROUND_FIRST)
     tl.store(Q + rm.to(tl.int64)[:, None] * stride_qm + rk[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(QS + rm * stride_qsm + g, s, mask=rm < M)
 
