@@ -29,14 +29,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     """
     t, d = x.shape
     require(x.stride(-1) == 1 and weight.shape == (d,) and weight.dtype == x.dtype,
-            f"x [T, D] with a contiguous last dim and weight [D] of x's dtype; got x {tuple(x.shape)} "
-            f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+            lambda: f"x [T, D] with a contiguous last dim and weight [D] of x's dtype; got x {tuple(x.shape)} "
+                    f"{x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if delta is None:
         r, dd, has = x, x, False
     else:
         require(delta.shape == x.shape and delta.dtype == x.dtype and delta.stride(-1) == 1,
-                f"delta of x's shape and dtype; got {tuple(delta.shape)} {delta.dtype}")
+                lambda: f"delta of x's shape and dtype; got {tuple(delta.shape)} {delta.dtype}")
         r, dd, has = torch.empty_like(y), delta, True
     if t:
         block = _pow2(d)
@@ -70,12 +70,12 @@ def v4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, out_dt
     out_dtype = out_dtype or x.dtype
     require(x.dim() >= 1 and x.dtype in V4_NORM_DTYPES and out_dtype in V4_NORM_DTYPES and 0 < d <= V4_NORM_MAX
             and (weight is None or (weight.shape == (d,) and weight.is_contiguous())),
-            f"v4_rms_norm: x [..., D] bf16 / fp16 / float32 with 0 < D <= {V4_NORM_MAX}, weight [D] contiguous or "
-            f"None, out_dtype bf16 / fp16 / float32; got x {tuple(x.shape)} {x.dtype}, weight "
-            f"{None if weight is None else (tuple(weight.shape), weight.dtype)}, out_dtype {out_dtype}. Fix: "
-            f"runtime.model.dsv4.norms (torch)")
+            lambda: f"v4_rms_norm: x [..., D] bf16 / fp16 / float32 with 0 < D <= {V4_NORM_MAX}, weight [D] contiguous "
+                    f"or None, out_dtype bf16 / fp16 / float32; got x {tuple(x.shape)} {x.dtype}, weight "
+                    f"{None if weight is None else (tuple(weight.shape), weight.dtype)}, out_dtype {out_dtype}. Fix: "
+                    f"runtime.model.dsv4.norms (torch)")
     rows = x.reshape(-1, d)  # a view where the rows allow it, else a copy
-    require(rows.stride(-1) == 1, f"v4_rms_norm: x's last dim contiguous; got strides {tuple(x.stride())}")
+    require(rows.stride(-1) == 1, lambda: f"v4_rms_norm: x's last dim contiguous; got strides {tuple(x.stride())}")
     y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
     if rows.shape[0]:
         block = _pow2(d)
@@ -106,28 +106,28 @@ def rope_latent(q: torch.Tensor | None, nope: int, kv: torch.Tensor | None, weig
     t = cos.shape[0]
     half = cos.shape[1]
     require(cos.shape == sin.shape and cos.stride(0) == sin.stride(0) and cos.stride(-1) == 1,
-            f"cos / sin [T, R/2] of one layout; got {tuple(cos.shape)}, {tuple(sin.shape)}")
+            lambda: f"cos / sin [T, R/2] of one layout; got {tuple(cos.shape)}, {tuple(sin.shape)}")
     do_q, do_kv, absorb = q is not None, kv is not None, w_uk is not None
     if do_q:
         require(q.dim() == 3 and q.shape[0] == t and q.shape[2] == nope + 2 * half and q.stride(-1) == 1,
-                f"q [T, H, nope + R] = [{t}, H, {nope + 2 * half}] with a contiguous last dim; got "
-                f"{tuple(q.shape)}")
+                lambda: f"q [T, H, nope + R] = [{t}, H, {nope + 2 * half}] with a contiguous last dim; got "
+                        f"{tuple(q.shape)}")
     c = weight.shape[0] if do_kv else 0
     if do_kv:
         require(kv.shape == (t, c + 2 * half) and kv.stride(-1) == 1 and weight.dtype == kv.dtype,
-                f"kv [T, C + R] = [{t}, {c + 2 * half}] and weight [C] of kv's dtype; got kv {tuple(kv.shape)} "
-                f"{kv.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+                lambda: f"kv [T, C + R] = [{t}, {c + 2 * half}] and weight [C] of kv's dtype; got kv {tuple(kv.shape)} "
+                        f"{kv.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
     write = do_kv and cache is not None
     if write:
         require(cache.shape[-1] == c + 2 * half and cache.stride(-1) == 1 and slots.shape == (t,),
-                f"cache [slots, {c + 2 * half}] and slots [T]; got cache {tuple(cache.shape)}, slots "
-                f"{tuple(slots.shape)}")
+                lambda: f"cache [slots, {c + 2 * half}] and slots [T]; got cache {tuple(cache.shape)}, slots "
+                        f"{tuple(slots.shape)}")
     q_abs, n_abs, n_blocks, block_n = None, 0, 1, 16
     if absorb:
         require(do_q and t <= skinny.MAX_ROWS and q.dtype in skinny.DOT_DTYPES and w_uk.dtype == q.dtype
                 and w_uk.dim() == 3 and w_uk.shape[:2] == (q.shape[1], nope) and w_uk.stride(-1) == 1,
-                f"w_uk [H, nope, N] of q's dtype (bf16, fp16) with T <= {skinny.MAX_ROWS}; got w_uk "
-                f"{tuple(w_uk.shape)} {w_uk.dtype}, q {None if q is None else (tuple(q.shape), q.dtype)}")
+                lambda: f"w_uk [H, nope, N] of q's dtype (bf16, fp16) with T <= {skinny.MAX_ROWS}; got w_uk "
+                        f"{tuple(w_uk.shape)} {w_uk.dtype}, q {None if q is None else (tuple(q.shape), q.dtype)}")
         n_abs = w_uk.shape[2]
         q_abs = torch.empty(t, q.shape[1], n_abs, dtype=q.dtype, device=q.device)
         block_n = skinny.head_block_n(n_abs, q.shape[1])
@@ -154,7 +154,7 @@ def silu_mul(x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """[N, 2I] (gate, then up; rows may be strided) -> silu(gate) * up [N, I]."""
     n, two_i = x.shape
     inter = two_i // 2
-    require(x.stride(-1) == 1 and two_i % 2 == 0, f"x [N, 2I] with a contiguous last dim; got {tuple(x.shape)}")
+    require(x.stride(-1) == 1 and two_i % 2 == 0, lambda: f"x [N, 2I] with a contiguous last dim; got {tuple(x.shape)}")
     return _silu_mul(x[:, :inter], x[:, inter:], None, pdl)
 
 
@@ -169,9 +169,9 @@ def v4_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, pdl: bool = Fa
     rounding kept."""
     require(gate.dim() == 2 and up.shape == gate.shape and up.dtype == gate.dtype and gate.dtype in V4_MOE_DTYPES
             and gate.stride(-1) == 1 and up.stride(-1) == 1,
-            f"v4_swiglu: gate and up [N, I] of one dtype in {V4_MOE_DTYPES}, last dims contiguous; got gate "
-            f"{tuple(gate.shape)} {gate.dtype} strides {gate.stride()}, up {tuple(up.shape)} {up.dtype} strides "
-            f"{up.stride()}. Fix: runtime.model.dsv4.moe.swiglu (torch)")
+            lambda: f"v4_swiglu: gate and up [N, I] of one dtype in {V4_MOE_DTYPES}, last dims contiguous; got gate "
+                    f"{tuple(gate.shape)} {gate.dtype} strides {gate.stride()}, up {tuple(up.shape)} {up.dtype} "
+                    f"strides {up.stride()}. Fix: runtime.model.dsv4.moe.swiglu (torch)")
     return _silu_mul(gate, up, float(limit), pdl)
 
 
@@ -195,8 +195,8 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, n_group: int,
     t, e = logits.shape
     per = e // n_group
     require(logits.dtype == torch.float32 and logits.stride(-1) == 1 and e % n_group == 0 and top_k <= e,
-            f"float32 logits [T, E] with E divisible by n_group and top_k <= E; got {tuple(logits.shape)} "
-            f"{logits.dtype}, n_group {n_group}, top_k {top_k}")
+            lambda: f"float32 logits [T, E] with E divisible by n_group and top_k <= E; got {tuple(logits.shape)} "
+                    f"{logits.dtype}, n_group {n_group}, top_k {top_k}")
     w = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
@@ -232,12 +232,13 @@ def v4_route(logits: torch.Tensor, scoring: str, bias: torch.Tensor | None, tid2
             and scoring in V4_SCORES and (bias is None or (bias.shape == (e,) and bias.is_contiguous()))
             and (not hashed or (input_ids is not None and input_ids.shape == (t,) and tid2eid.dim() == 2
                                 and tid2eid.shape[1] == top_k and tid2eid.stride(-1) == 1)),
-            f"v4_route: logits [T, E] in {V4_MOE_DTYPES} with 0 < top_k <= E <= {V4_ROUTE_MAX_E}, scoring in "
-            f"{V4_SCORES}, bias [E] contiguous or None, hash layers tid2eid [vocab, top_k] and input_ids [T]; got "
-            f"logits {tuple(logits.shape)} {logits.dtype}, scoring {scoring!r}, top_k {top_k}, bias "
-            f"{None if bias is None else tuple(bias.shape)}, tid2eid {None if not hashed else tuple(tid2eid.shape)}, "
-            f"input_ids {None if input_ids is None else tuple(input_ids.shape)}. Fix: "
-            f"runtime.model.dsv4.moe.route (torch)")
+            lambda: f"v4_route: logits [T, E] in {V4_MOE_DTYPES} with 0 < top_k <= E <= {V4_ROUTE_MAX_E}, scoring in "
+                    f"{V4_SCORES}, bias [E] contiguous or None, hash layers tid2eid [vocab, top_k] and input_ids [T]; "
+                    f"got logits {tuple(logits.shape)} {logits.dtype}, scoring {scoring!r}, top_k {top_k}, bias "
+                    f"{None if bias is None else tuple(bias.shape)}, tid2eid "
+                    f"{None if not hashed else tuple(tid2eid.shape)}, input_ids "
+                    f"{None if input_ids is None else tuple(input_ids.shape)}. Fix: runtime.model.dsv4.moe.route "
+                    f"(torch)")
     w = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
@@ -271,7 +272,7 @@ def moe_dispatch(ids: torch.Tensor, num_experts: int, sort_from: int = SORT_DISP
     stable argsort of the ids."""
     t, top_k = ids.shape
     n = t * top_k
-    require(ids.is_contiguous(), f"contiguous ids [T, k]; got strides {ids.stride()}")
+    require(ids.is_contiguous(), lambda: f"contiguous ids [T, k]; got strides {ids.stride()}")
     tokens = torch.empty(n, dtype=torch.int64, device=ids.device)
     inv = torch.empty(n, dtype=torch.int64, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
@@ -300,10 +301,11 @@ def moe_combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, share
     d = y.shape[1]
     require(y.stride(-1) == 1 and weights.is_contiguous() and inv.shape == (t * top_k,)
             and (shared is None or (shared.shape == (t, d) and shared.stride(-1) == 1)),
-            f"y [T*k, D], inv [T*k], weights [T, k], shared [T, D]; got y {tuple(y.shape)}, inv "
-            f"{tuple(inv.shape)}, weights {tuple(weights.shape)}")
+            lambda: f"y [T*k, D], inv [T*k], weights [T, k], shared [T, D]; got y {tuple(y.shape)}, inv "
+                    f"{tuple(inv.shape)}, weights {tuple(weights.shape)}")
     require(limit is None or (limit.numel() == 1 and limit.dtype in (torch.int32, torch.int64)),
-            f"limit a 1-element int32 / int64 tensor or None; got {None if limit is None else tuple(limit.shape)}")
+            lambda: f"limit a 1-element int32 / int64 tensor or None; got "
+                    f"{None if limit is None else tuple(limit.shape)}")
     out = torch.empty(t, d, dtype=dtype, device=y.device)
     if t:
         block = min(1024, _pow2(d))

@@ -232,26 +232,26 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         return y.zero_()
     if chosen == "few":
         require(config is None or isinstance(config, FewConfig),
-                f"config a fp8_gemm.FewConfig for the few-row path; got {type(config).__name__}")
+                lambda: f"config a fp8_gemm.FewConfig for the few-row path; got {type(config).__name__}")
         cfg = config or few_config(n, kd, x.device, m)
         _check_pow2("config.block_k", cfg.block_k, 16)
         low = 1 if cfg.fma else 16
         require(cfg.block_n >= low and cfg.block_n & (cfg.block_n - 1) == 0,
-                f"config.block_n a power of two >= {low} ({'fma' if cfg.fma else 'one tensor-core tile'}); got "
-                f"{cfg.block_n}")
+                lambda: f"config.block_n a power of two >= {low} ({'fma' if cfg.fma else 'one tensor-core tile'}); got "
+                        f"{cfg.block_n}")
         _few(x, w, scale, y, bn, bk, cfg, pdl)
         return y
     if chosen == "split":
         require(config is None or isinstance(config, SplitConfig),
-                f"config a fp8_gemm.SplitConfig for the split path; got {type(config).__name__}")
+                lambda: f"config a fp8_gemm.SplitConfig for the split path; got {type(config).__name__}")
         _split(x, w, scale, y, bn, bk, config or split_config(m, n, kd, bk, x.device), pdl)
         return y
     require(config is None or isinstance(config, GemmConfig),
-            f"config a fp8_gemm.GemmConfig for the {chosen} path; got {type(config).__name__}")
+            lambda: f"config a fp8_gemm.GemmConfig for the {chosen} path; got {type(config).__name__}")
     a_fp8 = chosen == "w8a8"
     cfg = config or gemm_config(m, n, kd, bk, a_fp8, x.device)
     _check_pow2("config.block_k", cfg.block_k, 32 if a_fp8 else 16)
-    require(bk % cfg.block_k == 0, f"config.block_k ({cfg.block_k}) dividing the scale block's bk ({bk})")
+    require(bk % cfg.block_k == 0, lambda: f"config.block_k ({cfg.block_k}) dividing the scale block's bk ({bk})")
     if a_fp8:
         a, a_scale = quantize_act(x, bk, pdl)
     else:
@@ -274,7 +274,7 @@ def _tma_gemm(a, a_scale, w, scale, y, bn: int, bk: int, a_fp8: bool, cfg: GemmC
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     require(a.stride(-1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16
-            == 0, f"TMA loads need 16-byte aligned rows; got strides {a.stride()} / {w.stride()}")
+            == 0, lambda: f"TMA loads need 16-byte aligned rows; got strides {a.stride()} / {w.stride()}")
     m, kd = a.shape
     a_desc = TensorDescriptor(a, [m, kd], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor(w, [w.shape[0], kd], [w.stride(0), 1], [cfg.block_n, cfg.block_k])
@@ -294,12 +294,12 @@ def fp8_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: t
     (norm first, then :func:`fp8_linear`)."""
     m, kd, n, bn, bk = _check(x, w, scale, block)
     require(0 < m <= FMA_ROWS and x.dtype in ACT_DTYPES,
-            f"fp8_norm_linear: 1 to {FMA_ROWS} rows of bf16 / fp16; got {m} rows of {x.dtype}. Fix: rms_norm, "
-            f"then fp8_linear")
+            lambda: f"fp8_norm_linear: 1 to {FMA_ROWS} rows of bf16 / fp16; got {m} rows of {x.dtype}. Fix: rms_norm, "
+                    f"then fp8_linear")
     require(norm_weight.shape == (kd,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous(),
-            f"norm_weight [K] of x's dtype, contiguous; got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+            lambda: f"norm_weight [K] of x's dtype, contiguous; got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     cfg = config or few_config(n, kd, x.device, m)
-    require(cfg.fma, f"fp8_norm_linear: a FewConfig with fma=True; got {cfg}")
+    require(cfg.fma, lambda: f"fp8_norm_linear: a FewConfig with fma=True; got {cfg}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n:
         _few(x, w, scale, y, bn, bk, cfg, pdl, (norm_weight, float(eps)))
@@ -311,7 +311,7 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
     partials go to a ``[split, 16, N]`` temporary that :func:`k._sum_splits_kernel` sums in order. ``norm``:
     (weight, eps) of an RMSNorm of x first (the CUDA-core kernel only)."""
     split = cfg.split_k
-    require(isinstance(split, int) and split >= 1, f"config.split_k a positive int; got {split!r}")
+    require(isinstance(split, int) and split >= 1, lambda: f"config.split_k a positive int; got {split!r}")
     m, kd = x.shape
     n = w.shape[0]
     split = _splits(kd, cfg.block_k, split)
@@ -321,7 +321,7 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
     strides = (x.stride(0), w.stride(0), scale.stride(0), scale.stride(1), y.stride(0), bn)
     one_row = bn % cfg.block_n == 0
     if cfg.fma:
-        require(m <= FMA_ROWS, f"config.fma for at most {FMA_ROWS} rows; got {m} rows. Fix: fma=False")
+        require(m <= FMA_ROWS, lambda: f"config.fma for at most {FMA_ROWS} rows; got {m} rows. Fix: fma=False")
         nw, eps = norm or (w, 0.0)
         p = use_pdl(pdl, k._few_fma_kernel, x.device)
         k._few_fma_kernel[grid](x, w, scale, y, part, nw, m, n, kd, k_split, *strides, eps, BK_S=bk,
@@ -345,10 +345,11 @@ def _split(x, w, scale, y, bn: int, bk: int, cfg: SplitConfig, pdl: bool) -> Non
     n = w.shape[0]
     block_k = min(bk, 128)
     require(isinstance(cfg.block_n, int) and cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0,
-            f"config.block_n a power of two >= 16 (one tensor-core tile); got {cfg.block_n!r}")
-    require(isinstance(cfg.split_k, int) and cfg.split_k >= 1, f"config.split_k a positive int; got {cfg.split_k!r}")
-    require(not cfg.quant or block_k == bk, f"config.quant: one 128-input step per activation scale group; the "
-                                            f"scale block's bk is {bk} (fix: quant=False)")
+            lambda: f"config.block_n a power of two >= 16 (one tensor-core tile); got {cfg.block_n!r}")
+    require(isinstance(cfg.split_k, int) and cfg.split_k >= 1, lambda: f"config.split_k a positive int; got "
+                                                                       f"{cfg.split_k!r}")
+    require(not cfg.quant or block_k == bk, lambda: f"config.quant: one 128-input step per activation scale group; the "
+                                                    f"scale block's bk is {bk} (fix: quant=False)")
     split = _splits(kd, block_k, cfg.split_k)
     k_split = triton.cdiv(triton.cdiv(kd, block_k), split) * block_k
     a, a_scale = (x, scale) if cfg.quant else quantize_act(x, bk, pdl)  # scale: unused with quant
@@ -358,7 +359,8 @@ def _split(x, w, scale, y, bn: int, bk: int, cfg: SplitConfig, pdl: bool) -> Non
     if cfg.tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        require((w.stride(0) * w.element_size()) % 16 == 0, f"TMA loads need 16-byte aligned rows; got {w.stride()}")
+        require((w.stride(0) * w.element_size()) % 16 == 0, lambda: f"TMA loads need 16-byte aligned rows; got "
+                                                                    f"{w.stride()}")
         w_desc = TensorDescriptor(w, [n, kd], [w.stride(0), 1], [cfg.block_n, block_k])
     k._split_w8a8_kernel[(triton.cdiv(n, cfg.block_n), split)](
         a, a_scale, w, w_desc, scale, y, part, m, n, kd, k_split, a.stride(0), a_scale.stride(0), w.stride(0),
@@ -396,8 +398,8 @@ def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False, row_multi
     """
     _check_pow2("group", group, 16)
     require(x.dim() == 2 and x.dtype in (*ACT_DTYPES, torch.float32) and (x.numel() == 0 or x.stride(-1) == 1),
-            f"x [M, K] bf16 / fp16 / float32 with a contiguous last dim; got {tuple(x.shape)} {x.dtype} "
-            f"strides {tuple(x.stride())} (fix: x.contiguous())")
+            lambda: f"x [M, K] bf16 / fp16 / float32 with a contiguous last dim; got {tuple(x.shape)} {x.dtype} "
+                    f"strides {tuple(x.stride())} (fix: x.contiguous())")
     m, kd = x.shape
     rows = triton.cdiv(m, row_multiple) * row_multiple
     q = torch.empty(rows, kd, dtype=torch.float8_e4m3fn, device=x.device)
@@ -446,58 +448,58 @@ def choose_path(m: int, bk: int, device: torch.device | str, dtype: torch.dtype 
 # ------------------------------------------------------------------------------------------------ checks
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block) -> tuple[int, int, int, int, int]:
     require(isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) for b in block)
-            and block[0] >= 1, f"block = (bn, bk), two ints, bn >= 1; got {block!r}")
+            and block[0] >= 1, lambda: f"block = (bn, bk), two ints, bn >= 1; got {block!r}")
     bn, bk = block
     _check_pow2("block's bk", bk, 16)
     require(x.dim() == 2 and x.dtype in ACT_DTYPES and (x.numel() == 0 or x.stride(-1) == 1),
-            f"x [M, K] bf16 or fp16 with a contiguous last dim; got {tuple(x.shape)} {x.dtype} strides "
-            f"{tuple(x.stride())} (fix: x.to(torch.bfloat16) / x.contiguous())")
+            lambda: f"x [M, K] bf16 or fp16 with a contiguous last dim; got {tuple(x.shape)} {x.dtype} strides "
+                    f"{tuple(x.stride())} (fix: x.to(torch.bfloat16) / x.contiguous())")
     kd = x.shape[1]
     require(w.dim() == 2 and w.dtype == torch.float8_e4m3fn and w.shape[1] == kd
             and (w.numel() == 0 or w.stride(-1) == 1),
-            f"w [N, K={kd}] torch.float8_e4m3fn with a contiguous last dim; got {tuple(w.shape)} {w.dtype} "
-            f"(fp8 checkpoints store weight [out, in] and weight_scale_inv)")
+            lambda: f"w [N, K={kd}] torch.float8_e4m3fn with a contiguous last dim; got {tuple(w.shape)} {w.dtype} "
+                    f"(fp8 checkpoints store weight [out, in] and weight_scale_inv)")
     n = w.shape[0]
     want = (triton.cdiv(n, bn), triton.cdiv(kd, bk))
     require(scale.dtype == torch.float32 and tuple(scale.shape) == want,
-            f"scale [ceil(N / {bn}), ceil(K / {bk})] = {list(want)} float32 for w {tuple(w.shape)} and block "
-            f"{tuple(block)}; got {tuple(scale.shape)} {scale.dtype} (ue8m0 / bf16 scales: convert with "
-            f"runtime.model.quantized.scale_values first)")
+            lambda: f"scale [ceil(N / {bn}), ceil(K / {bk})] = {list(want)} float32 for w {tuple(w.shape)} and block "
+                    f"{tuple(block)}; got {tuple(scale.shape)} {scale.dtype} (ue8m0 / bf16 scales: convert with "
+                    f"runtime.model.quantized.scale_values first)")
     require(x.device == w.device == scale.device,
-            f"x, w and scale on one device; got {x.device}, {w.device}, {scale.device}")
+            lambda: f"x, w and scale on one device; got {x.device}, {w.device}, {scale.device}")
     return x.shape[0], kd, n, bn, bk
 
 
 def _check_pow2(what: str, value, least: int) -> None:
     require(isinstance(value, int) and value >= least and value & (value - 1) == 0,
-            f"{what} a power of two >= {least}; got {value!r}")
+            lambda: f"{what} a power of two >= {least}; got {value!r}")
 
 
 def _resolve_path(path: str | None, m: int, block: tuple[int, int], x: torch.Tensor, w8a8: bool) -> str:
-    require(path in PATHS, f"path one of {PATHS}; got {path!r}")
+    require(path in PATHS, lambda: f"path one of {PATHS}; got {path!r}")
     bk, device = block[1], x.device
     if path is None:
         return choose_path(m, bk, device, x.dtype, block, w8a8=w8a8, k_dim=x.shape[1])
     if path == "flashinfer":
         require(_library_serves(x.dtype, block, device),
-                f"bf16 activations, {LIBRARY_BLOCK} blocks, a GPU of compute capability {LIBRARY_CC} and FlashInfer "
-                f"for path='flashinfer'; got {x.dtype}, {tuple(block)}, {device} (fix: path=None)")
+                lambda: f"bf16 activations, {LIBRARY_BLOCK} blocks, a GPU of compute capability {LIBRARY_CC} and "
+                        f"FlashInfer for path='flashinfer'; got {x.dtype}, {tuple(block)}, {device} (fix: path=None)")
     if path == "scaled_mm":
         require(_scaled_mm_serves(x.dtype, block, device, x.shape[1]),
-                f"bf16 activations, {LIBRARY_BLOCK} blocks, K a multiple of 512, a GPU of compute capability "
-                f"{LIBRARY_CC} and torch's F.scaled_mm with block scaling for path='scaled_mm'; got {x.dtype}, "
-                f"{tuple(block)}, K {x.shape[1]}, {device} (fix: path=None)")
+                lambda: f"bf16 activations, {LIBRARY_BLOCK} blocks, K a multiple of 512, a GPU of compute capability "
+                        f"{LIBRARY_CC} and torch's F.scaled_mm with block scaling for path='scaled_mm'; got {x.dtype}, "
+                        f"{tuple(block)}, K {x.shape[1]}, {device} (fix: path=None)")
     if path == "few":
-        require(m <= FEW_ROWS, f"M <= {FEW_ROWS} rows for path='few' (one 16-row tile); got M = {m} "
-                               f"(fix: path=None, 'w8a8' or 'w8a16')")
+        require(m <= FEW_ROWS, lambda: f"M <= {FEW_ROWS} rows for path='few' (one 16-row tile); got M = {m} (fix: "
+                                       f"path=None, 'w8a8' or 'w8a16')")
     if path == "split":
-        require(m <= SPLIT_MAX_ROWS, f"M <= {SPLIT_MAX_ROWS} rows for path='split' (one activation tile); got M = "
-                                     f"{m} (fix: path=None or 'w8a8')")
+        require(m <= SPLIT_MAX_ROWS, lambda: f"M <= {SPLIT_MAX_ROWS} rows for path='split' (one activation tile); got "
+                                             f"M = {m} (fix: path=None or 'w8a8')")
     if path in ("w8a8", "split"):
-        require(bk >= 32, f"bk >= 32 for path={path!r} (fp8 tensor-core steps are 32 deep); got bk = {bk} "
-                          f"(fix: path='w8a16')")
-        require(_fp8_dot_ok(device), f"a GPU with fp8 tensor cores (compute capability 8.9+) for path={path!r}; "
-                                     f"got {device} (fix: path='w8a16')")
+        require(bk >= 32, lambda: f"bk >= 32 for path={path!r} (fp8 tensor-core steps are 32 deep); got bk = {bk} "
+                                  f"(fix: path='w8a16')")
+        require(_fp8_dot_ok(device), lambda: f"a GPU with fp8 tensor cores (compute capability 8.9+) for "
+                                             f"path={path!r}; got {device} (fix: path='w8a16')")
     return path
 
 

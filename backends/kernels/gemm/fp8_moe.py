@@ -51,12 +51,12 @@ def check_few_tokens(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     t, d = x.shape
     top_k = ids.shape[1]
     require(t <= most and x.dtype in DOT_DTYPES and x.stride(-1) == 1,
-            f"x [T <= {most}, D] bfloat16 / float16, last dim contiguous; got {_shape(x)}, strides "
-            f"{x.stride()}. Fix: more tokens take {grouped}")
+            lambda: f"x [T <= {most}, D] bfloat16 / float16, last dim contiguous; got {_shape(x)}, strides "
+                    f"{x.stride()}. Fix: more tokens take {grouped}")
     require(ids.shape == (t, top_k) and ids.dtype == torch.int64 and ids.is_contiguous()
             and weights.shape == (t, top_k) and weights.dtype == torch.float32 and weights.is_contiguous(),
-            f"ids [T, k] int64 and weights [T, k] float32, contiguous, T = {t}; got ids {_shape(ids)}, weights "
-            f"{_shape(weights)}. Fix: .contiguous(), weights.float()")
+            lambda: f"ids [T, k] int64 and weights [T, k] float32, contiguous, T = {t}; got ids {_shape(ids)}, weights "
+                    f"{_shape(weights)}. Fix: .contiguous(), weights.float()")
     return t, d, top_k
 
 
@@ -66,18 +66,19 @@ def _check_fp8(name: str, w: torch.Tensor, scale: torch.Tensor, lead: tuple[int,
     contiguous last dim."""
     want = (*lead, triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK))
     require(tuple(w.shape) == (*lead, rows, cols) and w.dtype == FP8 and w.is_contiguous(),
-            f"{name} {list((*lead, rows, cols))} float8_e4m3fn, contiguous; got {_shape(w)}, contiguous "
-            f"{w.is_contiguous()}. Fix: pass the checkpoint's e4m3 tensor (.contiguous())")
+            lambda: f"{name} {list((*lead, rows, cols))} float8_e4m3fn, contiguous; got {_shape(w)}, contiguous "
+                    f"{w.is_contiguous()}. Fix: pass the checkpoint's e4m3 tensor (.contiguous())")
     require(tuple(scale.shape) == want and scale.dtype == torch.float32 and scale.stride(-1) == 1,
-            f"{name}_scale {list(want)} float32 (one scale per 128 x 128 block), last dim contiguous; got "
-            f"{_shape(scale)}. Fix: pass the checkpoint's float32 weight_scale_inv (ue8m0 scales: .float() them)")
+            lambda: f"{name}_scale {list(want)} float32 (one scale per 128 x 128 block), last dim contiguous; got "
+                    f"{_shape(scale)}. Fix: pass the checkpoint's float32 weight_scale_inv (ue8m0 scales: .float() "
+                    f"them)")
 
 
 def _check_inter(name: str, inter: int) -> None:
     require(inter % BLOCK == 0 and inter > 0,
-            f"{name} intermediate width a positive multiple of {BLOCK} (the gate/up boundary and the down "
-            f"projection's reduction blocks on scale-block boundaries; every DeepSeek-V3 width and TP/EP slice "
-            f"is); got {inter}. Fix: dequantize odd-width experts to bf16 and use skinny.moe_experts")
+            lambda: f"{name} intermediate width a positive multiple of {BLOCK} (the gate/up boundary and the down "
+                    f"projection's reduction blocks on scale-block boundaries; every DeepSeek-V3 width and TP/EP slice "
+                    f"is); got {inter}. Fix: dequantize odd-width experts to bf16 and use skinny.moe_experts")
 
 
 @dataclass(frozen=True)
@@ -150,8 +151,8 @@ def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
         [T, D] in x's dtype.
     """
     require(x.dim() == 2 and ids.dim() == 2 and weights.dim() == 2 and gate_up.dim() == 3,
-            f"x [T, D], ids / weights [T, k], gate_up [E, 2 I, D]; got x {_shape(x)}, ids {_shape(ids)}, weights "
-            f"{_shape(weights)}, gate_up {_shape(gate_up)}")
+            lambda: f"x [T, D], ids / weights [T, k], gate_up [E, 2 I, D]; got x {_shape(x)}, ids {_shape(ids)}, "
+                    f"weights {_shape(weights)}, gate_up {_shape(gate_up)}")
     t, d, top_k = check_few_tokens(x, ids, weights, "fp8_grouped_expert_mlp")
     n_local, two_i = gate_up.shape[:2]
     inter = two_i // 2
@@ -161,11 +162,11 @@ def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     shared = (shared_gate_up, shared_gate_up_scale, shared_down, shared_down_scale)
     has_shared = shared_gate_up is not None
     require(all((s is not None) == has_shared for s in shared),
-            f"the shared experts' four tensors (gate_up, its scale, down, its scale) all given or all None; got "
-            f"{[_shape(s) for s in shared]}")
+            lambda: f"the shared experts' four tensors (gate_up, its scale, down, its scale) all given or all None; "
+                    f"got {[_shape(s) for s in shared]}")
     s_inter = 0
     if has_shared:
-        require(shared_gate_up.dim() == 2, f"shared_gate_up [2 I_s, D]; got {_shape(shared_gate_up)}")
+        require(shared_gate_up.dim() == 2, lambda: f"shared_gate_up [2 I_s, D]; got {_shape(shared_gate_up)}")
         s_inter = shared_gate_up.shape[0] // 2
         _check_inter("shared experts'", s_inter)
         _check_fp8("shared_gate_up", shared_gate_up, shared_gate_up_scale, (), 2 * s_inter, d)
@@ -178,8 +179,9 @@ def fp8_moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     pow2 = (*low, 16, 32, 64, 128)
     require(c.up_block_i in pow2 and c.down_block_d in pow2 and c.up_sub_k in (1, 2, 4, 8)
             and c.down_sub_i in (1, 2, 4, 8),
-            f"Fp8ExpertConfig up_block_i / down_block_d in {', '.join(map(str, pow2))} (dividing the 128-row scale "
-            f"block{'; 4 and 8 with fma' if not c.fma else ''}), up_sub_k / down_sub_i in 1, 2, 4, 8; got {c}")
+            lambda: f"Fp8ExpertConfig up_block_i / down_block_d in {', '.join(map(str, pow2))} (dividing the 128-row "
+                    f"scale block{'; 4 and 8 with fma' if not c.fma else ''}), up_sub_k / down_sub_i in 1, 2, 4, 8; "
+                    f"got {c}")
     n_pairs = t * top_k
     h = torch.empty(n_pairs + (t if has_shared else 0), max(inter, s_inter), dtype=x.dtype, device=x.device)
     sgu, sgus, sdn, sdns = shared if has_shared else (gate_up, gate_up_scale, down, down_scale)
@@ -223,9 +225,9 @@ def quantize_rows_fp8(x: torch.Tensor, eps: float = 1e-10, limit: torch.Tensor |
         so that q * s is x up to e4m3 rounding.
     """
     require(x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (*DOT_DTYPES, torch.float32),
-            f"x [M, K] bfloat16 / float16 / float32, last dim contiguous; got {_shape(x)}")
+            lambda: f"x [M, K] bfloat16 / float16 / float32, last dim contiguous; got {_shape(x)}")
     require(limit is None or (limit.numel() == 1 and limit.dtype in (torch.int32, torch.int64)),
-            f"limit a 1-element int32 / int64 tensor or None; got {_shape(limit)}")
+            lambda: f"limit a 1-element int32 / int64 tensor or None; got {_shape(limit)}")
     m, kd = x.shape
     q = torch.empty(m, kd, dtype=FP8, device=x.device)
     s = torch.empty(m, triton.cdiv(kd, BLOCK), dtype=torch.float32, device=x.device)
@@ -299,39 +301,41 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
         [rows, N] of ``out_dtype`` (R rows with ``rows``); rows past ``offsets[-1]`` are left unwritten (as
         ``torch._grouped_mm``).
     """
-    require(w.dim() == 3, f"w [E, N, K] float8_e4m3fn; got {_shape(w)}")
+    require(w.dim() == 3, lambda: f"w [E, N, K] float8_e4m3fn; got {_shape(w)}")
     n_experts, n, kd = w.shape
     require(rows is None or (rows.dim() == 1 and rows.dtype == torch.int64 and rows.is_contiguous()),
-            f"rows [R] int64, contiguous (the token of each grouped row) or None; got {_shape(rows)}")
+            lambda: f"rows [R] int64, contiguous (the token of each grouped row) or None; got {_shape(rows)}")
     tokens = a.shape[0] if a.dim() == 2 else -1
     a_fp8 = a_scale is not None
     kinds = "float8_e4m3fn (W8A8)" if a_fp8 else "bfloat16 / float16 (W8A16: a_scale None)"
     require(a.dim() == 2 and a.shape[1] == kd and a.dtype in ((FP8,) if a_fp8 else DOT_DTYPES)
-            and a.stride(-1) == 1, f"a [rows, K = {kd}] {kinds}, last dim contiguous; got {_shape(a)}")
+            and a.stride(-1) == 1, lambda: f"a [rows, K = {kd}] {kinds}, last dim contiguous; got {_shape(a)}")
     require(not a_fp8 or (tuple(a_scale.shape) == (tokens, triton.cdiv(kd, BLOCK)) and a_scale.dtype ==
                           torch.float32 and a_scale.stride(-1) == 1),
-            f"a_scale [{tokens}, {triton.cdiv(kd, BLOCK)}] float32; got {_shape(a_scale)}. Fix: quantize_rows_fp8(x)")
+            lambda: f"a_scale [{tokens}, {triton.cdiv(kd, BLOCK)}] float32; got {_shape(a_scale)}. Fix: "
+                    f"quantize_rows_fp8(x)")
     rows_out = tokens if rows is None else rows.shape[0]
     _check_fp8("w", w, w_scale, (n_experts,), n, kd)
     require(tuple(offsets.shape) == (n_experts,) and offsets.dtype == torch.int32 and offsets.is_contiguous(),
-            f"offsets [E = {n_experts}] int32 (inclusive cumulative rows per expert), contiguous; got "
-            f"{_shape(offsets)}. Fix: counts.cumsum(0).to(torch.int32)")
-    require(out_dtype in (*DOT_DTYPES, torch.float32), f"out_dtype bfloat16 / float16 / float32; got {out_dtype}")
+            lambda: f"offsets [E = {n_experts}] int32 (inclusive cumulative rows per expert), contiguous; got "
+                    f"{_shape(offsets)}. Fix: counts.cumsum(0).to(torch.int32)")
+    require(out_dtype in (*DOT_DTYPES, torch.float32), lambda: f"out_dtype bfloat16 / float16 / float32; got "
+                                                               f"{out_dtype}")
     out = torch.empty(rows_out, n, dtype=out_dtype, device=a.device)
     if rows_out == 0 or n == 0 or n_experts == 0:
         return out
     c = config or GroupedConfig()
     bm = c.block_m or grouped_block_m(rows_out, n_experts)
     require(bm in (16, 32, 64, 128) and c.block_n in (16, 32, 64, 128) and c.group_m >= 1,
-            f"GroupedConfig block_m / block_n in 16, 32, 64, 128, group_m >= 1; got {c}")
+            lambda: f"GroupedConfig block_m / block_n in 16, 32, 64, 128, group_m >= 1; got {c}")
     # the most row tiles any routing of these rows can take: sum over e of cdiv(n_e, bm) <= rows / bm + E
     max_tiles = min(triton.cdiv(rows_out, bm) + n_experts, rows_out)
     slots = triton.cdiv(max_tiles, c.group_m) * c.group_m
     grid = (slots * triton.cdiv(n, c.block_n),)
     scales = a_scale if a_fp8 else w_scale  # W8A16: a pointer the kernel never reads
     tma = ((TMA_ROWS is None or rows_out <= TMA_ROWS) and tma_serves(a.device, kd)) if c.tma is None else c.tma
-    require(not tma or kd % 16 == 0, f"GroupedConfig.tma needs K a multiple of 16 (16-byte weight rows); got K = "
-            f"{kd}. Fix: tma=None")
+    require(not tma or kd % 16 == 0, lambda: f"GroupedConfig.tma needs K a multiple of 16 (16-byte weight rows); got K "
+                                             f"= {kd}. Fix: tma=None")
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -387,8 +391,8 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
         [rows, D] in xs's dtype; rows past ``offsets[-1]`` (other ranks' pairs) are left unwritten, as
         ``torch._grouped_mm`` leaves them: the caller masks them (``moe_combine``'s ``limit``).
     """
-    require(gate_up.dim() == 3 and down.dim() == 3, f"gate_up [E, 2 I, D] and down [E, D, I]; got gate_up "
-            f"{_shape(gate_up)}, down {_shape(down)}")
+    require(gate_up.dim() == 3 and down.dim() == 3, lambda: f"gate_up [E, 2 I, D] and down [E, D, I]; got gate_up "
+                                                            f"{_shape(gate_up)}, down {_shape(down)}")
     n_experts, two_i, d = gate_up.shape
     _check_inter("routed experts'", two_i // 2)
     _check_fp8("down", down, down_scale, (n_experts,), d, two_i // 2)
@@ -399,7 +403,7 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
         q, s = xs, None
     h = fp8_grouped_gemm(q, s, gate_up, gate_up_scale, offsets, xs.dtype, config, rows=tokens)
     a = act(h)
-    require(a.shape == (h.shape[0], two_i // 2), f"act(h [rows, 2 I]) -> [rows, I = {two_i // 2}]; got "
-            f"{tuple(a.shape)}")
+    require(a.shape == (h.shape[0], two_i // 2), lambda: f"act(h [rows, 2 I]) -> [rows, I = {two_i // 2}]; got "
+                                                         f"{tuple(a.shape)}")
     q, s = quantize_rows_fp8(a.contiguous(), limit=last) if w8a8 else (a.contiguous(), None)
     return fp8_grouped_gemm(q, s, down, down_scale, offsets, xs.dtype, config)

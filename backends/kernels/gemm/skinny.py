@@ -70,7 +70,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch
     (rows may be strided), norm_weight [K], w [N, K], bf16 / fp16, M <= 16 -> [M, N]."""
     _check_linear(x, w, DOT_DTYPES)
     require(norm_weight.shape == (x.shape[1],) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous(),
-            f"norm_weight [K] of x's dtype, contiguous; got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+            lambda: f"norm_weight [K] of x's dtype, contiguous; got {tuple(norm_weight.shape)} {norm_weight.dtype}")
     y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     return _dot(x, w, y, norm_weight, eps, config, pdl)
 
@@ -80,8 +80,8 @@ def _check_linear(x: torch.Tensor, w: torch.Tensor, dtypes: tuple[torch.dtype, .
     n = w.shape[0]
     require(m <= MAX_ROWS and w.shape == (n, kd) and w.dtype == x.dtype and x.stride(-1) == 1
             and w.stride(-1) == 1 and x.dtype in dtypes,
-            f"x [M <= {MAX_ROWS}, K] and w [N, K] of one dtype ({', '.join(str(d)[6:] for d in dtypes)}), last "
-            f"dims contiguous; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+            lambda: f"x [M <= {MAX_ROWS}, K] and w [N, K] of one dtype ({', '.join(str(d)[6:] for d in dtypes)}), last "
+                    f"dims contiguous; got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
 
 
 def _dot(x, w, y, norm_weight, eps, config: TileConfig | None, pdl: bool) -> torch.Tensor:
@@ -109,8 +109,8 @@ def head_linear(x: torch.Tensor, w: torch.Tensor, pdl: bool = False, block_n: in
     n = w.shape[2]
     require(m <= MAX_ROWS and w.shape == (h, kd, n) and w.dtype == x.dtype and x.dtype in DOT_DTYPES
             and x.stride(-1) == 1 and w.stride(-1) == 1,
-            f"x [M <= {MAX_ROWS}, H, K] and w [H, K, N] of one dtype (bf16, fp16), last dims contiguous; "
-            f"got x {tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+            lambda: f"x [M <= {MAX_ROWS}, H, K] and w [H, K, N] of one dtype (bf16, fp16), last dims contiguous; got x "
+                    f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
     out = torch.empty(m, h, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -138,8 +138,8 @@ def linear_f32(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = Non
     m, kd = x.shape
     n = w.shape[0]
     require(w.shape == (n, kd) and x.stride(-1) == 1 and w.stride(-1) == 1 and x.is_floating_point()
-            and w.is_floating_point(), f"x [M, K] and w [N, K] floating point, last dims contiguous; got x "
-            f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
+            and w.is_floating_point(), lambda: f"x [M, K] and w [N, K] floating point, last dims contiguous; got x "
+                                               f"{tuple(x.shape)} {x.dtype}, w {tuple(w.shape)} {w.dtype}")
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -198,10 +198,10 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
             and (shared_down is None) == (not has_shared)
             and (not has_shared or (shared_gate_up.shape == (2 * s_inter, d) and shared_down.shape == (d, s_inter)
                                     and shared_gate_up.is_contiguous() and shared_down.is_contiguous())),
-            f"x [T, D], ids / weights [T, k] (int64 / float32, contiguous), gate_up [E, 2 I, D], down [E, D, I], "
-            f"shared [2 I_s, D] / [D, I_s] or None, contiguous, of x's dtype; got x {tuple(x.shape)} {x.dtype}, "
-            f"ids {tuple(ids.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, shared "
-            f"{None if not has_shared else (tuple(shared_gate_up.shape), tuple(shared_down.shape))}")
+            lambda: f"x [T, D], ids / weights [T, k] (int64 / float32, contiguous), gate_up [E, 2 I, D], down [E, D, "
+                    f"I], shared [2 I_s, D] / [D, I_s] or None, contiguous, of x's dtype; got x {tuple(x.shape)} "
+                    f"{x.dtype}, ids {tuple(ids.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}, "
+                    f"shared {None if not has_shared else (tuple(shared_gate_up.shape), tuple(shared_down.shape))}")
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
