@@ -140,6 +140,28 @@ def _splits(k_dim: int, block_k: int, split: int) -> int:
     return triton.cdiv(steps, triton.cdiv(steps, max(1, split)))
 
 
+def _split_k(k_dim: int, block_k: int, split: int) -> tuple[int, int]:
+    """(splits, inputs per split) of a split-K launch: whole ``block_k`` steps per split, no empty split."""
+    split = _splits(k_dim, block_k, split)
+    return split, triton.cdiv(triton.cdiv(k_dim, block_k), split) * block_k
+
+
+def _sum_splits(part: torch.Tensor, y: torch.Tensor, rows_p: int, pdl: bool) -> None:
+    """y[m, n] = the in-order sum of the float32 partials ``part [splits, rows_p, N]`` (rows_p >= M rows)."""
+    m, n = y.shape
+    k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, rows_p, y.stride(0), SPLIT=part.shape[0],
+                                                     BLOCK=1024, PDL=pdl, launch_pdl=pdl, num_warps=4)
+
+
+def _tma_desc(w: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor of a 2-D tensor (A or W, last dim contiguous, 16-byte aligned rows), [block_n, block_k] tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    require(w.stride(-1) == 1 and (w.stride(0) * w.element_size()) % 16 == 0,
+            lambda: f"TMA loads need 16-byte aligned rows; got strides {w.stride()}")
+    return TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [block_n, block_k])
+
+
 def gemm_config(m: int, n: int, k_dim: int, bk: int, a_fp8: bool, device: torch.device | str) -> GemmConfig:
     """Tiles of the tiled GEMM, by rule: ``block_k = min(bk, 128)`` for fp8 activations (one scale block per step,
     as DeepSeek's ``fp8_gemm``), ``min(bk, 64)`` for bf16 / fp16 ones; for W8A16 ``block_m`` the smallest of
@@ -271,13 +293,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
 
 def _tma_gemm(a, a_scale, w, scale, y, bn: int, bk: int, a_fp8: bool, cfg: GemmConfig, pdl: bool, grid) -> None:
     """The tiled GEMM with TMA loads (:class:`GemmConfig` ``tma``): host-built descriptors of A and W."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    require(a.stride(-1) == 1 and (a.stride(0) * a.element_size()) % 16 == 0 and (w.stride(0) * w.element_size()) % 16
-            == 0, lambda: f"TMA loads need 16-byte aligned rows; got strides {a.stride()} / {w.stride()}")
     m, kd = a.shape
-    a_desc = TensorDescriptor(a, [m, kd], [a.stride(0), 1], [cfg.block_m, cfg.block_k])
-    b_desc = TensorDescriptor(w, [w.shape[0], kd], [w.stride(0), 1], [cfg.block_n, cfg.block_k])
+    a_desc = _tma_desc(a, cfg.block_m, cfg.block_k)
+    b_desc = _tma_desc(w, cfg.block_n, cfg.block_k)
     k._block_gemm_tma_kernel[grid](
         a_desc, a_scale, b_desc, scale, y, m, w.shape[0], kd, a_scale.stride(0), a_scale.stride(1), scale.stride(0),
         scale.stride(1), y.stride(0), bn, BK_S=bk, A_FP8=a_fp8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -314,8 +332,7 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
     require(isinstance(split, int) and split >= 1, lambda: f"config.split_k a positive int; got {split!r}")
     m, kd = x.shape
     n = w.shape[0]
-    split = _splits(kd, cfg.block_k, split)
-    k_split = triton.cdiv(triton.cdiv(kd, cfg.block_k), split) * cfg.block_k
+    split, k_split = _split_k(kd, cfg.block_k, split)
     part = torch.empty(split, 16, n, dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), split)
     strides = (x.stride(0), w.stride(0), scale.stride(0), scale.stride(1), y.stride(0), bn)
@@ -334,8 +351,7 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
                                   PARTIAL=split > 1, PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
                                   num_stages=cfg.num_stages)
     if split > 1:
-        k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, 16, y.stride(0), SPLIT=split, BLOCK=1024,
-                                                         PDL=p, launch_pdl=p, num_warps=4)
+        _sum_splits(part, y, 16, p)
 
 
 def _split(x, w, scale, y, bn: int, bk: int, cfg: SplitConfig, pdl: bool) -> None:
@@ -350,18 +366,11 @@ def _split(x, w, scale, y, bn: int, bk: int, cfg: SplitConfig, pdl: bool) -> Non
                                                                        f"{cfg.split_k!r}")
     require(not cfg.quant or block_k == bk, lambda: f"config.quant: one 128-input step per activation scale group; the "
                                                     f"scale block's bk is {bk} (fix: quant=False)")
-    split = _splits(kd, block_k, cfg.split_k)
-    k_split = triton.cdiv(triton.cdiv(kd, block_k), split) * block_k
+    split, k_split = _split_k(kd, block_k, cfg.split_k)
     a, a_scale = (x, scale) if cfg.quant else quantize_act(x, bk, pdl)  # scale: unused with quant
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     p = use_pdl(pdl, k._split_w8a8_kernel, x.device)
-    w_desc = w
-    if cfg.tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        require((w.stride(0) * w.element_size()) % 16 == 0, lambda: f"TMA loads need 16-byte aligned rows; got "
-                                                                    f"{w.stride()}")
-        w_desc = TensorDescriptor(w, [n, kd], [w.stride(0), 1], [cfg.block_n, block_k])
+    w_desc = _tma_desc(w, cfg.block_n, block_k) if cfg.tma else w
     k._split_w8a8_kernel[(triton.cdiv(n, cfg.block_n), split)](
         a, a_scale, w, w_desc, scale, y, part, m, n, kd, k_split, a.stride(0), a_scale.stride(0), w.stride(0),
         scale.stride(0), scale.stride(1), y.stride(0), bn, BK_S=bk, BLOCK_M=max(16, triton.next_power_of_2(m)),
@@ -369,8 +378,7 @@ def _split(x, w, scale, y, bn: int, bk: int, cfg: SplitConfig, pdl: bool) -> Non
         ROUND_FIRST=interpreted(k._split_w8a8_kernel), PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if split > 1:
-        k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, m, y.stride(0), SPLIT=split, BLOCK=1024,
-                                                         PDL=p, launch_pdl=p, num_warps=4)
+        _sum_splits(part, y, m, p)
 
 
 def quantize_act(x: torch.Tensor, group: int = 128, pdl: bool = False, row_multiple: int = 1

@@ -257,19 +257,6 @@ def _split_w8a8_kernel(X, XS, W, w_desc, S, Y, P, M, N, K, K_SPLIT, stride_xm, s
 
 
 @triton.jit
-def _quant_rows(x, ROUND_FIRST: tl.constexpr):
-    """float32 x [rows, G] -> (x / s clamped to +-448, s) per row, ``s = max(amax(|x|) / 448, 1e-12)``, both
-    divisions IEEE-rounded (``tl.div_rn``: the bits of torch's); the quotient still float32, to be cast to e4m3
-    (nearest, ties to even). ``ROUND_FIRST`` (Triton's CPU interpreter, whose cast rounds a carry into the next
-    binade wrong): the quotient is first rounded on e4m3's grid (:func:`_round_e4m3`), so the cast is exact."""
-    s = _row_scales(x)
-    q = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX)
-    if ROUND_FIRST:
-        q = _round_e4m3(q)
-    return q, s
-
-
-@triton.jit
 def _row_scales(x):
     """The e4m3 scale of each row of float32 x [rows, G]: ``max(amax(|x|) / 448, 1e-12)``, IEEE-rounded."""
     return tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), 1e-12)
@@ -395,7 +382,10 @@ def _quant_act_kernel(X, Q, QS, M, K, stride_xm, stride_qm, stride_qsm, BLOCK_M:
     rk = g * G + tl.arange(0, G)
     mask = (rm < M)[:, None] & (rk < K)[None, :]
     x = tl.load(X + rm.to(tl.int64)[:, None] * stride_xm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, s = _quant_rows(x, ROUND_FIRST)
+    s = _row_scales(x)
+    q = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -FP8_MAX), FP8_MAX)
+    if ROUND_FIRST:
+        q = _round_e4m3(q)
     tl.store(Q + rm.to(tl.int64)[:, None] * stride_qm + rk[None, :], q.to(Q.dtype.element_ty), mask=mask)
     tl.store(QS + rm * stride_qsm + g, s, mask=rm < M)
 
