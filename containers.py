@@ -78,7 +78,7 @@ from runtime.engine.sampling import Sampler
 from runtime.engine.speculative import DraftSteps, SpeculativeDriver
 from runtime.model.deepseek.checkpoint import load_checkpoint, scan_checkpoint
 from runtime.model.deepseek.hf_config import resolve_model_config
-from runtime.model.deepseek.ops import FusedOps, TorchOps, select_ops
+from runtime.model.deepseek.ops import GEMM_COUNTERS, FusedOps, TorchOps, select_ops
 from runtime.model.deepseek.weights import ModelWeights, random_weights
 from runtime.model.dsv4.checkpoint import load_dsv4_checkpoint, random_dsv4_weights, scan_dsv4_checkpoint
 from runtime.model.dsv4.hf_config import dsv4_config
@@ -103,7 +103,7 @@ BACKENDS: dict[str, type] = {
 # Workspaces the report always lists (0 bytes when nobody consumed them); FlashInfer's per-wrapper int
 # workspaces (flashinfer_int:*) appear when a FlashInfer backend acquires them.
 WORKSPACES = ("flashinfer_float", "triton_split_kv", "dsa_sparse_decode", "dsa_indexer", "dsv4_decode_splits",
-              "allreduce_ipc")
+              "allreduce_ipc", GEMM_COUNTERS.name)
 
 
 class BuildLog:
@@ -404,7 +404,8 @@ class Container(containers.DeclarativeContainer):
     decoder_ops = providers.Selector(  # model.fused (auto|on|off) against the ops classes' capabilities
         providers.Callable(select_ops, config.model.fused, device_info, model_spec.provided.dtype),
         torch=providers.Singleton(TorchOps),
-        fused=providers.Singleton(FusedOps, config.model.gemv_rows, config.model.pdl, config.model.fp8_compute),
+        fused=providers.Singleton(FusedOps, config.model.gemv_rows, config.model.pdl, config.model.fp8_compute,
+                                  providers.Factory(WorkspaceLedger.acquire, workspace_ledger, GEMM_COUNTERS, "ops")),
     )
     mla_model = _step(build_log, "model", providers.Factory(
         MLAModel, model_spec, device, kv_pool, attention, mha_prefill, dumper, sparse_decode, model_weights,

@@ -4,7 +4,8 @@ Shapes: one TP8 rank of DeepSeek-V3 (hidden 7168), weights ``[N, K]`` e4m3 with 
 Per (shape, M), all timed in CUDA graphs (bench/harness.py ``graph_ms``) captured over enough weight copies that
 L2 never serves a repeated read (``copies_for_l2``):
 
-* ``ours_us``: :func:`fp8_linear` on the path it picks (``path``), ``--path`` forces one;
+* ``ours_us``: :func:`fp8_linear` on the path it picks (``path``), ``--path`` forces one; split-K partials summed
+  by each column tile's last program, as the model's fused ops run it (``counters``; ``--no-fold``: a second kernel);
 * ``bf16_us``: ``F.linear`` over the dequantized bf16 weight (what a model expanded at load time runs);
 * ``fi_us``: FlashInfer ``fp8_blockscale_gemm_sm90(x_bf16, w, None, scale)`` (it quantizes x itself);
 * ``tsm_us``: torch's blockwise scaled mm (``fp8_linear(path="scaled_mm")``: ``F.scaled_mm`` 1x128 x 128x128,
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="", help=f"comma-separated names of {[s[0] for s in SHAPES]} (default all)")
     p.add_argument("--path", choices=["few", "split", "w8a8", "w8a16"], default=None, help="force fp8_linear's path")
     p.add_argument("--sweep", action="store_true", help="time every tile config of the path taken")
+    p.add_argument("--no-fold", action="store_true", help="split-K partials summed by a second kernel")
     p.add_argument("--no-libs", action="store_true", help="skip FlashInfer and torch's scaled mm")
     p.add_argument("--quick", action="store_true", help="M 1, 16, 64, 4096 over qkv_a, o_proj and gate_up")
     return p
@@ -132,10 +134,10 @@ TMA_TILES = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8,
              (64, 128, 4, 5))
 
 
-def _sweep(fp8_gemm, path, m, n, kd, copies, ref):
+def _sweep(fp8_gemm, path, m, n, kd, copies, ref, counters=None):
     if path == "few":  # split_k 1 is the kernel without split-K; the default's split is printed beside
         F_ = fp8_gemm.FewConfig
-        cfgs = [F_(32, 512, 4, 4, sp) for sp in (1, 4)]
+        cfgs = [F_(64, 256, 4, 4, sp) for sp in (1, 2, 3, 4, 6, 8)] + [F_(32, 512, 4, 4, sp) for sp in (1, 2, 4)]
         if m <= fp8_gemm.FMA_ROWS:  # the CUDA-core kernel
             tiles = ((4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8), (16, 256, 4), (8, 256, 4), (32, 256, 8))
             cfgs += [F_(bn, bk // m, wp, 3, sp, True) for bn, bk, wp in tiles for sp in (1, 2, 4)]
@@ -153,7 +155,7 @@ def _sweep(fp8_gemm, path, m, n, kd, copies, ref):
             cfgs += [G(bm, bn, 128, 8, wp, st, True, ws) for bm, bn, wp, st in TMA_TILES for ws in (False, True)]
     best = (float("inf"), None)
     for cfg in cfgs:
-        t = _time_config(fp8_gemm, path, cfg, copies)
+        t = _time_config(fp8_gemm, path, cfg, copies, counters)
         if t == float("inf"):
             continue
         x, w, s = copies[0]
@@ -171,7 +173,7 @@ def _sweep(fp8_gemm, path, m, n, kd, copies, ref):
         b = best[1]
         for cfg in (replace(b, quant=False), replace(b, num_stages=4), replace(b, num_stages=6),
                     replace(b, num_warps=8), replace(b, tma=False)):
-            t = _time_config(fp8_gemm, path, cfg, copies)
+            t = _time_config(fp8_gemm, path, cfg, copies, counters)
             print(f"    {t * 1e3:7.2f} us  {cfg}", flush=True)
             best = min(best, (t, cfg), key=lambda b: b[0])
     dev = copies[0][0].device
@@ -182,10 +184,10 @@ def _sweep(fp8_gemm, path, m, n, kd, copies, ref):
     return best
 
 
-def _time_config(fp8_gemm, path, cfg, copies) -> float:
+def _time_config(fp8_gemm, path, cfg, copies, counters=None) -> float:
     """ms of one config graph-timed over the copies (inf when it cannot run)."""
     try:
-        return graph_ms([lambda x=x, w=w, s=s: fp8_gemm.fp8_linear(x, w, s, path=path, config=cfg)
+        return graph_ms([lambda x=x, w=w, s=s: fp8_gemm.fp8_linear(x, w, s, path=path, config=cfg, counters=counters)
                          for x, w, s in copies], rep_ms=50)
     except Exception as e:  # noqa: BLE001 - out of shared memory / registers
         print(f"  sweep {cfg}: {type(e).__name__}"[:120])
@@ -197,6 +199,7 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
     from runtime.model.quantized import dequantize_fp8, quantize_fp8
 
     fi, fi_reason = (None, "--no-libs") if args.no_libs else _flashinfer()
+    cnt = None if args.no_fold else torch.zeros(4096, dtype=torch.int32, device="cuda")
     rows = []
     for name, n, kd in selected_shapes(args):
         w, s = quantize_fp8(torch.randn(n, kd, device="cuda") / kd**0.5)
@@ -211,8 +214,8 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
             ref = x.double() @ wd64.T
             path = args.path or fp8_gemm.choose_path(m, 128, x.device, x.dtype, library=False)
             ours_sets = [(x, cw, cs) for cw, cs in fp8_sets]
-            ours_us, ours_err = _try(lambda x, w, s, p=path: fp8_gemm.fp8_linear(x, w, s, path=p), ref, ours_sets,
-                                     "ours")
+            ours_us, ours_err = _try(lambda x, w, s, p=path: fp8_gemm.fp8_linear(x, w, s, path=p, counters=cnt), ref,
+                                     ours_sets, "ours")
             bf_us, bf_err = _try(F.linear, ref, [(x, c) for c in bf_sets], "bf16")
             if path == "few" and m <= fp8_gemm.FMA_ROWS:  # the tensor-core kernel beside the CUDA-core default
                 tc = fp8_gemm.few_config(n, kd, x.device, fp8_gemm.FEW_ROWS)
@@ -243,7 +246,7 @@ def bench(args, ceil, fp8_tflops) -> list[dict]:
                     row["bf16_pct"] = ceil.pct_matmul(flops, ours_us * 1e-3)
             row.update({"ours_err": ours_err, "bf16_err": bf_err, "fi_err": fi_err, "tsm_err": tsm_err})
             if args.sweep and (m == args.m[0] or m > fp8_gemm.FEW_ROWS or path != "few"):
-                t, cfg = _sweep(fp8_gemm, path, m, n, kd, ours_sets, ref)
+                t, cfg = _sweep(fp8_gemm, path, m, n, kd, ours_sets, ref, cnt)
                 row["best_us"], row["best_config"] = t * 1e3, str(cfg)
             rows.append(row)
             print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)

@@ -19,6 +19,7 @@ that L2 never serves an expert twice.
     python -m bench.fp8_moe_bench --tokens 1 16   # some token counts
     python -m bench.fp8_moe_bench --sweep         # also the few-token kernels' tile configs at the first count
     python -m bench.fp8_moe_bench --profile       # also each path's kernels by device time
+    python -m bench.fp8_moe_bench --tokens 32 --cases tp --grouped-sweep   # each grouped GEMM alone, its tiles
 """
 
 from __future__ import annotations
@@ -183,6 +184,51 @@ def _sweep_few(c, x, local_sets, wts) -> dict:
     return {"best_us": best[0] * 1e3, "best_config": name(best[1]), "fma_best_us": fma_best[0] * 1e3}
 
 
+#: (label, GroupedConfig keywords) of ``--grouped-sweep``
+GROUPED_TILES = (("default", {}), ("n64", dict(block_n=64)), ("g1", dict(group_m=1)),
+                 ("s2", dict(num_stages=2)), ("s4", dict(num_stages=4)), ("w8", dict(num_warps=8)),
+                 ("m32", dict(block_m=32)), ("no_tma", dict(tma=False)), ("n256", dict(block_n=256)),
+                 ("n256.s2", dict(block_n=256, num_stages=2)), ("n256.w8", dict(block_n=256, num_warps=8)),
+                 ("n256.w8.s2", dict(block_n=256, num_warps=8, num_stages=2)))
+
+
+def _sweep_grouped(c: dict, x: torch.Tensor, sets: list, ceil) -> None:
+    """Each W8A8 grouped GEMM of the routed experts alone (gate_up over the tokens' rows, down over the SwiGLU's),
+    CUDA-graph timed over the routings ``sets``, at every ``GROUPED_TILES`` config: µs and % of copy for the
+    touched experts' bytes of that GEMM (fp8 + scales, each expert once)."""
+    from backends.kernels.decoder import decoder_ops
+    from backends.kernels.gemm import fp8_moe
+    from runtime.model.deepseek.mlp import swiglu
+
+    gu, gus, dn, dns = c["routed"]
+    n_local = c["n_local"]
+    runs = []
+    for _, local, _ in sets:
+        tokens, _, offsets = decoder_ops.moe_dispatch(local, n_local + 1)
+        offsets = offsets[:n_local]
+        q, qs = fp8_moe.quantize_rows_fp8(x)
+        a = swiglu(fp8_moe.fp8_grouped_gemm(q, qs, gu, gus, offsets, x.dtype, rows=tokens))
+        runs.append((tokens, offsets, q, qs, *fp8_moe.quantize_rows_fp8(a.contiguous(), limit=offsets[-1:])))
+    experts = sum(int(s[1][s[1] < n_local].unique().numel()) for s in sets) / len(sets)
+    for gemm, w, ws in (("gate_up", gu, gus), ("down", dn, dns)):
+        nbytes = experts * (w[0].numel() + ws[0].numel() * 4)
+        for label, kw in GROUPED_TILES:
+            cfg = fp8_moe.GroupedConfig(**kw)
+            if gemm == "gate_up":
+                calls = [lambda r=r, g=cfg, w=w, ws=ws: fp8_moe.fp8_grouped_gemm(r[2], r[3], w, ws, r[1], x.dtype, g,
+                                                                                rows=r[0]) for r in runs]
+            else:
+                calls = [lambda r=r, g=cfg, w=w, ws=ws: fp8_moe.fp8_grouped_gemm(r[4], r[5], w, ws, r[1], x.dtype, g)
+                         for r in runs]
+            try:
+                ms = graph_ms(calls, rep_ms=40)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers)
+                print(f"  grouped {gemm} {label}: {type(e).__name__}"[:120], flush=True)
+                continue
+            print(f"  grouped {gemm} {label:8s} {ms * 1e3:7.2f} us  {ceil.pct_copy(nbytes, ms):5.1f}% of copy "
+                  f"({nbytes / 1e6:.0f} MB, {x.shape[0]} tokens)", flush=True)
+
+
 def bench_case(name: str, args, ceil) -> list[dict]:
     from backends.kernels.gemm import fp8_moe
 
@@ -224,6 +270,8 @@ def bench_case(name: str, args, ceil) -> list[dict]:
             _profile(f"moe={name} {t} tokens, bf16", lambda x=x, i=ids, lo=local, w=wts: bf16_path(c, x, i, lo, w))
         if args.sweep and t == args.tokens[0] and t <= 16:
             row.update(_sweep_few(c, x, [s[1] for s in sets], wts))
+        if args.grouped_sweep and t > fp8_moe.MAX_TOKENS:
+            _sweep_grouped(c, x, sets, ceil)
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -253,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["tp", "ep"])
     p.add_argument("--sweep", action="store_true", help="the few-token kernels' configs at the first count")
     p.add_argument("--profile", action="store_true", help="print our path's kernels by device time, per count")
+    p.add_argument("--grouped-sweep", action="store_true", help="each grouped GEMM alone over GroupedConfig tiles, "
+                   "at every count above the few-token kernels'")
     p.add_argument("--quick", action="store_true", help="tokens 1, 16, 512; moe=tp; no FlashInfer")
     p.add_argument("--no-libs", action="store_true", help="skip FlashInfer's cutlass_fused_moe (its first call "
                    "compiles for minutes)")

@@ -16,7 +16,7 @@ from triton_env import DEV, needs_gpu, rel_err
 
 from runtime.core.kv_pool import MLAKVPool
 from runtime.model.deepseek.moe import route
-from runtime.model.deepseek.ops import FusedOps, TorchOps
+from runtime.model.deepseek.ops import GEMM_COUNTERS, FusedOps, TorchOps
 from runtime.model.deepseek.weights import DenseMLPWeights, MoEWeights
 
 REF, FUSED = TorchOps(), FusedOps()
@@ -436,6 +436,11 @@ def test_fp8_compute_picks_the_activation_precision_gpu(t):
     ops = {c: FusedOps(fp8_compute=c) for c in ("w8a16", "w8a8")}
     err = {c: rel_err(o.linear(x, w), exact) for c, o in ops.items()}
     assert err["w8a16"] < 5e-3 and err["w8a8"] > 3 * err["w8a16"], err
+    # with the workspace gemm_counters, the few-row kernel's split-K partials (9 rows) are summed in its last
+    # programs: the second kernel's bits
+    counted = FusedOps(fp8_compute="w8a8", counters=torch.zeros(GEMM_COUNTERS.nbytes, dtype=torch.uint8,
+                                                                 device="cuda"))
+    assert torch.equal(counted.linear(x[:9], w), ops["w8a8"].linear(x[:9], w)) and not counted.counters.any()
     spec = _spec(num_experts_per_tok=8, n_group=8, topk_group=4)
 
     def experts(rows, cols):

@@ -102,6 +102,35 @@ def test_split_w8a8_matches_float64_and_quantized_x(n, kd, block):
             assert rel_err(y, pre) <= TOL_W8A16[torch.float16], (m, split)
 
 
+@pytest.mark.parametrize("n,kd,block", SHAPES[:1] + SHAPES[2:3])
+def test_split_partials_folded_by_the_last_program_give_the_second_kernels_bits(n, kd, block):
+    """Few-row split-K with ``counters``: each column tile's last program sums the partials in order, the second
+    kernel's additions, so the same bits (tensor-core and CUDA-core kernels, several splits); the counters are zero
+    again after every launch, and a launch with fewer counters than column tiles falls back to the second kernel.
+    The "split" W8A8 kernel keeps its second kernel (the counters untouched)."""
+    torch.manual_seed(3 * n + kd)
+    w, s, _ = make_weight(n, kd, block)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEV)
+    for m, cfgs in ((3, [fp8_gemm.FewConfig(16, 32, 4, 2, sp) for sp in (2, 3)]),
+                    (2, [fp8_gemm.FewConfig(8, 32, 4, 2, 3, True)])):
+        x = strided_x(m, kd, torch.float16)
+        for cfg in cfgs:
+            two = fp8_gemm.fp8_linear(x, w, s, block, path="few", config=cfg)
+            one = fp8_gemm.fp8_linear(x, w, s, block, path="few", config=cfg, counters=counters)
+            assert torch.equal(one, two) and not counters.any(), (m, cfg)
+            few = fp8_gemm.fp8_linear(x, w, s, block, path="few", config=cfg, counters=counters[:1])
+            assert torch.equal(few, two) and not counters.any(), (m, cfg)
+    counters[0] = 100  # not zero: the first tile's programs count on from it, none sums, the counter is left
+    fp8_gemm.fp8_linear(x, w, s, block, path="few", config=cfgs[0], counters=counters)
+    assert counters[0] == 100 + cfgs[0].split_k and not counters[1:].any()
+    x = strided_x(17, kd, torch.float16)
+    split = fp8_gemm.fp8_linear(x, w, s, block, path="split", config=fp8_gemm.SplitConfig(64, 2), counters=counters)
+    assert torch.equal(split, fp8_gemm.fp8_linear(x, w, s, block, path="split", config=fp8_gemm.SplitConfig(64, 2)))
+    assert counters[0] == 100 + cfgs[0].split_k and not counters[1:].any()
+    with pytest.raises(ValueError, match="counters int32"):
+        fp8_gemm.fp8_linear(x, w, s, block, counters=counters.long())
+
+
 def test_default_path_by_rows():
     torch.manual_seed(1)
     w, s, wd = make_weight(64, 128)
@@ -285,15 +314,21 @@ def test_refuses_what_it_cannot_take():
 
 def test_configs_by_rule():
     cpu = torch.device("cpu")  # counted as an H100's 132 SMs
-    assert fp8_gemm.few_config(2112, 7168, cpu, 16) == fp8_gemm.FewConfig(32, 512, 4, 4)
-    assert fp8_gemm.few_config(7168, 2048, cpu, 5) == fp8_gemm.FewConfig(64, 256, 4, 4)
+    # 3-16 rows: 64 x 256 tiles, the inputs split in runs of ~4 steps (whole runs), the same at every row count
+    assert fp8_gemm.few_config(2112, 7168, cpu, 16) == fp8_gemm.FewConfig(64, 256, 4, 4, 7)
+    assert fp8_gemm.few_config(2112, 7168, cpu, 3) == fp8_gemm.few_config(2112, 7168, cpu, 16)
+    assert fp8_gemm.few_config(3072, 1536, cpu, 9) == fp8_gemm.FewConfig(64, 256, 4, 4, 2)
+    assert fp8_gemm.few_config(7168, 2304, cpu, 9) == fp8_gemm.FewConfig(64, 256, 4, 4, 2)  # 9 steps: 5 + 4
+    assert fp8_gemm.few_config(7168, 2048, cpu, 5) == fp8_gemm.FewConfig(64, 256, 4, 4, 2)
+    assert fp8_gemm.few_config(7168, 256, cpu, 16) == fp8_gemm.FewConfig(64, 256, 4, 4, 1)
     assert fp8_gemm.few_config(40000, 100, cpu) == fp8_gemm.FewConfig(64, 128, 4, 4)
+    assert fp8_gemm.few_config(6400, 65536, cpu).split_k == 6  # at most 4 programs an SM: 528 over 100 column tiles
     # up to 2 rows the CUDA-core kernel, no split-K: 8 x 512 where that makes 4 programs per SM, else 4 x 1024,
     # the same tile at 2 rows (each row accumulates in the tile's layout)
     assert fp8_gemm.few_config(2112, 7168, cpu, 1) == fp8_gemm.FewConfig(4, 1024, 4, 3, 1, True)
     assert fp8_gemm.few_config(7168, 2048, cpu, 1) == fp8_gemm.FewConfig(8, 512, 4, 3, 1, True)
     assert fp8_gemm.few_config(7168, 2048, cpu, 2) == fp8_gemm.FewConfig(8, 512, 4, 3, 1, True)
-    assert fp8_gemm.few_config(7168, 2048, cpu, 3) == fp8_gemm.FewConfig(64, 256, 4, 4)
+    assert fp8_gemm.few_config(7168, 2048, cpu, 3) == fp8_gemm.FewConfig(64, 256, 4, 4, 2)
     assert fp8_gemm.few_config(512, 100, cpu, 1) == fp8_gemm.FewConfig(4, 128, 4, 3, 1, True)
     assert fp8_gemm.gemm_config(4096, 7168, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 128, 128, 8, 4, 3)
     assert fp8_gemm.gemm_config(32, 2112, 7168, 128, True, cpu) == fp8_gemm.GemmConfig(64, 64, 128, 8, 4, 3)
@@ -387,6 +422,42 @@ def test_split_w8a8_tp8_shapes_gpu(name, n, kd):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out["y"], eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,kd", TP8_SHAPES)
+def test_few_split_folded_tp8_shapes_gpu(name, n, kd):
+    """Few-row split-K at one TP8 rank's shapes (3, 9 and 16 rows on the tensor cores, 1-2 on the CUDA cores): the
+    partials summed in each column tile's last program (``counters``) give the second kernel's bits, eager and in a
+    CUDA graph with PDL replayed several times (the counters re-armed between launches), and the default config's
+    result within bf16's rounding of float64."""
+    needs_gpu()
+    torch.manual_seed(n + kd)
+    w, s, wd = make_weight(n, kd, dev="cuda")
+    counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    for m in (1, 2, 3, 9, 16):
+        x = torch.randn(m, kd, dtype=torch.bfloat16, device="cuda")
+        assert rel_err(fp8_gemm.fp8_linear(x, w, s, counters=counters), x.double() @ wd.T) <= 1e-2, (name, m)
+        for sp in (2, 4):
+            cfg = replace(fp8_gemm.few_config(n, kd, "cuda", m), split_k=sp)
+            for pdl in (False, True):
+                assert torch.equal(fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg, pdl=pdl, counters=counters),
+                                   fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg)), (name, m, sp, pdl)
+            assert not counters.any()
+    cfg = replace(fp8_gemm.few_config(n, kd, "cuda", 16), split_k=4)
+    out = {}
+
+    def step():  # the folded launch twice in one graph
+        out["f"] = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg, pdl=True, counters=counters)
+        out["g"] = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg, pdl=True, counters=counters)
+
+    graph = capture_graph(step)
+    x.copy_(torch.randn_like(x))
+    eager = fp8_gemm.fp8_linear(x, w, s, path="few", config=cfg, pdl=True)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out["f"], eager) and torch.equal(out["g"], eager) and not counters.any()
 
 
 @pytest.mark.gpu

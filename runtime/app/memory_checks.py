@@ -27,6 +27,7 @@ from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.memory_plan import CPU_NUM_PAGES, GiB, MemoryPlan, MemoryReader, PlanLine, agree_pages
 from runtime.core.model_spec import ModelSpec
+from runtime.model.deepseek.ops import GEMM_COUNTERS, FusedOps, select_ops
 
 SHOWN_SHARE = 0.01  # an over-budget refusal lists every line with a fix that holds at least this share of the peak
 
@@ -62,6 +63,8 @@ def plan_memory(plain: dict, backends: dict[str, type], info: DeviceInfo, reader
         plan.fixed.append(PlanLine(f"weights: {dtype}", n, "weights"))  # the fix is filled below (needs the rest)
     for name, n in workspace_bytes(plain, backends, spec, info).items():
         plan.fixed.append(PlanLine(f"workspace: {name}", n, "a smaller workspace (backend / workspace keys)"))
+    if select_ops(plain["model"]["fused"], info, spec.dtype) == FusedOps.name:  # the fused ops' split-K counters
+        plan.fixed.append(PlanLine(f"workspace: {GEMM_COUNTERS.name}", GEMM_COUNTERS.nbytes, "model.fused=off"))
     if ipc := allreduce_bytes(plain["parallel"], info.kind):  # the all-reduce's symmetric buffer (one-shot / fused)
         plan.fixed.append(PlanLine("workspace: allreduce_ipc", ipc, "parallel.ipc_buffer_bytes or parallel.allreduce=nccl"))
     plan.fixed.append(PlanLine("cuda graphs (pool of the largest captured batches)", graph_bytes(plain, spec, not on_cpu),

@@ -23,6 +23,11 @@ Paths (:func:`fp8_linear` picks by M, ``path=`` forces one):
   ``fp8_blockscale_gemm_sm90``; torch's ``F.scaled_mm`` with 1 x 128 / 128 x 128 block scales, i.e. cuBLAS, after
   :func:`quantize_act`), chosen above :data:`FEW_ROWS` rows by measurement (:func:`choose_path`).
 
+Split-K leaves float32 partials that a second kernel sums in order (``"split"``), or for ``"few"``
+(``FewConfig.split_k > 1``), given ``counters`` (int32, zero, one per column tile: the fused ops' workspace
+``gemm_counters``), the last program of each column tile does, in the same order (the same bits, no second launch;
+each launch leaves the counters at zero again; one with more column tiles than counters takes the second kernel).
+
 All launchers are CUDA-graph safe: outputs and temporaries from ``torch.empty``, grids from shapes, no host
 sync, tile choices by rule (no autotuning at run time).
 """
@@ -84,10 +89,9 @@ class GemmConfig:
 class FewConfig(TileConfig):
     """A launch of the few-row kernel: the tiles of :class:`~backends.kernels.gemm.skinny.TileConfig` and
     ``split_k``, the programs that share each block of output columns, each over a run of whole ``block_k`` steps
-    (> 1: float32 partials summed in order by a second kernel), and ``fma``: the CUDA-core kernel (float32 products,
-    M <= :data:`FMA_ROWS`) instead of the tensor-core one. Split-K was measured on an H200 (``python -m
-    bench.fp8_gemm_bench --m 1 --sweep``): 5-10% faster in isolation at qkv_a / gate_up, but its second kernel
-    costs a launch in a decode step, so :func:`few_config` keeps 1; the option stays for benches."""
+    (> 1: float32 partials summed in order, by each column block's last program given ``counters``, else by a
+    second kernel), and ``fma``: the CUDA-core kernel (float32 products, M <= :data:`FMA_ROWS`) instead of the
+    tensor-core one. :func:`few_config` splits above :data:`FMA_ROWS` rows."""
 
     split_k: int = 1
     fma: bool = False
@@ -116,22 +120,26 @@ FMA_ROWS = 2
 def few_config(n: int, k_dim: int, device: torch.device | str, m: int = FEW_ROWS) -> FewConfig:
     """Tiles of the few-row kernel for ``m`` rows.
 
-    Up to :data:`FMA_ROWS` rows: the CUDA-core kernel, no split-K (its second kernel costs a launch in a decode
-    step), 8 weight rows x 512 inputs per step where that gives every SM 4 programs, else 4 x 1024, at one and two
-    rows (each row accumulates in the tile's own layout; not yet timed at two rows on a GPU). Measured at one row on an H200 (``python -m bench.fp8_gemm_bench --m 1 --sweep``,
-    µs, best of 23 tiles x splits in brackets): qkv_a 2112 x 7168 4 x 1024 10.6 (9.98 at 8 x 512 split 4),
-    o_proj 7168 x 2048 7.96 (best), down 7168 x 2304 8.90 (best), gate_up 4608 x 7168 16.4 (15.8 split 4); the
-    tensor-core kernel 16.7-48.5.
-    Above: the tensor-core kernel with the bf16 few-row kernel's rule
-    (:func:`backends.kernels.gemm.skinny.default_config`): 64 weight rows x 256 inputs per step when that still
-    gives half the SMs a program, else 32 x 512, at most K rounded up to a power of two; 4 warps, 4 stages."""
+    Up to :data:`FMA_ROWS` rows: the CUDA-core kernel, 8 weight rows x 512 inputs per step where that gives every
+    SM 4 programs, else 4 x 1024, no split-K. At one row on an H200 (``python -m bench.fp8_gemm_bench --path few
+    --m 1 --sweep``, µs, partials summed in the last programs) this is the best of 30 tiles x splits or within 5% at
+    every TP8 shape but the shared expert's gate_up (8.3 against 5.8 split 4; the experts' own kernels take the
+    shared expert at decode): qkv_a 9.4, q_b 5.3, o_proj 7.9, down 8.8, gate_up 16.3 (15.6 split 2).
+    Above (3-16 rows): the tensor-core kernel, 64 weight rows x 256 inputs per step, 4 warps, 4 stages, and the
+    inputs split in runs of about 4 steps (``round(steps / 4)`` splits, at most 4 programs an SM), the same split for
+    every row count from 3 to 16 (so a row's bits depend only on N and K). Swept at 16 rows on an H200 (``--path few
+    --m 16 --sweep``, 64 x 256 at 1-8 splits and 32 x 512 at 1-4, µs): qkv_a 49.4 / 31.0 unsplit -> 15.8 (7
+    splits, the best), q_b 9.8 (best 9.6), o_proj 15.2 (2, best), gate_up 27.5 (7, best; 48.8 unsplit), down 16.0 (2,
+    best), the shared expert's gate_up 11.3 (best; 31.1 unsplit) and down 4.7 (1, best)."""
     sms = sm_count(device, CPU_SM_COUNT)
     k_cap = triton.next_power_of_2(max(k_dim, 16))
     if m <= FMA_ROWS:
         block_n, block_k = (8, 512) if triton.cdiv(n, 8) >= 4 * sms else (4, 1024)
         return FewConfig(block_n, min(block_k, k_cap), 4, 3, 1, True)
-    block_n, block_k = (64, 256) if triton.cdiv(n, 64) * 2 >= sms else (32, 512)
-    return FewConfig(block_n, min(block_k, k_cap), 4, 4)
+    block_k = min(256, k_cap)
+    steps = triton.cdiv(max(k_dim, 1), block_k)
+    split = max(1, min(round(steps / 4), triton.cdiv(4 * sms, triton.cdiv(n, 64))))
+    return FewConfig(64, block_k, 4, 4, _splits(k_dim, block_k, split))
 
 
 def _splits(k_dim: int, block_k: int, split: int) -> int:
@@ -151,6 +159,19 @@ def _sum_splits(part: torch.Tensor, y: torch.Tensor, rows_p: int, pdl: bool) -> 
     m, n = y.shape
     k._sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, y, m, n, rows_p, y.stride(0), SPLIT=part.shape[0],
                                                      BLOCK=1024, PDL=pdl, launch_pdl=pdl, num_warps=4)
+
+
+def _folds(counters: torch.Tensor | None, grid: tuple[int, int]) -> bool:
+    """Whether a split-K launch over ``grid`` (column tiles, splits) sums its partials in its own last programs:
+    more than one split and a counter for every column tile; else :func:`_sum_splits` does, a second launch."""
+    return grid[1] > 1 and counters is not None and counters.numel() >= grid[0]
+
+
+def _check_counters(counters: torch.Tensor | None, x: torch.Tensor) -> None:
+    require(counters is None or (counters.dtype == torch.int32 and counters.dim() == 1 and counters.is_contiguous()
+                                 and counters.device == x.device),
+            lambda: f"counters int32 [n], contiguous, on x's device ({x.device}), zero (the workspace gemm_counters) "
+                    f"or None; got {tuple(counters.shape)} {counters.dtype} on {counters.device}")
 
 
 def _tma_desc(w: torch.Tensor, block_n: int, block_k: int):
@@ -207,7 +228,8 @@ def tma_serves(device: torch.device | str, row_bytes: int) -> bool:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK,
                pdl: bool = False, path: str | None = None,
-               config: FewConfig | GemmConfig | None = None, w8a8: bool = True) -> torch.Tensor:
+               config: FewConfig | GemmConfig | None = None, w8a8: bool = True,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(w, scale).T`` with float32 accumulation.
 
     Parameters
@@ -232,6 +254,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
     w8a8 : bool
         With ``path=None``: False keeps the activations 16-bit above :data:`FEW_ROWS` rows too (``"w8a16"``, the
         model's ``model.fp8_compute=w8a16``); True lets :func:`choose_path` quantize them there.
+    counters : torch.Tensor, optional
+        int32 [>= cdiv(N, block_n)], zero: split-K partials summed by each column tile's last program (see the
+        module docstring); None: by a second kernel.
 
     Returns
     -------
@@ -239,6 +264,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         [M, N] in x's dtype, from ``torch.empty`` (``"w8a8"`` also allocates its fp8 copy of x and its scales).
     """
     m, kd, n, bn, bk = _check(x, w, scale, block)
+    _check_counters(counters, x)
     chosen = _resolve_path(path, m, (bn, bk), x, w8a8)
     if chosen == "flashinfer" and m and n and kd:
         return _library_gemm()(x.contiguous(), w, None, scale, out_dtype=x.dtype)
@@ -261,7 +287,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tup
         require(cfg.block_n >= low and cfg.block_n & (cfg.block_n - 1) == 0,
                 lambda: f"config.block_n a power of two >= {low} ({'fma' if cfg.fma else 'one tensor-core tile'}); got "
                         f"{cfg.block_n}")
-        _few(x, w, scale, y, bn, bk, cfg, pdl)
+        _few(x, w, scale, y, bn, bk, cfg, pdl, counters=counters)
         return y
     if chosen == "split":
         require(config is None or isinstance(config, SplitConfig),
@@ -305,12 +331,13 @@ def _tma_gemm(a, a_scale, w, scale, y, bn: int, bk: int, a_fp8: bool, cfg: GemmC
 
 def fp8_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int] = FP8_BLOCK, pdl: bool = False,
-                    config: FewConfig | None = None) -> torch.Tensor:
+                    config: FewConfig | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """``fp8_linear(rms_norm(x, norm_weight, eps), w, scale)`` in one launch for M <= :data:`FMA_ROWS` rows (the
     q LoRA's q_a_layernorm then q_b_proj at decode): the CUDA-core kernel norms the rows as the fused RMSNorm
     kernel rounds, then streams the fp8 weight. norm_weight [K] of x's dtype, contiguous. More rows: ValueError
     (norm first, then :func:`fp8_linear`)."""
     m, kd, n, bn, bk = _check(x, w, scale, block)
+    _check_counters(counters, x)
     require(0 < m <= FMA_ROWS and x.dtype in ACT_DTYPES,
             lambda: f"fp8_norm_linear: 1 to {FMA_ROWS} rows of bf16 / fp16; got {m} rows of {x.dtype}. Fix: rms_norm, "
                     f"then fp8_linear")
@@ -320,14 +347,15 @@ def fp8_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: t
     require(cfg.fma, lambda: f"fp8_norm_linear: a FewConfig with fma=True; got {cfg}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n:
-        _few(x, w, scale, y, bn, bk, cfg, pdl, (norm_weight, float(eps)))
+        _few(x, w, scale, y, bn, bk, cfg, pdl, (norm_weight, float(eps)), counters)
     return y
 
 
-def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tuple | None = None) -> None:
+def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tuple | None = None,
+         counters: torch.Tensor | None = None) -> None:
     """The few-row kernel into ``y``; with ``cfg.split_k > 1`` (whole ``block_k`` steps per split) its float32
-    partials go to a ``[split, 16, N]`` temporary that :func:`k._sum_splits_kernel` sums in order. ``norm``:
-    (weight, eps) of an RMSNorm of x first (the CUDA-core kernel only)."""
+    partials go to a ``[split, 16, N]`` temporary, summed in order (:func:`_folds`). ``norm``: (weight, eps) of an
+    RMSNorm of x first (the CUDA-core kernel only)."""
     split = cfg.split_k
     require(isinstance(split, int) and split >= 1, lambda: f"config.split_k a positive int; got {split!r}")
     m, kd = x.shape
@@ -335,22 +363,26 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
     split, k_split = _split_k(kd, cfg.block_k, split)
     part = torch.empty(split, 16, n, dtype=torch.float32, device=x.device) if split > 1 else y
     grid = (triton.cdiv(n, cfg.block_n), split)
+    fold = _folds(counters, grid)
+    cnt = counters if fold else part  # never read without FOLD
     strides = (x.stride(0), w.stride(0), scale.stride(0), scale.stride(1), y.stride(0), bn)
     one_row = bn % cfg.block_n == 0
     if cfg.fma:
         require(m <= FMA_ROWS, lambda: f"config.fma for at most {FMA_ROWS} rows; got {m} rows. Fix: fma=False")
         nw, eps = norm or (w, 0.0)
         p = use_pdl(pdl, k._few_fma_kernel, x.device)
-        k._few_fma_kernel[grid](x, w, scale, y, part, nw, m, n, kd, k_split, *strides, eps, BK_S=bk,
+        k._few_fma_kernel[grid](x, w, scale, y, part, cnt, nw, m, n, kd, k_split, *strides, eps, BK_S=bk,
                                 M_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                ONE_SCALE_ROW=one_row, PARTIAL=split > 1, NORM=norm is not None, PDL=p,
-                                launch_pdl=p, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                ONE_SCALE_ROW=one_row, PARTIAL=split > 1, FOLD=split if fold else 0,
+                                NORM=norm is not None, PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages)
     else:
         p = use_pdl(pdl, k._few_w8a16_kernel, x.device)
-        k._few_w8a16_kernel[grid](x, w, scale, y, part, m, n, kd, k_split, *strides, BK_S=bk, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=one_row,
-                                  PARTIAL=split > 1, PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
-                                  num_stages=cfg.num_stages)
-    if split > 1:
+        k._few_w8a16_kernel[grid](x, w, scale, y, part, cnt, m, n, kd, k_split, *strides, BK_S=bk,
+                                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=one_row,
+                                  PARTIAL=split > 1, FOLD=split if fold else 0, PDL=p, launch_pdl=p,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1 and not fold:
         _sum_splits(part, y, 16, p)
 
 

@@ -265,6 +265,19 @@ class GroupedConfig:
 TMA_ROWS: int | None = None
 
 
+def grouped_config(rows: int, n_experts: int, k_dim: int) -> GroupedConfig:
+    """Default tiles of a grouped GEMM over ``rows`` rows, ``n_experts`` experts and K = ``k_dim``: 256 columns and
+    2 stages where each program has at most two 128-input steps over a 16-row tile (the TP8 slices' down GEMM, K
+    256, at decode batches): its programs are short, so fewer, wider ones; else :class:`GroupedConfig`'s. Swept on
+    an H200 (``python -m bench.fp8_moe_bench --cases tp --grouped-sweep``, 13 tiles): the down GEMM at 32 / 64 /
+    128 / 512 tokens 98.5 / 127.2 / 143.8 / 191.0 -> 90.9 / 116.6 / 128.1 / 165.4 µs (71.5 -> 77.5% of copy at 32),
+    the best of the 13 each time; at 4096 tokens (64-row tiles) the default stays (591.5 against 656.6); the gate_up
+    GEMM's best is the default at 32 tokens (159.0 µs, 88.6% of copy)."""
+    if grouped_block_m(rows, n_experts) == 16 and k_dim <= 2 * BLOCK:
+        return GroupedConfig(block_n=256, num_stages=2)
+    return GroupedConfig()
+
+
 def grouped_block_m(rows: int, n_experts: int) -> int:
     """Rows per tile: the smallest of 16, 32, 64 that holds the mean rows per expert (64 from there up), so a
     decode-sized batch spread over many experts does not pad every expert's tile to 64 rows."""
@@ -291,6 +304,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
     out_dtype : torch.dtype
         bfloat16 / float16 / float32.
     config : GroupedConfig, optional
+        Default: :func:`grouped_config`.
     rows : torch.Tensor, optional
         [R] int64, the token (row of ``a``) of each grouped row (``moe_dispatch``'s tokens): the kernel gathers
         them, so the grouped rows need no copy.
@@ -324,10 +338,11 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
     out = torch.empty(rows_out, n, dtype=out_dtype, device=a.device)
     if rows_out == 0 or n == 0 or n_experts == 0:
         return out
-    c = config or GroupedConfig()
+    c = config or grouped_config(rows_out, n_experts, kd)
     bm = c.block_m or grouped_block_m(rows_out, n_experts)
-    require(bm in (16, 32, 64, 128) and c.block_n in (16, 32, 64, 128) and c.group_m >= 1,
-            lambda: f"GroupedConfig block_m / block_n in 16, 32, 64, 128, group_m >= 1; got {c}")
+    require(bm in (16, 32, 64, 128) and c.block_n in (16, 32, 64, 128, 256) and c.group_m >= 1,
+            lambda: f"GroupedConfig block_m in 16, 32, 64, 128, block_n in 16 .. 256 (powers of two), group_m >= 1; "
+                    f"got {c}")
     # the most row tiles any routing of these rows can take: sum over e of cdiv(n_e, bm) <= rows / bm + E
     max_tiles = min(triton.cdiv(rows_out, bm) + n_experts, rows_out)
     slots = triton.cdiv(max_tiles, c.group_m) * c.group_m
@@ -379,7 +394,7 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
     act : callable
         [n, 2 I] -> [n, I] in xs's dtype.
     config : GroupedConfig, optional
-        Both GEMMs' tiles.
+        Both GEMMs' tiles (default: each GEMM's :func:`grouped_config`).
     w8a8 : bool
         True: activations quantized to e4m3 per token and 128 inputs (DeepSeek's inference code); False: W8A16.
     tokens : torch.Tensor, optional

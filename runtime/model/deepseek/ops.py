@@ -44,6 +44,7 @@ from runtime.core.device import DeviceInfo
 from runtime.core.dsv4_pools import CompressorStatePool
 from runtime.core.kv_pool import MLAKVPool
 from runtime.core.model_spec import ModelSpec
+from runtime.core.workspace import WorkspaceSpec
 from runtime.model.deepseek.mlp import swiglu
 from runtime.model.deepseek.moe import grouped_expert_mlp, local_expert_ids, route
 from runtime.model.deepseek.moe import moe as torch_moe
@@ -59,6 +60,9 @@ from runtime.model.quantized import BlockFP8, linear
 
 #: the most rows the few-row kernels take (``backends.kernels.gemm.skinny.MAX_ROWS``: one 16-row tensor-core tile)
 GEMV_MAX_ROWS = 16
+#: the fused ops' split-K counters (int32, zero; each launch leaves them zero): the block-fp8 products sum their
+#: partials in each column tile's last program (``fp8_gemm.fp8_linear``'s ``counters``), 4096 tiles at most
+GEMM_COUNTERS = WorkspaceSpec("gemm_counters", 4 * 4096, zero_init=True)
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,8 @@ class FusedOps:
     capabilities: ClassVar[OpsCapabilities] = OpsCapabilities(
         ("cuda",), (8, 0), (torch.float32, torch.bfloat16, torch.float16))
 
-    def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True, fp8_compute: str = "w8a8"):
+    def __init__(self, gemv_rows: int = GEMV_MAX_ROWS, pdl: bool = True, fp8_compute: str = "w8a8",
+                 counters: torch.Tensor | None = None):
         # imports triton: only where the fused ops are built
         from backends.kernels.decoder import decoder_ops
         from backends.kernels.dsv4 import compress_decode
@@ -229,6 +234,8 @@ class FusedOps:
         # stored fp8 above the few-row path: e4m3 activations (w8a8), or 16-bit ones at every size (w8a16)
         self.fp8_compute = str(fp8_compute)
         self.w8a8 = fp8_compute == "w8a8"
+        # the workspace GEMM_COUNTERS (uint8 from the ledger); None: split-K partials summed by a second kernel
+        self.counters = None if counters is None else counters.view(torch.int32)
         self.f8, self.f8moe = fp8_gemm, fp8_moe
         self.hc, self.cd = hc_kernels, compress_decode
         self.torch = TorchOps()
@@ -242,7 +249,8 @@ class FusedOps:
     def linear(self, x, w):
         if isinstance(w, BlockFP8):  # stored fp8: the block-fp8 kernels (few rows, or W8A8) on 16-bit activations
             if x.dtype in self.f8.ACT_DTYPES:
-                return self.f8.fp8_linear(x, w.weight, w.scale, w.block, pdl=self.pdl, w8a8=self.w8a8)
+                return self.f8.fp8_linear(x, w.weight, w.scale, w.block, pdl=self.pdl, w8a8=self.w8a8,
+                                          counters=self.counters)
             return self.torch.linear(x, w)  # float32 (the reference run): dequantized, then the matmul
         return self.s.linear(x, w, pdl=self.pdl) if self._few_rows(x, w) else F.linear(x, w)
 
@@ -273,7 +281,8 @@ class FusedOps:
         if isinstance(w, BlockFP8):  # stored fp8 at one or two rows: the norm inside the CUDA-core kernel
             if (0 < x.shape[0] <= self.f8.FMA_ROWS and x.dtype in self.f8.ACT_DTYPES and x.stride(-1) == 1
                     and norm_weight.dtype == x.dtype):
-                return self.f8.fp8_norm_linear(x, norm_weight, eps, w.weight, w.scale, w.block, pdl=self.pdl)
+                return self.f8.fp8_norm_linear(x, norm_weight, eps, w.weight, w.scale, w.block, pdl=self.pdl,
+                                               counters=self.counters)
         elif self._few_rows(x, w, norm_weight):
             return self.s.norm_linear(x, norm_weight, eps, w, pdl=self.pdl)
         return self.linear(self.rms_norm(x, norm_weight, eps), w)
