@@ -28,7 +28,7 @@ import triton
 
 from backends.kernels.checks import interpreted, require
 from backends.kernels.gemm import fp8_moe_kernels as k
-from backends.kernels.gemm.fp8_gemm import tma_serves
+from backends.kernels.gemm.fp8_gemm_configs import tma_serves
 from backends.kernels.pdl import use_pdl
 
 #: the most tokens :func:`fp8_moe_experts` takes (one 16-row tensor-core tile per pair)
