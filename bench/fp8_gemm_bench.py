@@ -196,10 +196,11 @@ def _time_config(fp8_gemm, path, cfg, copies, counters=None) -> float:
 
 def bench(args, ceil, fp8_tflops) -> list[dict]:
     from backends.kernels.gemm import fp8_gemm
+    from runtime.model.deepseek.ops import GEMM_COUNTERS
     from runtime.model.quantized import dequantize_fp8, quantize_fp8
 
     fi, fi_reason = (None, "--no-libs") if args.no_libs else _flashinfer()
-    cnt = None if args.no_fold else torch.zeros(4096, dtype=torch.int32, device="cuda")
+    cnt = None if args.no_fold else torch.zeros(GEMM_COUNTERS.nbytes // 4, dtype=torch.int32, device="cuda")
     rows = []
     for name, n, kd in selected_shapes(args):
         w, s = quantize_fp8(torch.randn(n, kd, device="cuda") / kd**0.5)

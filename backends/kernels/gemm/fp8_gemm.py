@@ -41,7 +41,7 @@ import triton
 
 from backends.kernels.checks import interpreted, require
 from backends.kernels.gemm import fp8_gemm_kernels as k
-from backends.kernels.gemm.fp8_gemm_configs import (  # noqa: F401 - the configs and rules, part of this module's API
+from backends.kernels.gemm.fp8_gemm_configs import (
     FEW_ROWS,
     FMA_ROWS,
     FewConfig,
@@ -51,7 +51,6 @@ from backends.kernels.gemm.fp8_gemm_configs import (  # noqa: F401 - the configs
     few_config,
     gemm_config,
     split_config,
-    tma_serves,
 )
 from backends.kernels.pdl import use_pdl
 
@@ -88,10 +87,11 @@ def _sum_splits(part: torch.Tensor, y: torch.Tensor, rows_p: int, pdl: bool) -> 
                                                      BLOCK=1024, PDL=pdl, launch_pdl=pdl, num_warps=4)
 
 
-def _folds(counters: torch.Tensor | None, grid: tuple[int, int]) -> bool:
-    """Whether a split-K launch over ``grid`` (column tiles, splits) sums its partials in its own last programs:
-    more than one split and a counter for every column tile; else :func:`_sum_splits` does, a second launch."""
-    return grid[1] > 1 and counters is not None and counters.numel() >= grid[0]
+def _folds(counters: torch.Tensor | None, grid: tuple[int, int]) -> int:
+    """The kernels' ``FOLD`` of a split-K launch over ``grid`` (column tiles, splits): the split count where its
+    last programs sum the partials (more than one split and a counter for every column tile), else 0 (one split, or
+    :func:`_sum_splits` does, a second launch)."""
+    return grid[1] if grid[1] > 1 and counters is not None and counters.numel() >= grid[0] else 0
 
 
 def _check_counters(counters: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -257,14 +257,14 @@ def _few(x, w, scale, y, bn: int, bk: int, cfg: FewConfig, pdl: bool, norm: tupl
         p = use_pdl(pdl, k._few_fma_kernel, x.device)
         k._few_fma_kernel[grid](x, w, scale, y, part, cnt, nw, m, n, kd, k_split, *strides, eps, BK_S=bk,
                                 M_PAD=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                                ONE_SCALE_ROW=one_row, PARTIAL=split > 1, FOLD=split if fold else 0,
+                                ONE_SCALE_ROW=one_row, PARTIAL=split > 1, FOLD=fold,
                                 NORM=norm is not None, PDL=p, launch_pdl=p, num_warps=cfg.num_warps,
                                 num_stages=cfg.num_stages)
     else:
         p = use_pdl(pdl, k._few_w8a16_kernel, x.device)
         k._few_w8a16_kernel[grid](x, w, scale, y, part, cnt, m, n, kd, k_split, *strides, BK_S=bk,
                                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_SCALE_ROW=one_row,
-                                  PARTIAL=split > 1, FOLD=split if fold else 0, PDL=p, launch_pdl=p,
+                                  PARTIAL=split > 1, FOLD=fold, PDL=p, launch_pdl=p,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1 and not fold:
         _sum_splits(part, y, 16, p)
