@@ -485,14 +485,14 @@ class Container(containers.DeclarativeContainer):
     device_type = providers.Callable(lambda d: d.type, device)
     graph_decisions = providers.Callable(
         decide_graphs, config.graph.enabled, device_type, backends_in_use, config.speculative.enabled,
-        config.graph.batch_sizes)
+        config.graph.batch_sizes, config.graph.prefill_tokens)
     padding_row = req_to_token_pool.provided.padding_row
     overlap = providers.Callable(overlap_enabled, config.engine.overlap, device)
     graph_copies = providers.Callable(copies_per_size, overlap)
     graph_modes = providers.Selector(
         spec_mode,
         off=providers.Callable(plain_mode_graphs, graph_decisions, model, decode_graph, padding_row, device,
-                               graph_copies, tp_group.provided.stats),
+                               graph_copies, tp_group.provided.stats, config.graph.prefill_requests),
         on=providers.Callable(speculative_mode_graphs, graph_decisions, model, attention, draft_model, draft_attention,
                               draft_steps, config.speculative.num_steps, padding_row, device, graph_copies,
                               tp_group.provided.stats),

@@ -66,10 +66,12 @@ class TritonMLABackend:
 
     capabilities: ClassVar[BackendCapabilities] = BackendCapabilities(
         forward_modes=frozenset(ForwardMode),  # verify / draft extend run the causal extend kernel
-        # the extend kernel's grid depends only on max_q_len: fixed for uniform batches, so those graph
+        # the extend kernel's grid depends only on max_q_len and the request count and it reads the lengths on the
+        # device: uniform batches graph, and so does prefill over a padded layout (runtime/engine/prefill_graphs.py)
         cuda_graph=((ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
                     (ForwardMode.TARGET_VERIFY, CudaGraphLevel.UNIFORM_BATCH),
-                    (ForwardMode.DRAFT_EXTEND, CudaGraphLevel.UNIFORM_BATCH)),
+                    (ForwardMode.DRAFT_EXTEND, CudaGraphLevel.UNIFORM_BATCH),
+                    (ForwardMode.EXTEND, CudaGraphLevel.ALWAYS)),
         mha_chunked_prefill=False,
         builds_own_kv_indices=True,
         page_sizes=None,
@@ -154,12 +156,16 @@ class TritonMLABackend:
 
     # ------------------------------------------------------------------------------- decode graphs
     def init_graph_state(self, batch: ForwardBatch) -> None:
-        """A static page table wide enough for the longest request the request table can hold; one table
-        serves every graphed mode (modes never replay concurrently), sized for the largest batch asked."""
-        if batch.batch_size <= self._graph_page_table.shape[0]:
+        """A static page table wide enough for the longest request the request table can hold, or the longest
+        ``batch`` holds (a prefill graph's padding request may exceed ``max_context``: its rows read the padding
+        page); one table serves every graphed mode (modes never replay concurrently), sized for the largest batch
+        and width asked."""
+        rows, cols = self._graph_page_table.shape
+        width = -(-max(self.req_to_token_pool.max_context, batch.max_seq_len) // self.page_size)
+        if batch.batch_size <= rows and width <= cols:
             return
-        width = -(-self.req_to_token_pool.max_context // self.page_size)
-        self._graph_page_table = torch.zeros(batch.batch_size, width, dtype=torch.int32, device=self.workspace.device)
+        self._graph_page_table = torch.zeros(max(rows, batch.batch_size), max(cols, width), dtype=torch.int32,
+                                             device=self.workspace.device)
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         self._new_step()

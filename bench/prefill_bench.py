@@ -1,21 +1,26 @@
-"""Prefill step time of a preset, eager as the engine runs prefill, per batch shape and per fp8 GEMM variant.
+"""Prefill step time of a preset as the engine runs prefill (eager, or replayed from a CUDA graph), per batch
+shape and per fp8 GEMM variant.
 
 ``python -m bench.prefill_bench [--preset h100_triton_tp8] [--layers 16] [--shapes 1x1024 2x1024 4x1024 8x1000]
-[--weights fp8] [--variants default no_tma no_cublas cublas_2048] [--runs 3] [--kernels] [--host N] [--quick]``
+[--weights fp8] [--variants default no_tma no_cublas cublas_2048] [--graphs off on] [--runs 3] [--kernels]
+[--host N] [--quick]``
 
 Why: the fp8 GEMM benches time one product in CUDA graphs; an eager prefill also waits on the host, whose
 launches at prompts up to ~2048 tokens take longer than the GPU's kernels (docs/kernels.md, "Prefill"). This
-bench times the prefill, splits it into kernel and idle time, and says where the host's time goes.
+bench times the prefill, splits it into kernel and idle time, and says where the host's time goes; ``--graphs
+on`` runs the same steps with graphed prefill (``graph.prefill_tokens``, the preset's counts: a step of up to
+4096 tokens over at most 7 requests replays the graph of the next count up), ``off`` with ``graph.prefill_tokens=[]``.
 
-Per (shape ``BxP``: B requests of P prompt tokens, all prefilled in one step; variant):
+Per (shape ``BxP``: B requests of P prompt tokens, all prefilled in one step; graphs; variant):
 
 * gc n / gc ms: Python's garbage collections per run (all of it, the decode step too) and their host ms (on an
   H100, 2026-11-28: none, so the idle time below is not the collector's);
 * prefill ms: the prefill steps' GPU time from their CUDA-event marks, the median over ``--runs`` engine runs
   after one warm-up run (the engine runs each request to 2 output tokens, so a run is its prefill and one decode);
 * tok/s: prompt tokens / prefill time; steps: prefill steps per run (1 unless the batch exceeds the chunk size);
-* host ms: the host's time to enqueue the prefill forwards of a run (``MLAModel.forward`` timed on the host; no
-  sync inside): near or above prefill ms, the prefill waits on the host (not yet run on a GPU);
+  graphed: of those, the steps a graph replayed;
+* host ms: the host's time to enqueue the eager prefill forwards of a run (``MLAModel.forward`` timed on the
+  host; no sync inside): near or above prefill ms, the prefill waits on the host (0 where graphs replayed them);
 * ``--kernels``: one more, profiled run: the union of GPU activity inside the prefill window (kernel ms), the
   window's idle rest (idle ms: the GPU waiting for the host's launches; the profiler adds host time), and a
   table of its top kernels;
@@ -131,11 +136,12 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(b), int(p)
 
 
-def prefill_ms(res) -> tuple[float, int, int]:
-    """(GPU ms, steps, tokens) of a run's prefill steps, from their CUDA-event marks."""
+def prefill_ms(res) -> tuple[float, int, int, int]:
+    """(GPU ms, steps, tokens, graphed steps) of a run's prefill steps, from their CUDA-event marks."""
     pre = [s for s in res.steps if s.phase == "prefill"]
     torch.cuda.synchronize()
-    return sum(s.marks[0].elapsed_time(s.marks[1]) for s in pre), len(pre), sum(s.tokens for s in pre)
+    return (sum(s.marks[0].elapsed_time(s.marks[1]) for s in pre), len(pre), sum(s.tokens for s in pre),
+            sum(s.graphed for s in pre))
 
 
 def host_profile(rt, top: int, label: str) -> None:
@@ -143,10 +149,11 @@ def host_profile(rt, top: int, label: str) -> None:
     print(f"host profile of one run (prefill + one decode step), {label}:\n{profile_top(rt, top)}", flush=True)
 
 
-def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
-    """Every variant at one shape, on one build of the preset."""
+def run_shape(args, batch: int, prompt: int, graphs: str) -> tuple[list[dict], list[Table]]:
+    """Every variant at one shape, on one build of the preset (graphed prefill ``graphs``: on / off)."""
+    off = ("graph.prefill_tokens=[]",) if graphs == "off" else ()
     cfg = compose_config(overrides(args.preset, batch, args.layers, prompt, 2, "on",
-                                   extra=(f"model.weights={args.weights}", *args.set)))
+                                   extra=(f"model.weights={args.weights}", *off, *args.set)))
     rt = build(cfg)
     rows, tables = [], []
     for name in args.variants:
@@ -155,7 +162,8 @@ def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
             with CollectorTime() as collected, HostTime(rt.container.model()) as host:
                 times = [prefill_ms(rt.engine.run(record_hidden=False)) for _ in range(args.runs)]
             ms = statistics.median(t[0] for t in times)
-            row = {"shape": f"{batch}x{prompt}", "variant": name, "tokens": times[0][2], "steps": times[0][1],
+            row = {"shape": f"{batch}x{prompt}", "graphs": graphs, "variant": name, "tokens": times[0][2],
+                   "steps": times[0][1], "graphed": times[0][3],
                    "prefill_ms": ms, "min_ms": min(t[0] for t in times), "max_ms": max(t[0] for t in times),
                    "tok_s": times[0][2] / ms * 1e3, "host_ms": sum(host.ms) / args.runs,
                    "gc_n": collected.count / args.runs, "gc_ms": collected.ms / args.runs}
@@ -169,11 +177,12 @@ def run_shape(args, batch: int, prompt: int) -> tuple[list[dict], list[Table]]:
                 busy = union_us([(s, e, c) for s, e, c, _ in ev], lo, hi)
                 row.update(kernel_ms=busy / 1e3, idle_ms=max(0.0, window_ms - busy / 1e3))
                 tables.append(Table(kernel_breakdown(ev, lo, hi, 1, args.layers, top=args.top),
-                                    f"kernels of the prefill: {batch}x{prompt}, {name}, {args.layers} layers",
+                                    f"kernels of the prefill: {batch}x{prompt}, graphs {graphs}, {name}, "
+                                    f"{args.layers} layers",
                                     ["kernel", "per_step", "per_layer", "us_per_step", "share"],
                                     {"per_step": ".0f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"},
                                     name="kernels"))
-            if args.host and name == args.variants[0]:
+            if args.host and name == args.variants[0] and graphs == args.graphs[0]:
                 host_profile(rt, args.host, f"{batch}x{prompt}, {name}")
         rows.append(row)
         print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
@@ -190,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="BxP: B requests of P prompt tokens, prefilled in one step")
     ap.add_argument("--weights", default="fp8", choices=["bf16", "fp8"], help="model.weights")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--graphs", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="graphed prefill: off (graph.prefill_tokens=[]) and / or on (the preset's counts)")
     ap.add_argument("--runs", type=int, default=3, help="timed engine runs per variant (the median is reported)")
     ap.add_argument("--kernels", action="store_true", help="one profiled run per variant: kernel / idle time, top kernels")
     ap.add_argument("--host", type=int, default=0, metavar="N",
@@ -209,19 +220,21 @@ def main(argv: list[str] | None = None) -> None:
     ceilings = measure_ceilings()
     rows, tables = [], []
     for batch, prompt in args.shapes:
-        r, t = run_shape(args, batch, prompt)
-        rows += r
-        tables += t
-    cols = ["shape", "variant", "tokens", "steps", "prefill_ms", "min_ms", "max_ms", "tok_s", "host_ms", "gc_n",
-            "gc_ms"]
+        for graphs in args.graphs:
+            r, t = run_shape(args, batch, prompt, graphs)
+            rows += r
+            tables += t
+    cols = ["shape", "graphs", "variant", "tokens", "steps", "graphed", "prefill_ms", "min_ms", "max_ms", "tok_s",
+            "host_ms", "gc_n", "gc_ms"]
     cols += ["kernel_ms", "idle_ms"] if args.kernels else []
     fmt = {c: ".2f" for c in ("prefill_ms", "min_ms", "max_ms", "host_ms", "kernel_ms", "idle_ms", "gc_ms")}
     fmt |= {"tok_s": ".0f", "gc_n": ".1f"}
     title = (f"prefill: {args.preset}, {args.layers} layers, model.weights={args.weights}"
-             f"{''.join(' ' + o for o in args.set)}; eager, GPU time from the steps' CUDA events, median of "
+             f"{''.join(' ' + o for o in args.set)}; GPU time from the steps' CUDA events, median of "
              f"{args.runs} runs")
     report("prefill_bench", ceilings, tables + [Table(rows, title, cols, fmt, name="prefill")],
-           meta={"preset": args.preset, "layers": args.layers, "weights": args.weights, "set": args.set})
+           meta={"preset": args.preset, "layers": args.layers, "weights": args.weights, "graphs": args.graphs,
+                 "set": args.set})
 
 
 if __name__ == "__main__":

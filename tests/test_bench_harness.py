@@ -253,6 +253,7 @@ def test_prefill_bench_shapes_variants_and_its_runs_config():
     args = build_parser().parse_args(["--shapes", "2x64", "--variants", "cublas_2048", "no_tma", "--quick",
                                       "--host", "5"])
     assert args.shapes == [(2, 64)] and args.variants == ["cublas_2048", "no_tma"] and args.host == 5
+    assert args.graphs == ["off", "on"] and build_parser().parse_args(["--graphs", "on"]).graphs == ["on"]
     before = (fp8_gemm.SCALED_MM_ROWS, fp8_moe.TMA_ROWS)
     with variant("cublas_2048"):
         assert fp8_gemm.SCALED_MM_ROWS == 2048 and fp8_moe.TMA_ROWS == before[1]
@@ -264,6 +265,9 @@ def test_prefill_bench_shapes_variants_and_its_runs_config():
     assert (fp8_gemm.SCALED_MM_ROWS, fp8_moe.TMA_ROWS) == before
     cfg = compose_config(overrides("h100_triton_tp8", 4, 2, 1024, 2, "on", extra=("model.weights=fp8",)))
     assert cfg.workload.chunked_prefill_size >= 4 * 1024 and cfg.model.weights == "fp8"
+    assert max(cfg.graph.prefill_tokens) == 4096  # graphs on: the preset's counts; off: none
+    off = compose_config(overrides("h100_triton_tp8", 4, 2, 1024, 2, "on", extra=("graph.prefill_tokens=[]",)))
+    assert list(off.graph.prefill_tokens) == []
 
 
 def test_prefill_bench_times_the_hosts_prefill_forwards_and_the_collector():

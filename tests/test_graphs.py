@@ -49,7 +49,7 @@ def fake(level: CudaGraphLevel | dict, with_hooks: bool = True, builds_own: bool
 def test_decode_graph_decision_from_capabilities(level, enabled, device, graphed):
     backend = fake(level)()
     d = decide_graphs(enabled, device, [backend], False, [4, 1, 2, 4])
-    assert list(d) == ["decode"]
+    assert list(d) == ["prefill", "decode"]
     d = d["decode"]
     assert d.graphed is graphed
     assert (d.sizes == [1, 2, 4]) if graphed else (d.reason and not d.sizes)
@@ -63,6 +63,35 @@ def test_the_minimum_level_over_every_backend_in_use_decides():
     assert not d.graphed and "NEVER" in d.reason and "ALWAYS" in d.reason
     both = [full, fake(CudaGraphLevel.SINGLE_TOKEN_DECODE)()]
     assert decide_graphs(True, "cuda", both, False, [8])["decode"].graphed
+
+
+def test_prefill_graph_decision_from_capabilities():
+    """Prefill is graphed over padded token counts when every backend in use gives EXTEND the level ALWAYS (only
+    triton_mla ships that), never with speculation (its modes are the round's), never with no counts listed."""
+    graphs = fake({ForwardMode.DECODE: CudaGraphLevel.SINGLE_TOKEN_DECODE, ForwardMode.EXTEND: CudaGraphLevel.ALWAYS})
+    d = decide_graphs(True, "cuda", [graphs()], False, [8], [1024, 256, 256])["prefill"]
+    assert d.graphed and d.sizes == [256, 1024]
+    d = decide_graphs(True, "cuda", [graphs()], False, [8], [])["prefill"]
+    assert not d.graphed and d.reason == "graph.prefill_tokens=[]"
+    assert decide_graphs(True, "cuda", [graphs()], False, [8], [256])["decode"].graphed
+    d = decide_graphs(True, "cuda", [graphs(), fake(CudaGraphLevel.SINGLE_TOKEN_DECODE)()], False, [8], [256])
+    assert d["decode"].graphed and not d["prefill"].graphed and "needs ALWAYS" in d["prefill"].reason
+    assert "prefill" not in decide_graphs(True, "cuda", [graphs()], True, [8], [256])
+    extend = {name for name, cls in containers.BACKENDS.items()
+              if cls.capabilities.graph_level(ForwardMode.EXTEND) >= CudaGraphLevel.ALWAYS}
+    assert extend == {"triton_mla"}
+
+
+def test_prefill_graph_config_problems():
+    def problems(*overrides):
+        plain = containers.to_plain(compose_config("device=cuda", "graph=decode", "model.dtype=bfloat16", *overrides))
+        return "\n".join(map(str, validate(plain, {"torch_mla": fake(CudaGraphLevel.SINGLE_TOKEN_DECODE)}, GPU)))
+
+    assert problems() == ""
+    text = problems("graph.prefill_tokens=[0,512]", "graph.prefill_requests=1")
+    assert "graph.prefill_tokens" in text and "token counts >= 1" in text
+    assert "graph.prefill_requests" in text and "graph.prefill_requests=8" in text
+    assert problems("graph.prefill_tokens=[]", "graph.prefill_requests=1") == ""  # no prefill graphs: unused
 
 
 A, U, S, N = CudaGraphLevel.ALWAYS, CudaGraphLevel.UNIFORM_BATCH, CudaGraphLevel.SINGLE_TOKEN_DECODE, CudaGraphLevel.NEVER

@@ -150,3 +150,30 @@ def test_real_width_v3_checkpoint_from_make_checkpoint(backend, tmp_path):
     torch.cuda.empty_cache()
     preset = build(compose_config(*V3_REAL, *common)).engine.run()
     assert res.outputs == preset.outputs
+
+
+GRAPHED = ("graph=decode", "graph.batch_sizes=[1,2,4,8]", "graph.prefill_requests=16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_mla_graphed_prefill_and_decode_match_transformers(dtype, reference, monkeypatch):
+    """The 8 prompts (1..40 tokens) prefilled in one step replayed from the prefill graph of 256 tokens (116 rows of
+    padding), then decode replayed from its graphs: float32 gives transformers' tokens and logits (the dense-only case:
+    graphed float32 MoE is refused), bfloat16 its tokens up to bf16 resolution (the MoE, q LoRA, YaRN case)."""
+    case = GPU_CASES[2] if dtype == "float32" else BF16_CASES[0]
+    ref = reference(case)
+    import containers
+
+    built = []  # serve's runtime, to read its graph runner
+    monkeypatch.setattr(sys.modules[__name__], "build", lambda cfg: built.append(containers.build(cfg)) or built[-1])
+    tokens, first, every, discrete = serve(ref, case, "triton_mla", dtype, *GRAPHED)
+    modes = built[0].container.graph_runner().modes
+    assert modes["prefill"].replays == 1 and sorted(modes["prefill"].graphs)[0] == 256 and modes["decode"].replays > 0
+    if dtype == "float32":
+        assert tokens == ref.tokens
+        rel = ((first - ref.last_logits).norm(dim=-1) / ref.last_logits.norm(dim=-1)).max().item()
+        assert rel < 1e-4, rel
+    else:
+        p = bf16_parity(case, ref, tokens, every, "cuda")
+        assert_bf16_parity(p, routing_flip_budget(p.positions, "bfloat16", discrete))

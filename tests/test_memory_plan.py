@@ -231,3 +231,21 @@ def test_the_guard_stops_where_retracting_cannot_help():
     ev = OOMGuard(plan, SingleRank(torch.device("cpu")), reader, torch.device("cpu")).handle(
         RuntimeError("oom"), 3, batch, limits, 4)
     assert limits == {"max_running_requests": 2, "max_tokens_per_batch": 4, "chunked_prefill_size": 4} == ev.limits
+
+
+def test_the_graph_line_counts_prefill_graphs_where_the_backend_takes_them():
+    """The CUDA graph pool: the largest graphed prefill step (or the decode one) plus every prefill graph's output,
+    only for a backend whose capabilities graph EXTEND (triton_mla), never with graph.prefill_tokens=[]."""
+    def graph_line(*overrides):
+        plain = containers.to_plain(compose_config("check=off", "device=cuda", "graph=decode", "model.dtype=bfloat16",
+                                                   "model=deepseek_v3_tp8", "model.num_layers=4", *overrides))
+        plan = plan_memory(plain, containers.BACKENDS, H100, FixedMemory(80 * GiB, 70 * GiB),
+                           SingleRank(torch.device("cpu")))
+        (line,) = [ln for ln in plan.fixed if ln.name.startswith("cuda graphs")]
+        return line.nbytes, line.fix
+
+    triton, fix = graph_line("backend=triton_mla")
+    off, _ = graph_line("backend=triton_mla", "graph.prefill_tokens=[]")
+    other, _ = graph_line("backend=flashinfer_mla")
+    outputs = 2 * (256 + 512 + 1024 + 1536 + 2048 + 3072 + 4096) * 7168 * 2  # two copies of bf16 hidden states
+    assert off == other and triton >= off + outputs and "graph.prefill_tokens" in fix

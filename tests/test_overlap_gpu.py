@@ -24,8 +24,9 @@ def _run(*overrides):
     return rt, rt.engine.run()
 
 
-@pytest.mark.parametrize("preset", ["h100_dsv3_tp8", "h100_dsv3_tp8_spec"])
+@pytest.mark.parametrize("preset", ["h100_dsv3_tp8", "h100_dsv3_tp8_spec", "h100_triton_tp8"])
 def test_overlap_on_and_off_emit_identical_tokens_with_graphs(preset):
+    """h100_triton_tp8 also graphs prefill (steps of up to 7 requests), two executable graphs per count as decode."""
     extra = ["speculative.baseline=false"] if preset.endswith("spec") else []
     rt_on, on = _run(f"+deploy={preset}", "engine.overlap=on", *extra)
     rt_off, off = _run(f"+deploy={preset}", "engine.overlap=off", *extra)

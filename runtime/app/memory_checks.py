@@ -12,6 +12,7 @@ import gc
 
 import torch
 
+from backends.base import CudaGraphLevel
 from backends.kernels.comm.peer_allreduce import planned_bytes as allreduce_bytes
 from runtime.app.memory_estimate import (
     activation_bytes,
@@ -23,6 +24,7 @@ from runtime.app.memory_estimate import (
     workspace_bytes,
 )
 from runtime.app.parity import reference_config
+from runtime.core.batch import ForwardMode
 from runtime.core.device import DeviceInfo
 from runtime.core.errors import Problem
 from runtime.core.memory_plan import CPU_NUM_PAGES, GiB, MemoryPlan, MemoryReader, PlanLine, agree_pages
@@ -67,8 +69,11 @@ def plan_memory(plain: dict, backends: dict[str, type], info: DeviceInfo, reader
         plan.fixed.append(PlanLine(f"workspace: {GEMM_COUNTERS.name}", GEMM_COUNTERS.nbytes, "model.fused=off"))
     if ipc := allreduce_bytes(plain["parallel"], info.kind):  # the all-reduce's symmetric buffer (one-shot / fused)
         plan.fixed.append(PlanLine("workspace: allreduce_ipc", ipc, "parallel.ipc_buffer_bytes or parallel.allreduce=nccl"))
-    plan.fixed.append(PlanLine("cuda graphs (pool of the largest captured batches)", graph_bytes(plain, spec, not on_cpu),
-                               "graph=off, or smaller graph.batch_sizes"))
+    backend = backends.get(plain["backend"]["name"])
+    prefill = backend is not None and backend.capabilities.graph_level(ForwardMode.EXTEND) >= CudaGraphLevel.ALWAYS
+    plan.fixed.append(PlanLine("cuda graphs (pool of the largest captured batches)",
+                               graph_bytes(plain, spec, not on_cpu, prefill),
+                               "graph=off, or smaller graph.batch_sizes / graph.prefill_tokens"))
     given = mem.get("activation_bytes")
     plan.activation = "given (memory.activation_bytes)" if given is not None else "estimated"
     plan.fixed.append(PlanLine(f"activation peak of the largest step ({plan.activation})",

@@ -263,15 +263,22 @@ def activation_bytes(plain: dict, spec: ModelSpec) -> int:
     return max(prefill, decode)
 
 
-def graph_bytes(plain: dict, spec: ModelSpec, on_cuda: bool) -> int:
+def graph_bytes(plain: dict, spec: ModelSpec, on_cuda: bool, prefill: bool = False) -> int:
     """The CUDA graph memory pool: every size is captured into one pool, largest first, so it holds about one
     forward of the largest captured batch per graphed mode (decode; with speculation also draft decode, verify
-    and draft extend)."""
+    and draft extend). ``prefill``: the backend graphs prefill (``graph.prefill_tokens``, without speculation):
+    the pool holds the largest of those steps or the decode one, and every prefill graph's output (hidden states of
+    its tokens, two copies each with the overlap scheduler)."""
     g, sp = plain["graph"], plain["speculative"]
     if not (g["enabled"] and on_cuda and g["batch_sizes"]):
         return 0
     b, context = max(g["batch_sizes"]), _longest(plain, spec)
     if not sp["enabled"]:
-        return step_bytes(plain, spec, b, b, context)
+        decode = step_bytes(plain, spec, b, b, context)
+        if not (prefill and g["prefill_tokens"]):
+            return decode
+        item = torch.empty(0, dtype=spec.dtype).element_size()
+        outputs = 2 * sum(g["prefill_tokens"]) * spec.hidden_size * item
+        return max(decode, step_bytes(plain, spec, max(g["prefill_tokens"]), 0, context)) + outputs
     q = sp["num_steps"] + 1
     return step_bytes(plain, spec, b * q, b * q, context) * 2 + step_bytes(plain, spec, b, b, context)

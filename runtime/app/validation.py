@@ -120,6 +120,13 @@ def validate(
         if bad or not g["batch_sizes"]:
             add(Problem("graph.batch_sizes", str(g["batch_sizes"]), "a non-empty list of sizes >= 1",
                         "e.g. graph.batch_sizes=[1,2,4,8,16,32]"))
+        if any(t < 1 for t in g["prefill_tokens"]):
+            add(Problem("graph.prefill_tokens", str(g["prefill_tokens"]), "token counts >= 1 ([] : prefill eager)",
+                        "e.g. graph.prefill_tokens=[256,512,1024,2048,4096]"))
+        if g["prefill_tokens"] and g["prefill_requests"] < 2:
+            add(Problem("graph.prefill_requests", str(g["prefill_requests"]),
+                        ">= 2 (a graphed prefill step takes up to prefill_requests - 1 requests; one slot pads)",
+                        "graph.prefill_requests=8"))
         moe = str(cfg["model"].get("mlp")) == "deepseek" and cfg["model"].get("n_routed_experts") and \
             (cfg["model"]["first_k_dense_replace"] or 0) < cfg["model"]["num_layers"]
         if moe and str(cfg["model"]["dtype"]) != "bfloat16":

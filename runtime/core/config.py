@@ -411,8 +411,13 @@ class SpeculativeConfig:
 
 @dataclass
 class GraphConfig:
+    """``batch_sizes``: padded decode batches; ``prefill_tokens``: padded token counts of graphed prefill steps (empty:
+    prefill runs eagerly), each captured with ``prefill_requests`` request slots (one kept for the padding)."""
+
     enabled: bool = False
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+    prefill_tokens: list[int] = field(default_factory=list)
+    prefill_requests: int = 8
 
 
 @dataclass

@@ -32,7 +32,7 @@ from runtime.model.dump import AttentionDumper
 from runtime.model.mla_model import MLAModel
 
 # graph modes whose forwards run the target model (the one that dumps attention)
-TARGET_GRAPH_MODES = ("decode", "target_verify")
+TARGET_GRAPH_MODES = ("prefill", "decode", "target_verify")
 
 
 @dataclass
@@ -338,7 +338,8 @@ class Engine:
     def _forward(self, ids: torch.Tensor, batch) -> tuple[torch.Tensor, bool]:
         """A prefill or plain decode step of the target model (the MHA chunked-prefix plan for EXTEND);
         returns (hidden states, whether a graph replayed it)."""
-        return self._launch("decode", self.model.forward, self.backend, ids, batch, self.mha_prefill)
+        mode = "prefill" if batch.mode == ForwardMode.EXTEND else "decode"
+        return self._launch(mode, self.model.forward, self.backend, ids, batch, self.mha_prefill)
 
     def _launch(self, mode: str, fn, planner, ids: torch.Tensor, batch,
                 mha_prefill: MHAChunkPrefill | None = None) -> tuple[torch.Tensor, bool]:

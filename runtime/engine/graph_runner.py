@@ -26,7 +26,6 @@ the engine runs a step eagerly while the dumper still wants its mode.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +33,8 @@ import torch
 from backends.base import CudaGraphLevel, GraphHooks
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.parallel import CollectiveSample, CollectiveStats
+from runtime.engine.graph_capture import GraphDecision, capture_copies
+from runtime.engine.prefill_graphs import PrefillGraphs
 from runtime.model.dump import AttentionDumper
 
 if TYPE_CHECKING:
@@ -42,25 +43,18 @@ if TYPE_CHECKING:
 
 # name -> (forward mode of its batches, graph level every backend in use must reach)
 GRAPH_MODES: dict[str, tuple[ForwardMode, CudaGraphLevel]] = {
+    "prefill": (ForwardMode.EXTEND, CudaGraphLevel.ALWAYS),  # any tokens per request: padded token counts
     "decode": (ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
     "draft_decode": (ForwardMode.DECODE, CudaGraphLevel.SINGLE_TOKEN_DECODE),
     "target_verify": (ForwardMode.TARGET_VERIFY, CudaGraphLevel.UNIFORM_BATCH),
     "draft_extend": (ForwardMode.DRAFT_EXTEND, CudaGraphLevel.UNIFORM_BATCH),
 }
-PLAIN_MODES = ("decode",)
+PLAIN_MODES = ("prefill", "decode")  # prefill first: its larger graphs are captured first into the shared pool
 SPECULATIVE_MODES = ("draft_decode", "target_verify", "draft_extend")
 
 
-@dataclass
-class GraphDecision:
-    mode: str
-    graphed: bool
-    sizes: list[int] = field(default_factory=list)
-    reason: str = ""
-
-
 def decide_graphs(enabled: bool, device_type: str, backends_in_use: list, speculative: bool,
-                  sizes: list[int]) -> dict[str, GraphDecision]:
+                  sizes: list[int], prefill_tokens: list[int] = ()) -> dict[str, GraphDecision]:
     """One decision per mode the engine runs (``SPECULATIVE_MODES`` when speculating, else ``PLAIN_MODES``).
 
     Parameters
@@ -70,23 +64,27 @@ def decide_graphs(enabled: bool, device_type: str, backends_in_use: list, specul
     backends_in_use : every attention backend object the engine runs (levels are read from
         ``type(b).capabilities``)
     speculative : speculative.enabled
-    sizes : graph.batch_sizes
+    sizes : graph.batch_sizes (the decode modes' padded batch sizes)
+    prefill_tokens : graph.prefill_tokens (the prefill mode's padded token counts; empty: prefill is not graphed)
     """
     out = {}
     for mode in SPECULATIVE_MODES if speculative else PLAIN_MODES:
         fmode, need = GRAPH_MODES[mode]
         levels = [(type(b).__name__, type(b).capabilities.graph_level(fmode)) for b in backends_in_use]
         lowest = min(level for _, level in levels)
+        mode_sizes = prefill_tokens if fmode == ForwardMode.EXTEND else sizes
         if not enabled:
             out[mode] = GraphDecision(mode, False, reason="graph.enabled=false")
         elif device_type != "cuda":
             out[mode] = GraphDecision(mode, False, reason=f"device is {device_type}")
+        elif not mode_sizes:  # (validation refuses an empty graph.batch_sizes)
+            out[mode] = GraphDecision(mode, False, reason="graph.prefill_tokens=[]")
         elif lowest < need:
             why = ", ".join(f"{name}: {lvl.name}" for name, lvl in dict.fromkeys(levels))
             out[mode] = GraphDecision(mode, False, reason=(
                 f"{fmode.value} graph level of the backends in use is {lowest.name} ({why}); needs {need.name}"))
         else:
-            out[mode] = GraphDecision(mode, True, sizes=sorted(set(sizes)))
+            out[mode] = GraphDecision(mode, True, sizes=sorted(set(mode_sizes)))
     return out
 
 
@@ -168,21 +166,8 @@ class ModeGraphs:
             batch = self._static_batch(bs, self._padding_host(bs))
             ids = self._bufs["ids"][: bs * self.t]
             self.hooks.init_forward_metadata_capture(batch)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up (autotuning, lazy module loads) outside the capture
-                    self.fn(ids, batch)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            self.graphs[bs] = []
-            self.stats.take()  # the warm-ups' (eager) collectives
-            for _ in range(self.copies):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.fn(ids, batch)
-                pool = graph.pool()
-                self.graphs[bs].append((graph, out, batch))
-                self.collectives[bs] = self.stats.take()  # captured, untimed (each copy captures the same)
+            self.graphs[bs], self.collectives[bs], pool = capture_copies(
+                self.fn, ids, batch, self.copies, pool, self.stats, self.device)
         return pool
 
     def prepare(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
@@ -222,12 +207,13 @@ class GraphRunner:
 
     Parameters
     ----------
-    modes : list of ModeGraphs (graphed or not; an ungraphed one never captures)
+    modes : list of ModeGraphs / PrefillGraphs (graphed or not; an ungraphed one never captures)
     device : torch.device
     dumper : AttentionDumper or None (paused while capturing)
     """
 
-    def __init__(self, modes: list[ModeGraphs], device: torch.device, dumper: AttentionDumper | None = None):
+    def __init__(self, modes: list[ModeGraphs | PrefillGraphs], device: torch.device,
+                 dumper: AttentionDumper | None = None):
         self.modes = {m.decision.mode: m for m in modes}
         self.device, self.dumper = device, dumper
         self._captured = False
@@ -236,7 +222,7 @@ class GraphRunner:
     def decisions(self) -> dict[str, GraphDecision]:
         return {name: m.decision for name, m in self.modes.items()}
 
-    def get(self, mode: str) -> ModeGraphs | None:
+    def get(self, mode: str) -> ModeGraphs | PrefillGraphs | None:
         return self.modes.get(mode)
 
     def capture(self) -> None:
@@ -269,10 +255,13 @@ def copies_per_size(overlap: bool) -> int:
 
 
 def plain_mode_graphs(decisions: dict, model: MLAModel, hook: GraphHooks | None, padding_row: int,
-                      device, copies: int, stats) -> list[ModeGraphs]:
-    """Without speculation: the decode graphs of the target model."""
-    return [ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row, device,
-                       copies, stats)]
+                      device, copies: int, stats, prefill_requests: int = 8) -> list[ModeGraphs | PrefillGraphs]:
+    """Without speculation: the target model's prefill graphs (per padded token count, ``prefill_requests``
+    request slots; where decided) and its decode graphs."""
+    prefill = [PrefillGraphs(decisions["prefill"], model.forward, hook, prefill_requests, padding_row, device, copies,
+                             stats)] if "prefill" in decisions else []
+    return [*prefill, ModeGraphs(decisions["decode"], ForwardMode.DECODE, model.forward, hook, 1, 1, padding_row,
+                                 device, copies, stats)]
 
 
 def speculative_mode_graphs(decisions: dict, model: MLAModel, target_hooks: GraphHooks, draft_model: MLAModel,
