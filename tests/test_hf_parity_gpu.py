@@ -70,7 +70,8 @@ def reference(tmp_path_factory):
 
 def serve(ref, case: Case, backend: str, dtype: str, *extra: str):
     """Our tokens per prompt, float32 logits [prompts, vocab] at each prompt's last token, logits [new_tokens, vocab]
-    at every generated position of each prompt, and whether the model routes discretely (MoE or sparse layers)."""
+    at every generated position of each prompt, whether the model routes discretely (MoE or sparse layers), and the
+    runtime that served them."""
     cfg = compose_config("model=hf", f"model.path={ref.folder}", f"model.dtype={dtype}", "device=cuda",
                          f"backend={backend}", "check=off", "progress=false", "model.max_context=1024", *prompt_overrides(ref.folder, ref.prompts, case.new_tokens), *extra)
     rt = build(cfg)
@@ -79,11 +80,11 @@ def serve(ref, case: Case, backend: str, dtype: str, *extra: str):
     every = [model.logits(res.hidden[i].to(rt.device.torch_device)) for i in range(len(ref.prompts))]
     first = torch.stack([e[0] for e in every]).cpu()
     discrete = spec.has_moe or bool(spec.sparse_layers)
-    return [res.outputs[i] for i in range(len(ref.prompts))], first, every, discrete
+    return [res.outputs[i] for i in range(len(ref.prompts))], first, every, discrete, rt
 
 
 def check_bf16(case: Case, ref, backend: str, *extra: str) -> None:
-    tokens, first, every, discrete = serve(ref, case, backend, "bfloat16", *extra)
+    tokens, first, every, discrete, _ = serve(ref, case, backend, "bfloat16", *extra)
     assert torch.isfinite(first).all()
     p = bf16_parity(case, ref, tokens, every, "cuda")
     print(f"\n{case.name} on {backend} bf16: {p.summary()}")
@@ -104,7 +105,7 @@ def test_bf16_tokens_match_transformers_up_to_bf16_resolution(case, backend, ref
 @pytest.mark.parametrize("case", GPU_CASES[:2] + GPU_CASES[3:4], ids=[c.name for c in GPU_CASES[:2] + GPU_CASES[3:4]])
 def test_triton_mla_float32_matches_transformers_exactly(case, reference):
     ref = reference(case)
-    tokens, logits, _, _ = serve(ref, case, "triton_mla", "float32")
+    tokens, logits, _, _, _ = serve(ref, case, "triton_mla", "float32")
     assert tokens == ref.tokens
     rel = ((logits - ref.last_logits).norm(dim=-1) / ref.last_logits.norm(dim=-1)).max().item()
     assert rel < 1e-4, rel
@@ -113,7 +114,7 @@ def test_triton_mla_float32_matches_transformers_exactly(case, reference):
 @pytest.mark.gpu
 def test_dsa_triton_v32_matches_transformers_float32(reference):
     ref = reference(GPU_V32)
-    tokens, logits, _, _ = serve(ref, GPU_V32, "dsa", "float32", "backend.impl=triton")
+    tokens, logits, _, _, _ = serve(ref, GPU_V32, "dsa", "float32", "backend.impl=triton")
     assert tokens == ref.tokens
     rel = ((logits - ref.last_logits).norm(dim=-1) / ref.last_logits.norm(dim=-1)).max().item()
     assert rel < 1e-4, rel
@@ -157,18 +158,14 @@ GRAPHED = ("graph=decode", "graph.batch_sizes=[1,2,4,8]", "graph.prefill_request
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_triton_mla_graphed_prefill_and_decode_match_transformers(dtype, reference, monkeypatch):
+def test_triton_mla_graphed_prefill_and_decode_match_transformers(dtype, reference):
     """The 8 prompts (1..40 tokens) prefilled in one step replayed from the prefill graph of 256 tokens (116 rows of
     padding), then decode replayed from its graphs: float32 gives transformers' tokens and logits (the dense-only case:
     graphed float32 MoE is refused), bfloat16 its tokens up to bf16 resolution (the MoE, q LoRA, YaRN case)."""
     case = GPU_CASES[2] if dtype == "float32" else BF16_CASES[0]
     ref = reference(case)
-    import containers
-
-    built = []  # serve's runtime, to read its graph runner
-    monkeypatch.setattr(sys.modules[__name__], "build", lambda cfg: built.append(containers.build(cfg)) or built[-1])
-    tokens, first, every, discrete = serve(ref, case, "triton_mla", dtype, *GRAPHED)
-    modes = built[0].container.graph_runner().modes
+    tokens, first, every, discrete, rt = serve(ref, case, "triton_mla", dtype, *GRAPHED)
+    modes = rt.container.graph_runner().modes
     assert modes["prefill"].replays == 1 and sorted(modes["prefill"].graphs)[0] == 256 and modes["decode"].replays > 0
     if dtype == "float32":
         assert tokens == ref.tokens
