@@ -1,6 +1,6 @@
-"""What the graphed modes share: the decision of one mode (graphed at which padded sizes, or why not), and the
-capture of one padded size: the warm-ups outside the capture, then ``copies`` executable graphs over the same static
-inputs (replays alternate between them with the overlap scheduler). Used by the decode modes
+"""What the graphed modes share: the decision of one mode (graphed at which padded sizes, or why not), the
+capture of one padded size (the warm-ups outside the capture, then ``copies`` executable graphs over the same static
+inputs) and its replay (alternating between those copies with the overlap scheduler). Used by the decode modes
 (:class:`runtime.engine.graph_runner.ModeGraphs`) and graphed prefill (:mod:`runtime.engine.prefill_graphs`)."""
 
 from __future__ import annotations
@@ -49,3 +49,13 @@ def capture_copies(fn: Callable, ids: torch.Tensor, batch: ForwardBatch, copies:
         graphs.append((graph, out, batch))
         sample = stats.take()
     return graphs, sample, pool
+
+
+def replay_copies(copies: list[tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]], replays: int,
+                  stats: CollectiveStats, sample: CollectiveSample) -> torch.Tensor:
+    """Replay one size's executable graph number ``replays % len(copies)`` (they alternate, see
+    :func:`capture_copies`) and add the collectives it captured to the step's (``stats``); its whole output."""
+    graph, out, _ = copies[replays % len(copies)]
+    graph.replay()
+    stats.add(sample)
+    return out

@@ -33,7 +33,7 @@ import torch
 from backends.base import CudaGraphLevel, GraphHooks
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.parallel import CollectiveSample, CollectiveStats
-from runtime.engine.graph_capture import GraphDecision, capture_copies
+from runtime.engine.graph_capture import GraphDecision, capture_copies, replay_copies
 from runtime.engine.prefill_graphs import PrefillGraphs
 from runtime.model.dump import AttentionDumper
 
@@ -194,9 +194,7 @@ class ModeGraphs:
     def replay(self) -> torch.Tensor:
         """Replay the graph ``prepare`` chose; the output rows of the real (unpadded) requests."""
         bs, n = self._prepared
-        graph, out, _ = self.graphs[bs][self.replays % len(self.graphs[bs])]
-        graph.replay()
-        self.stats.add(self.collectives[bs])  # the step ran these collectives (inside the graph)
+        out = replay_copies(self.graphs[bs], self.replays, self.stats, self.collectives[bs])
         self.replays += 1
         return out[: n * self.rows]
 

@@ -28,7 +28,7 @@ import torch
 from backends.base import GraphHooks
 from runtime.core.batch import ForwardBatch, ForwardMode
 from runtime.core.parallel import CollectiveSample, CollectiveStats
-from runtime.engine.graph_capture import GraphDecision, capture_copies
+from runtime.engine.graph_capture import GraphDecision, capture_copies, replay_copies
 
 
 def padded_layout(tokens: int, slots: int, padding_row: int, req: torch.Tensor, seq: torch.Tensor,
@@ -157,8 +157,6 @@ class PrefillGraphs:
     def replay(self) -> torch.Tensor:
         """Replay the graph ``prepare`` chose; the rows of the step's tokens (the padding's are dropped)."""
         tokens, t = self._prepared
-        graph, out, _ = self.graphs[tokens][self.replays % len(self.graphs[tokens])]
-        graph.replay()
-        self.stats.add(self.collectives[tokens])
+        out = replay_copies(self.graphs[tokens], self.replays, self.stats, self.collectives[tokens])
         self.replays += 1
         return out[:t]
