@@ -69,8 +69,7 @@ def plan_memory(plain: dict, backends: dict[str, type], info: DeviceInfo, reader
         plan.fixed.append(PlanLine(f"workspace: {GEMM_COUNTERS.name}", GEMM_COUNTERS.nbytes, "model.fused=off"))
     if ipc := allreduce_bytes(plain["parallel"], info.kind):  # the all-reduce's symmetric buffer (one-shot / fused)
         plan.fixed.append(PlanLine("workspace: allreduce_ipc", ipc, "parallel.ipc_buffer_bytes or parallel.allreduce=nccl"))
-    backend = backends.get(plain["backend"]["name"])
-    prefill = backend is not None and backend.capabilities.graph_level(ForwardMode.EXTEND) >= CudaGraphLevel.ALWAYS
+    prefill = backends[plain["backend"]["name"]].capabilities.graph_level(ForwardMode.EXTEND) >= CudaGraphLevel.ALWAYS
     plan.fixed.append(PlanLine("cuda graphs (pool of the largest captured batches)",
                                graph_bytes(plain, spec, not on_cpu, prefill),
                                "graph=off, or smaller graph.batch_sizes / graph.prefill_tokens"))
