@@ -331,6 +331,10 @@ class ModelConfig:
     # weights); auto: stored for a checkpoint, bf16 for a preset
     weights: WeightFormat = WeightFormat.auto
     fp8_compute: Fp8Compute = Fp8Compute.w8a8  # stored fp8 above 16 rows: e4m3 activations (w8a8) or 16-bit
+    # one shared expert as wide as a routed one (DeepSeek-V2 / V3 without expert parallelism): stacked after the
+    # routed experts, so the fused ops' block-fp8 grouped GEMMs compute it as one more group at 33-128 tokens (no
+    # products of its own); false: its own products (a few-row step takes it in the experts' kernels either way)
+    shared_expert_fusion: bool = True
     v4: DSV4ModelConfig | None = None  # DeepSeek-V4 (model_type deepseek_v4): its own attention, mHC and MoE
     fused: FusedMode = FusedMode.auto  # decoder ops: fused Triton kernels (auto: where the device supports them)
     # with fused ops: products of at most this many rows (decode at small batch) take the few-row Triton kernels

@@ -81,6 +81,7 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = ()
     weights: str = "auto"  # model.weights (runtime.core.config.WeightFormat)
+    shared_expert_fusion: bool = True  # model.shared_expert_fusion (the shared expert stacked after the routed)
     tp_size: int = 1  # tensor-parallel ranks: num_heads is this rank's share of the model's heads
 
     @classmethod
@@ -140,6 +141,7 @@ class ModelSpec:
             tie_word_embeddings=bool(m["tie_word_embeddings"]),
             eos_token_id=tuple(m["eos_token_id"]),
             weights=WeightFormat(m.get("weights", "auto")).value,
+            shared_expert_fusion=bool(m.get("shared_expert_fusion", True)),
         )
 
     def draft(self, num_layers: int) -> ModelSpec:

@@ -294,11 +294,12 @@ def _v4_route_kernel(LOGITS, BIAS, TID2EID, INPUT_IDS, W_OUT, ID_OUT, stride_l, 
 
 
 @triton.jit
-def _moe_dispatch_kernel(IDS, TOKENS, INV, OFFS, N, E, K: tl.constexpr,
+def _moe_dispatch_kernel(IDS, TOKENS, INV, OFFS, N, E, SHARED_ROWS, K: tl.constexpr,
                          BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_E: tl.constexpr):
     """A stable counting sort of the N = T*K (token, slot) pairs by expert id: pair i goes to position
     #{j: id_j < id_i} + #{j < i: id_j == id_i}; INV[i] = that position, TOKENS[position] = i // K; program 0
-    also writes OFFS[e] = #{j: id_j <= e} (int32), the inclusive row offsets the grouped GEMM takes."""
+    also writes OFFS[e] = #{j: id_j <= e} (int32), the inclusive row offsets the grouped GEMM takes, and the
+    shared expert's group (:func:`_shared_rows`)."""
     pid = tl.program_id(0)
     i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
     mi = i < N
@@ -321,6 +322,19 @@ def _moe_dispatch_kernel(IDS, TOKENS, INV, OFFS, N, E, K: tl.constexpr,
             idj = tl.load(IDS + j, mask=mj, other=0)
             cnt += tl.sum(((idj[:, None] <= ex[None, :]) & mj[:, None]).to(tl.int32), axis=0)
         tl.store(OFFS + ex, cnt, mask=ex < E)
+        _shared_rows(TOKENS, OFFS, N, E, SHARED_ROWS, BLOCK_J)
+
+
+@triton.jit
+def _shared_rows(TOKENS, OFFS, N, E, SHARED_ROWS, BLOCK: tl.constexpr):
+    """The shared expert as group E past the N sorted pairs (every expert id < E): its SHARED_ROWS rows are the
+    tokens in order (TOKENS[N + t] = t) and OFFS[E] = N + SHARED_ROWS. Nothing when SHARED_ROWS is 0."""
+    for t0 in range(0, SHARED_ROWS, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        tl.store(TOKENS + N + t, t.to(tl.int64), mask=t < SHARED_ROWS)
+    if SHARED_ROWS > 0:  # (a vector of one: N and SHARED_ROWS may be compiled as the constant 1)
+        one = tl.arange(0, 1)
+        tl.store(OFFS + E + one, (N + SHARED_ROWS + one * 0).to(tl.int32))
 
 
 @triton.jit
@@ -334,9 +348,11 @@ def _moe_block_count_kernel(IDS, CNT, N, BLOCK: tl.constexpr, BLOCK_E: tl.conste
 
 
 @triton.jit
-def _moe_block_scan_kernel(CNT, OFFS, NB, E, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
+def _moe_block_scan_kernel(CNT, OFFS, TOKENS, N, NB, E, SHARED_ROWS, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program, in place: CNT[b, e] <- the first sorted row of block b's pairs of expert e = the rows of
-    experts < e + the pairs of expert e in blocks < b; OFFS[e] = #{pairs: id <= e} (int32, inclusive)."""
+    experts < e + the pairs of expert e in blocks < b; OFFS[e] = #{pairs: id <= e} (int32, inclusive); the
+    shared expert's group (:func:`_shared_rows`)."""
+    _shared_rows(TOKENS, OFFS, N, E, SHARED_ROWS, 256)
     ex = tl.arange(0, BLOCK_E)
     run = tl.zeros([BLOCK_E], dtype=tl.int32)
     for b0 in range(0, NB, BLOCK_B):  # exclusive prefix over blocks, per expert

@@ -263,29 +263,32 @@ SORT_DISPATCH_FROM = 4096
 DISPATCH_BLOCK = 256
 
 
-def moe_dispatch(ids: torch.Tensor, num_experts: int, sort_from: int = SORT_DISPATCH_FROM
+def moe_dispatch(ids: torch.Tensor, num_experts: int, sort_from: int = SORT_DISPATCH_FROM, shared: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the (token, slot) pairs by expert, stably: ids [T, k] int64 in [0, num_experts) ->
     (tokens [T*k] int64: the token of each sorted position, inv [T*k] int64: each pair's sorted position,
     offsets [E] int32: inclusive cumulative rows per expert). Below ``sort_from`` pairs one counting-sort launch,
     from it the block counting sort (three launches); no host sync either way, the same three tensors as a
-    stable argsort of the ids."""
+    stable argsort of the ids. ``shared``: one more group, E, of every token in order after the pairs (the
+    shared expert stacked after the routed ones): tokens [T*k + T], offsets [E + 1]."""
     t, top_k = ids.shape
     n = t * top_k
+    extra = t if shared else 0
     require(ids.is_contiguous(), lambda: f"contiguous ids [T, k]; got strides {ids.stride()}")
-    tokens = torch.empty(n, dtype=torch.int64, device=ids.device)
+    tokens = torch.empty(n + extra, dtype=torch.int64, device=ids.device)
     inv = torch.empty(n, dtype=torch.int64, device=ids.device)
-    offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
+    offs = torch.empty(num_experts + shared, dtype=torch.int32, device=ids.device)
     if n >= sort_from:
         nb, block_e = triton.cdiv(n, DISPATCH_BLOCK), _pow2(num_experts + 1)  # a spare bin past the experts
         starts = torch.empty(nb, block_e, dtype=torch.int32, device=ids.device)
         k._moe_block_count_kernel[(nb,)](ids, starts, n, BLOCK=DISPATCH_BLOCK, BLOCK_E=block_e, num_warps=4)
-        k._moe_block_scan_kernel[(1,)](starts, offs, nb, num_experts, BLOCK_B=16, BLOCK_E=block_e, num_warps=8)
+        k._moe_block_scan_kernel[(1,)](starts, offs, tokens, n, nb, num_experts, extra, BLOCK_B=16, BLOCK_E=block_e,
+                                       num_warps=8)
         k._moe_block_scatter_kernel[(nb,)](ids, starts, tokens, inv, n, K=top_k, BLOCK=DISPATCH_BLOCK,
                                            BLOCK_E=block_e, BLOCK_J=32, num_warps=4)
         return tokens, inv, offs
     block_i = 64 if n <= 1024 else 128
-    k._moe_dispatch_kernel[(max(1, triton.cdiv(n, block_i)),)](ids, tokens, inv, offs, n, num_experts, K=top_k,
+    k._moe_dispatch_kernel[(max(1, triton.cdiv(n, block_i)),)](ids, tokens, inv, offs, n, num_experts, extra, K=top_k,
                                                                 BLOCK_I=block_i, BLOCK_J=64,
                                                                 BLOCK_E=_pow2(num_experts), num_warps=4)
     return tokens, inv, offs

@@ -43,8 +43,9 @@ from runtime.model.deepseek.weights import (
     DecoderLayerWeights,
     DenseMLPWeights,
     ModelWeights,
-    MoEWeights,
+    moe_weights,
     split_kv_b,
+    stacks_shared,
 )
 from runtime.model.indexer import IndexerWeights
 from runtime.model.quantized import (
@@ -381,8 +382,9 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
                 x, part = name.split(".mlp.experts.")[1].split(".")[:2]
                 key = f"{layer}.gate_up" if part in ("gate_proj", "up_proj") else f"{layer}.down"
                 im = local_shape(expected[name], cuts[name])[0 if part != "down_proj" else 1]
-                if key not in stacks:
-                    shape = (len(mine), 2 * im, d) if key.endswith("gate_up") else (len(mine), d, im)
+                if key not in stacks:  # with the shared expert's slot last where it is stored as they are
+                    slots = len(mine) + (stacks_shared(spec, shard) and _shared_as(r, layer, name))
+                    shape = (slots, 2 * im, d) if key.endswith("gate_up") else (slots, d, im)
                     stacks[key] = BlockFP8.empty(shape, device) if r.kept(name) else \
                         torch.empty(shape, dtype=spec.dtype, device=device)
                 rows = {"gate_proj": slice(0, im), "up_proj": slice(im, 2 * im), "down_proj": slice(None)}[part]
@@ -396,7 +398,7 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
         if f"{p}.gate_up_proj" in got:
             stacks[f"model.layers.{i}.gate_up"] = got.pop(f"{p}.gate_up_proj")
             stacks[f"model.layers.{i}.down"] = got.pop(f"{p}.down_proj")
-    weights = _assemble(spec, got, stacks, mine.start, shard.part(spec.vocab_size).start)
+    weights = _assemble(spec, got, stacks, mine, shard.part(spec.vocab_size).start)
     weights.load_seconds = time.perf_counter() - start
     weights.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights.source = str(spec.path)
@@ -404,7 +406,14 @@ def load_checkpoint(spec: ModelSpec, device: torch.device, shard: Sharding = ONE
     return weights
 
 
-def _assemble(spec: ModelSpec, g: dict[str, Weight], stacks: dict[str, Weight], first_expert: int,
+def _shared_as(r: _Reader, layer: str, routed: str) -> bool:
+    """Whether the shared expert of ``layer`` is read in the storage of its routed expert ``routed`` (both kept
+    as stored, or both in the model dtype), so it can take the experts' stack's last slot."""
+    names = [f"{layer}.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+    return all(n in r.index and r.kept(n) == r.kept(routed) for n in names)
+
+
+def _assemble(spec: ModelSpec, g: dict[str, Weight], stacks: dict[str, Weight], mine: range,
               vocab_start: int) -> ModelWeights:
     s = spec
     layers = []
@@ -428,11 +437,11 @@ def _assemble(spec: ModelSpec, g: dict[str, Weight], stacks: dict[str, Weight], 
             layer.mlp_norm, layer.mlp = g[f"{p}.post_attention_layernorm.weight"], _dense(g, f"{p}.mlp")
         elif mkind == MLPLayer.moe:
             layer.mlp_norm = g[f"{p}.post_attention_layernorm.weight"]
-            layer.mlp = MoEWeights(
+            layer.mlp = moe_weights(
                 gate=g[f"{p}.mlp.gate.weight"], bias=g.get(f"{p}.mlp.gate.e_score_correction_bias"),
                 gate_up=stacks[f"{p}.gate_up"], down=stacks[f"{p}.down"],
                 shared=_dense(g, f"{p}.mlp.shared_experts") if s.n_shared_experts else None,
-                first_expert=first_expert)
+                n_local=len(mine), first_expert=mine.start)
         layers.append(layer)
     embed = g["model.embed_tokens.weight"]
     lm_head = embed if s.tie_word_embeddings else g["lm_head.weight"]

@@ -16,7 +16,8 @@
   Block-fp8 weights (``model.weights=stored`` / ``fp8``) take the block-fp8 kernels:
   :mod:`backends.kernels.gemm.fp8_gemm` for the linear layers (few rows: fp8 widened in registers; many rows: W8A8 with
   1 x 128 activation scales) and :mod:`backends.kernels.gemm.fp8_moe` for the experts (few tokens: two kernels as above;
-  many: a grouped fp8 GEMM). V4's mHC around each block (:mod:`backends.kernels.dsv4.hc_mix`): everything after the
+  many: a grouped fp8 GEMM; at 33-128 tokens the shared expert stacked after the routed ones, ``MoEWeights.stacked``,
+  is one more group of it). V4's mHC around each block (:mod:`backends.kernels.dsv4.hc_mix`): everything after the
   mixing linear in one kernel (sigmoids, softmax, Sinkhorn rounds, the collapse), the expansion in another.
   With ``model.pdl`` (default on) the fused kernels launch with programmatic dependent launch
   on Hopper and newer GPUs (:mod:`backends.kernels.pdl`): each one starts while the kernel before it ends.
@@ -207,6 +208,15 @@ class TorchOps:
         return hc_post(post, comb, block_out, streams)
 
 
+#: the most rows (tokens) whose MoE takes the stacked shared expert as one more group of the block-fp8 grouped
+#: GEMMs (from ``fp8_gemm.SPLIT_ROWS + 1``). On an H200, 16 layers of ``h100_triton_tp8`` fp8 (``python -m
+#: bench.decode_roofline ... --weights fp8`` with and without ``model.shared_expert_fusion``): the decode step's
+#: period 6415.6 -> 6217.8 µs at 64 and 7462.6 -> 7239.7 at 128, but 5229.8 -> 5360.9 at 32 (against the split
+#: kernel), and prefill slower (``bench.prefill_bench``: 4 x 1024 36.07 -> 36.56 ms, 8 x 1000 64.49 -> 66.76: the
+#: grouped W8A8 GEMM is behind FlashInfer's / cuBLAS's dense GEMMs at many rows)
+SHARED_FUSION_MAX_ROWS = 128
+
+
 class FusedOps:
     """The same ops as fused Triton kernels (CUDA); see the module docstring for the cases that stay torch."""
 
@@ -349,15 +359,24 @@ class FusedOps:
         if few:  # every (token, slot) pair streams its expert once; other ranks' experts (id n_local) add 0
             return self.s.moe_experts(x, local.contiguous(), weights.contiguous(), w.gate_up, w.down,
                                       *(shared or (None, None)), pdl=self.pdl, others=mine is not None)
-        tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None))
-        offsets = offsets[:n_local]
+        # block-fp8 experts at decode batches above the split kernel's rows (where the shared expert's own
+        # products take the library's GEMM), no other ranks' pairs: the stacked shared expert is one more group
+        fuse = stored and mine is None and self.f8.SPLIT_ROWS < x.shape[0] <= SHARED_FUSION_MAX_ROWS
+        stack = w.stacked if fuse else None
+        tokens, inv, offsets = self.k.moe_dispatch(local.contiguous(), n_local + (mine is not None),
+                                                   shared=stack is not None)
+        offsets = offsets[:n_local + (stack is not None)]
+        gate_up, down = stack or (w.gate_up, w.down)
         if stored:  # the grouped rows read from x through tokens (no gathered copy)
-            y = self.f8moe.fp8_grouped_expert_mlp(x, w.gate_up.weight, w.gate_up.scale, w.down.weight,
-                                                  w.down.scale, offsets, self.silu_mul, w8a8=self.w8a8,
-                                                  tokens=tokens)
+            y = self.f8moe.fp8_grouped_expert_mlp(x, gate_up.weight, gate_up.scale, down.weight, down.scale,
+                                                  offsets, self.silu_mul, w8a8=self.w8a8, tokens=tokens,
+                                                  shared_last=stack is not None)
         else:
-            y = grouped_expert_mlp(x[tokens], w.gate_up, w.down, offsets, self.silu_mul)
-        shared = self.dense_mlp(w.shared, x) if w.shared is not None else None
+            y = grouped_expert_mlp(x[tokens], gate_up, down, offsets, self.silu_mul)
+        if stack is not None:
+            shared = y[inv.shape[0]:]
+        else:
+            shared = self.dense_mlp(w.shared, x) if w.shared is not None else None
         # rows past the last offset (other ranks' experts) are not computed: the combine reads them as zeros
         return self.k.moe_combine(y, inv, weights, shared, x.dtype, offsets[-1:] if mine is not None else None)
 

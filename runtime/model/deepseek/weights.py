@@ -34,7 +34,8 @@ from runtime.model.quantized import BlockFP8, bytes_by_dtype, cat_rows
 
 
 def _named(obj, prefix: str = ""):
-    """(field path, tensor or BlockFP8) of every weight of a weights dataclass, nested ones included."""
+    """(field path, tensor or BlockFP8) of every weight of a weights dataclass, nested ones included. Tuples are
+    not walked: they hold other views of the same storage (:attr:`MoEWeights.stacked`), counted once here."""
     for k, v in vars(obj).items():
         if isinstance(v, (torch.Tensor, BlockFP8)):
             yield prefix + k, v
@@ -127,6 +128,10 @@ class MoEWeights:
     down: torch.Tensor  # [E, D, I_moe]
     shared: DenseMLPWeights | None  # intermediate I_moe * n_shared_experts
     first_expert: int = 0  # global id of gate_up[0] (expert parallelism: this rank's first expert)
+    # (gate_up [E + 1, 2 I, D], down [E + 1, D, I]): the routed experts and the shared expert in one stack, the
+    # shared one last (model.shared_expert_fusion); gate_up / down / shared above are views of it. The fused ops'
+    # grouped GEMMs take the shared expert as one more group; None: it has products of its own
+    stacked: tuple | None = None
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -192,6 +197,31 @@ class ModelWeights:
                 seen.add(id(v))
                 out[group] = out.get(group, 0) + v.numel() * v.element_size()
         return out
+
+
+def stacks_shared(spec: ModelSpec, shard: Sharding) -> bool:
+    """Whether a MoE layer's expert stacks take the shared expert as one more slot (``model.shared_expert_fusion``):
+    one shared expert, as wide as a routed one on this rank (not under expert parallelism, where a rank holds whole
+    routed experts and a slice of the shared one)."""
+    return spec.shared_expert_fusion and spec.n_shared_experts == 1 and not shard.expert_parallel
+
+
+def moe_weights(gate, bias, gate_up, down, shared: DenseMLPWeights | None, n_local: int,
+                first_expert: int) -> MoEWeights:
+    """The MoE layer over expert stacks of ``n_local`` routed experts, or of ``n_local + 1`` slots
+    (:func:`stacks_shared`), whose last slot receives the shared expert (copied in; ``shared`` then views it)."""
+    if gate_up.shape[0] == n_local:
+        return MoEWeights(gate, bias, gate_up, down, shared, first_expert)
+    if (shared is None or gate_up.shape[0] != n_local + 1 or type(shared.gate_up) is not type(gate_up)
+            or tuple(shared.gate_up.shape) != tuple(gate_up.shape[1:])
+            or tuple(shared.down.shape) != tuple(down.shape[1:]) or shared.gate_up.dtype != gate_up.dtype):
+        raise ValueError(f"the shared expert's slot: got stacks of {gate_up.shape[0]} experts for {n_local} routed "
+                         f"ones and a shared expert {None if shared is None else tuple(shared.gate_up.shape)}; "
+                         f"expected one shared expert of the routed experts' shape and storage "
+                         f"{tuple(gate_up.shape[1:])}. Fix: model.shared_expert_fusion=false")
+    gate_up[n_local], down[n_local] = shared.gate_up, shared.down
+    return MoEWeights(gate, bias, gate_up[:n_local], down[:n_local],
+                      DenseMLPWeights(gate_up[n_local], down[n_local]), first_expert, stacked=(gate_up, down))
 
 
 def split_kv_b(kv_b: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,12 +306,13 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
             e, im = s.n_routed_experts, s.moe_intermediate_size
             mine = experts_of(s.n_routed_experts, shard)
             im_local = im if shard.expert_parallel else len(range(im)[shard.part(im)])
+            slots = len(mine) + stacks_shared(s, shard)  # the shared expert's slot last
             if fp8:
-                gate_ups = BlockFP8.empty((len(mine), 2 * im_local, d), device)
-                downs = BlockFP8.empty((len(mine), d, im_local), device)
+                gate_ups = BlockFP8.empty((slots, 2 * im_local, d), device)
+                downs = BlockFP8.empty((slots, d, im_local), device)
             else:
-                gate_ups = torch.empty(len(mine), 2 * im_local, d, dtype=s.dtype, device=device)
-                downs = torch.empty(len(mine), d, im_local, dtype=s.dtype, device=device)
+                gate_ups = torch.empty(slots, 2 * im_local, d, dtype=s.dtype, device=device)
+                downs = torch.empty(slots, d, im_local, dtype=s.dtype, device=device)
             for x in range(e):  # one expert at a time: no float32 copy of all experts
                 ex = f"{p}.mlp.experts.{x}"
                 gu = gate_up(im, ex)
@@ -289,12 +320,12 @@ def random_weights(spec: ModelSpec, device: torch.device, shard: Sharding = ONE_
                 if x in mine:
                     gate_ups[x - mine.start], downs[x - mine.start] = gu, down
             layer.mlp_norm = ones(d)
-            layer.mlp = MoEWeights(
+            layer.mlp = moe_weights(
                 gate=w(e, d, fan_in=d, dtype=torch.bfloat16).to(router_dtype(RELEASE_ROUTER, s.dtype)),
                 bias=w(e, fan_in=1e4, dtype=torch.float32) if s.scoring_func == "sigmoid" else None,
                 gate_up=gate_ups, down=downs,
                 shared=mlp(im * s.n_shared_experts, f"{p}.mlp.shared_experts") if s.n_shared_experts else None,
-                first_expert=mine.start)
+                n_local=len(mine), first_expert=mine.start)
         layers.append(layer)
     final_norm = ones(d)
     lm_head = embed if s.tie_word_embeddings else w(s.vocab_size, d, fan_in=d, name="lm_head.weight")
