@@ -177,24 +177,36 @@ def short_name(name: str, width: int = 70) -> str:
 
 
 def kernel_breakdown(events, lo: float, hi: float, steps: int, layers: int, top: int = 40) -> list[dict]:
-    """Kernels that start in [lo, hi), grouped by (short) name: launches per step and per layer, us per
-    step, share of the summed kernel time; the ``top`` by time, then one row for the rest."""
+    """Kernels that start in [lo, hi), grouped by (short) name: launches per step and per layer, µs per step from
+    start to end (``us_per_step``: a PDL launch starts while the kernel ahead of it runs and waits for it, so its
+    span counts that wait) and the time it alone adds (``own_us_per_step``: from the later of its start and the end
+    of every GPU activity that started before it, to its end; the own times sum to the union of GPU activity),
+    ``share`` of the summed own time; the ``top`` by own time, then one row for the rest."""
     acc: dict[str, list[float]] = {}
-    for s, e, c, name in events:
+    covered = float("-inf")
+    for s, e, c, name in events:  # sorted by start
         if c == "kernel" and lo <= s < hi:
-            a = acc.setdefault(short_name(name), [0, 0.0])
+            a = acc.setdefault(short_name(name), [0, 0.0, 0.0])
             a[0] += 1
             a[1] += e - s
-    total = sum(t for _, t in acc.values()) or 1.0
+            a[2] += max(0.0, min(e, hi) - max(s, covered))
+        covered = max(covered, e)
+    total = sum(own for _, _, own in acc.values()) or 1.0
     rows = [{"kernel": k, "per_step": n / steps, "per_layer": n / steps / layers, "us_per_step": t / steps,
-             "share": t / total} for k, (n, t) in sorted(acc.items(), key=lambda kv: -kv[1][1])]
+             "own_us_per_step": own / steps, "share": own / total}
+            for k, (n, t, own) in sorted(acc.items(), key=lambda kv: -kv[1][2])]
     if len(rows) > top:
         rest = rows[top:]
-        rows = rows[:top] + [{"kernel": f"({len(rest)} others)", "per_step": sum(r["per_step"] for r in rest),
-                              "per_layer": sum(r["per_layer"] for r in rest),
-                              "us_per_step": sum(r["us_per_step"] for r in rest),
-                              "share": sum(r["share"] for r in rest)}]
+        rows = rows[:top] + [{"kernel": f"({len(rest)} others)",
+                              **{key: sum(r[key] for r in rest) for key in ("per_step", "per_layer", "us_per_step",
+                                                                            "own_us_per_step", "share")}}]
     return rows
+
+
+#: kernel_breakdown's columns and their formats in the benches' tables
+BREAKDOWN_COLUMNS = ["kernel", "per_step", "per_layer", "us_per_step", "own_us_per_step", "share"]
+BREAKDOWN_FORMATS = {"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "own_us_per_step": ".1f",
+                     "share": ".3f"}
 
 
 def union_us(iv: list[tuple[float, float, str]], lo: float, hi: float) -> float:
@@ -329,8 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     tables = [Table(b, f"kernels of the decode window: weights={r['weights']} fused={r['fused']} "
                        f"gemv_rows={r['gemv_rows']} pdl={r['pdl']} "
                        f"overlap={r['overlap']} bs={r['bs']}, "
-                       f"{layers} layers", ["kernel", "per_step", "per_layer", "us_per_step", "share"],
-                    {"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"}, name="kernels")
+                       f"{layers} layers", BREAKDOWN_COLUMNS, BREAKDOWN_FORMATS, name="kernels")
               for r, b in zip(rows, breakdowns)]
     report("decode_roofline", ceilings, tables + [Table(rows, title, cols, fmt, name="roofline")],
            meta={"preset": args.preset, "set": args.set, "layers": layers, "prompt": args.prompt,

@@ -55,7 +55,14 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import runtime.core.config  # noqa: E402, F401  (registers the schemas)
-from bench.decode_roofline import gpu_events, kernel_breakdown, overrides, union_us  # noqa: E402
+from bench.decode_roofline import (  # noqa: E402
+    BREAKDOWN_COLUMNS,
+    BREAKDOWN_FORMATS,
+    gpu_events,
+    kernel_breakdown,
+    overrides,
+    union_us,
+)
 from bench.engine_config import compose_config  # noqa: E402
 from bench.harness import Table, measure_ceilings, report  # noqa: E402
 from bench.host_step import profile_top  # noqa: E402
@@ -179,9 +186,7 @@ def run_shape(args, batch: int, prompt: int, graphs: str) -> tuple[list[dict], l
                 tables.append(Table(kernel_breakdown(ev, lo, hi, 1, args.layers, top=args.top),
                                     f"kernels of the prefill: {batch}x{prompt}, graphs {graphs}, {name}, "
                                     f"{args.layers} layers",
-                                    ["kernel", "per_step", "per_layer", "us_per_step", "share"],
-                                    {"per_step": ".0f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".3f"},
-                                    name="kernels"))
+                                    BREAKDOWN_COLUMNS, {**BREAKDOWN_FORMATS, "per_step": ".0f"}, name="kernels"))
             if args.host and name == args.variants[0] and graphs == args.graphs[0]:
                 host_profile(rt, args.host, f"{batch}x{prompt}, {name}")
         rows.append(row)

@@ -318,7 +318,8 @@ def table(files: list[str]) -> int:
             for k in x.get("profile", {}).get("top", [])]
     if tops:
         tables.append(Table(tops, title="costliest kernels per decode step (--profile)", name="kernels",
-                            formats={"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f", "share": ".1%"}))
+                            formats={"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f",
+                                     "own_us_per_step": ".1f", "share": ".1%"}))
     if sweeps:
         tables.append(Table(sweeps, title="all_reduce sweep (bf16, same process group as the run)", name="sweep",
                             formats={"us": ".1f", "busbw_gbs": ".1f"}))

@@ -207,6 +207,24 @@ def test_decode_roofline_gaps_split_graph_bubbles_from_host_waits():
     assert [g for g in gaps if g < BUBBLE_US] == [1]  # a bubble; 18 and 10 count as waits for the host
 
 
+def test_kernel_breakdown_charges_a_pdl_wait_to_the_kernel_waited_for():
+    """A kernel launched with PDL starts inside the one before it and waits: its span counts the wait, its own
+    time starts where everything before it ended (a copy's time too); the own times of the kernels and the copy
+    add up to the union of GPU activity; kernels that start outside the window are not listed."""
+    from bench.decode_roofline import kernel_breakdown, union_us
+
+    ev = [(-4, 1, "kernel", "before"), (0, 10, "kernel", "a"), (5, 20, "kernel", "b(int)"), (20, 22, "kernel", "c"),
+          (21, 25, "gpu_memcpy", "copy"), (24, 30, "kernel", "b(int)"), (31, 40, "kernel", "late")]
+    rows = {r["kernel"]: r for r in kernel_breakdown(ev, 0, 30, steps=2, layers=1)}
+    assert set(rows) == {"a", "b", "c"}
+    assert rows["b"]["per_step"] == 1 and rows["b"]["us_per_step"] == (15 + 6) / 2
+    assert rows["b"]["own_us_per_step"] == (10 + 5) / 2 and rows["a"]["own_us_per_step"] == (10 - 1) / 2
+    own = sum(r["own_us_per_step"] for r in rows.values()) * 2 + (25 - 22)  # the copy's own time
+    assert own == union_us([(s, e, c) for s, e, c, _ in ev], 1, 30)
+    assert abs(sum(r["share"] for r in rows.values()) - 1) < 1e-12
+    assert list(rows) == ["b", "a", "c"]  # by own time
+
+
 def test_mla_decode_grid_variant_knobs_and_a_bad_one():
     from bench.mla_decode_grid import variant_kwargs
 
