@@ -1,9 +1,10 @@
 """``model.shared_expert_fusion``: the shared expert stacked after the routed experts (one storage, views), so the
-fused ops' grouped GEMMs take it as one more group above the few-row path instead of products of its own.
+fused ops' block-fp8 grouped GEMMs take it as one more group at 33-128 tokens instead of products of its own.
 
 On the CPU the kernels run in Triton's interpreter at tiny sizes: the dispatch's extra group, the fused MoE over
-the stack against the same weights unstacked (bf16 grouped GEMM emulated; block-fp8 W8A8 and W8A16), and the
-layout of the presets and of a loaded checkpoint (same values as unstacked, bytes counted once).
+the stack against the same weights unstacked (block-fp8 W8A8; 16-bit experts, their grouped GEMM emulated, keep
+the shared expert's products), which row counts take it, and the layout of the presets and of a loaded checkpoint
+(same values as unstacked, bytes counted once).
 """
 
 from __future__ import annotations
