@@ -347,20 +347,6 @@ def test_grouped_tile_lookup_covers_every_row():
     assert rel_err(out, ref) <= 1e-6
 
 
-@pytest.mark.parametrize("counts", [[0, 1, 33, 64, 2], [3, 0, 5, 0], [0, 0, 17], [4, 9, 0]])
-def test_grouped_last_expert_first_gives_the_same_bits(counts):
-    """``last_first`` (the shared expert's tiles started first) moves tiles between programs, not their values:
-    the same output bits, with the last expert holding rows, every row, or none."""
-    torch.manual_seed(len(counts))
-    counts = torch.tensor(counts, device=DEV)
-    offsets = counts.cumsum(0).to(torch.int32)
-    w, ws = _quantize(torch.randn(len(counts), 64, 128, device=DEV))
-    q, s = fp8_moe.quantize_rows_fp8(torch.randn(int(counts.sum()), 128, device=DEV))
-    cfg = fp8_moe.GroupedConfig(16, 32, 3)
-    outs = [fp8_moe.fp8_grouped_gemm(q, s, w, ws, offsets, torch.float32, cfg, last_first=f) for f in (False, True)]
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_grouped_refuses_what_it_cannot_take():
     routed, _ = make_experts(2, 64, 128, 0, DEV)
     xs, offs = torch.randn(4, 64, device=DEV).half(), torch.tensor([1, 4], dtype=torch.int32)

@@ -287,7 +287,7 @@ def grouped_block_m(rows: int, n_experts: int) -> int:
 
 def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
                      offsets: torch.Tensor, out_dtype: torch.dtype, config: GroupedConfig | None = None,
-                     rows: torch.Tensor | None = None, last_first: bool = False) -> torch.Tensor:
+                     rows: torch.Tensor | None = None) -> torch.Tensor:
     """Per expert e, out[rows of e] = (a * a_scale)[rows of e] @ (w[e] * w_scale[e]).T, float32 accumulation,
     rounded to ``out_dtype``: W8A8 (fp8 ``a`` with its scales), or W8A16 (16-bit ``a``, ``a_scale`` None).
 
@@ -308,9 +308,6 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
     rows : torch.Tensor, optional
         [R] int64, the token (row of ``a``) of each grouped row (``moe_dispatch``'s tokens): the kernel gathers
         them, so the grouped rows need no copy.
-    last_first : bool
-        The last expert's tiles start first (the shared expert stacked after the routed ones: its tiles would
-        otherwise be the grid's last and finish it alone).
 
     Returns
     -------
@@ -363,7 +360,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Ten
         n, kd, a.stride(0),
         scales.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
         E_P2=triton.next_power_of_2(n_experts), BLOCK_M=bm, BLOCK_N=c.block_n, GROUP_M=c.group_m, A_FP8=a_fp8,
-        GATHER=rows is not None, TMA=tma, LAST_FIRST=last_first, num_warps=c.num_warps, num_stages=c.num_stages)
+        GATHER=rows is not None, TMA=tma, num_warps=c.num_warps, num_stages=c.num_stages)
     return out
 
 
@@ -371,7 +368,7 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
                            down: torch.Tensor, down_scale: torch.Tensor, offsets: torch.Tensor,
                            act: Callable[[torch.Tensor], torch.Tensor],
                            config: GroupedConfig | None = None, w8a8: bool = True,
-                           tokens: torch.Tensor | None = None, shared_last: bool = False) -> torch.Tensor:
+                           tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Every expert's gated MLP over its rows of ``xs`` from fp8 block-scaled weights: the contract of
     ``runtime.model.deepseek.moe.grouped_expert_mlp`` (prefill / many tokens), or with ``tokens`` over
     ``xs[tokens]`` without that copy: the gate_up GEMM reads each grouped row from its token's row, and W8A8
@@ -402,9 +399,6 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
         True: activations quantized to e4m3 per token and 128 inputs (DeepSeek's inference code); False: W8A16.
     tokens : torch.Tensor, optional
         [rows] int64, the token of each grouped row (``moe_dispatch``'s tokens), each in ``0 .. T - 1``.
-    shared_last : bool
-        The last expert is the shared one stacked after the routed experts: both GEMMs start its tiles first
-        (:func:`fp8_grouped_gemm`'s ``last_first``).
 
     Returns
     -------
@@ -422,9 +416,9 @@ def fp8_grouped_expert_mlp(xs: torch.Tensor, gate_up: torch.Tensor, gate_up_scal
         q, s = quantize_rows_fp8(xs, limit=None if tokens is not None else last)
     else:
         q, s = xs, None
-    h = fp8_grouped_gemm(q, s, gate_up, gate_up_scale, offsets, xs.dtype, config, rows=tokens, last_first=shared_last)
+    h = fp8_grouped_gemm(q, s, gate_up, gate_up_scale, offsets, xs.dtype, config, rows=tokens)
     a = act(h)
     require(a.shape == (h.shape[0], two_i // 2), lambda: f"act(h [rows, 2 I]) -> [rows, I = {two_i // 2}]; got "
                                                          f"{tuple(a.shape)}")
     q, s = quantize_rows_fp8(a.contiguous(), limit=last) if w8a8 else (a.contiguous(), None)
-    return fp8_grouped_gemm(q, s, down, down_scale, offsets, xs.dtype, config, last_first=shared_last)
+    return fp8_grouped_gemm(q, s, down, down_scale, offsets, xs.dtype, config)

@@ -278,14 +278,11 @@ def _quantize_groups_kernel(X, Q, S, LIMIT, M, K, stride_x, stride_q, stride_s, 
 
 @triton.jit
 def expert_tile(OFFS, n_experts, n_out, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr, LAST_FIRST: tl.constexpr = False):
+                GROUP_M: tl.constexpr):
     """This program's output tile of a grouped GEMM over rows grouped by expert (OFFS [E] int32, the inclusive
     cumulative row counts), without a host sync: program id -> (tile slot, n-block), GROUP_M tile slots per n-block
     sweep (one expert's tiles share its weight bytes in L2); the offsets are read into E_P2 >= E lanes, the row
     tiles of BLOCK_M counted per expert and the slot's expert found by a cumulative sum.
-
-    ``LAST_FIRST``: the last expert's tiles take the first slots (the shared expert stacked last: its tiles, as
-    long as a routed expert's, would otherwise start last and end the grid alone).
 
     Returns (live, e, row0, row_end, pid_n): ``live`` False for slots past the last tile (the program returns),
     the expert, its tile's first row, the expert's end row (rows from there are masked) and the n-block."""
@@ -299,22 +296,18 @@ def expert_tile(OFFS, n_experts, n_out, E_P2: tl.constexpr, BLOCK_M: tl.constexp
     counts = tl.where(ei < n_experts, ends - starts, 0)
     tiles = (tl.maximum(counts, 0) + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(tiles, 0)
-    total = tl.sum(tiles)
-    if LAST_FIRST:  # rotate the live slots by the last expert's tiles
-        last = tl.sum(tl.where(ei == n_experts - 1, tiles, 0))
-        slot = tl.where(slot < total, (slot + total - last) % tl.maximum(total, 1), slot)
     e = tl.sum((cum <= slot).to(tl.int32))
     sel = ei == e
     row0 = tl.sum(tl.where(sel, starts, 0)) + (slot - tl.sum(tl.where(sel, cum - tiles, 0))) * BLOCK_M
     row_end = tl.sum(tl.where(sel, ends, 0))
-    return slot < total, e, row0, row_end, pid_n
+    return slot < tl.sum(tiles), e, row0, row_end, pid_n
 
 
 @triton.jit
 def _fp8_grouped_gemm_kernel(A, AS, B, B_DESC, BS, C, OFFS, ROWS, n_experts, N, K, stride_a, stride_as, stride_be,
                              stride_bn, stride_bse, stride_bsn, stride_c, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, A_FP8: tl.constexpr,
-                             GATHER: tl.constexpr, TMA: tl.constexpr, LAST_FIRST: tl.constexpr):
+                             GATHER: tl.constexpr, TMA: tl.constexpr):
     """C[rows of e] = (A[rows of e] * AS) @ (B[e] * BS[e]).T, rounded to C's dtype, for every expert e.
 
     ``A_FP8`` (W8A8): A [rows, K] e4m3 grouped by expert, AS [rows, cdiv(K, 128)] float32 (one scale per row and
@@ -328,10 +321,9 @@ def _fp8_grouped_gemm_kernel(A, AS, B, B_DESC, BS, C, OFFS, ROWS, n_experts, N, 
     are loaded by the tensor memory accelerator through B_DESC (B as [E * N, K], blocks [BLOCK_N, 128]; rows past
     an expert's N belong to the next expert or read as zeros, and only feed output columns that are not stored).
 
-    Each program finds its tile with :func:`expert_tile` (no host sync; ``LAST_FIRST`` as there); slots past the
-    last tile return.
+    Each program finds its tile with :func:`expert_tile` (no host sync); slots past the last tile return.
     The k loop is 128 wide: one activation scale per row and one weight scale per column per step."""
-    live, e, row0, row_end, pid_n = expert_tile(OFFS, n_experts, N, E_P2, BLOCK_M, BLOCK_N, GROUP_M, LAST_FIRST)
+    live, e, row0, row_end, pid_n = expert_tile(OFFS, n_experts, N, E_P2, BLOCK_M, BLOCK_N, GROUP_M)
     if not live:
         return
     rm = row0 + tl.arange(0, BLOCK_M)

@@ -211,7 +211,7 @@ class TorchOps:
 #: the most rows (tokens) whose MoE takes the stacked shared expert as one more group of the block-fp8 grouped
 #: GEMMs (from ``fp8_gemm.SPLIT_ROWS + 1``). On an H200, 16 layers of ``h100_triton_tp8`` fp8 (``python -m
 #: bench.decode_roofline ... --weights fp8`` with and without ``model.shared_expert_fusion``): the decode step's
-#: period 6415.6 -> 6217.8 µs at 64 and 7462.6 -> 7239.7 at 128, but 5229.8 -> 5360.9 at 32 (against the split
+#: period 6444.1 -> 6120.4 µs at 64 and 7473.3 -> 7212.2 at 128, but 5247.0 -> 5331.6 at 32 (against the split
 #: kernel), and prefill slower (``bench.prefill_bench``: 4 x 1024 36.07 -> 36.56 ms, 8 x 1000 64.49 -> 66.76: the
 #: grouped W8A8 GEMM is behind FlashInfer's / cuBLAS's dense GEMMs at many rows)
 SHARED_FUSION_MAX_ROWS = 128
@@ -369,8 +369,7 @@ class FusedOps:
         gate_up, down = stack or (w.gate_up, w.down)
         if stored:  # the grouped rows read from x through tokens (no gathered copy)
             y = self.f8moe.fp8_grouped_expert_mlp(x, gate_up.weight, gate_up.scale, down.weight, down.scale,
-                                                  offsets, self.silu_mul, w8a8=self.w8a8, tokens=tokens,
-                                                  shared_last=stack is not None)
+                                                  offsets, self.silu_mul, w8a8=self.w8a8, tokens=tokens)
         else:
             y = grouped_expert_mlp(x[tokens], gate_up, down, offsets, self.silu_mul)
         if stack is not None:
