@@ -317,9 +317,10 @@ def table(files: list[str]) -> int:
     tops = [dict(run=Path(f).stem, batch=b, **k) for f, r in zip(files, results) for b, x in r["batches"].items()
             for k in x.get("profile", {}).get("top", [])]
     if tops:
+        from bench.decode_roofline import BREAKDOWN_FORMATS
+
         tables.append(Table(tops, title="costliest kernels per decode step (--profile)", name="kernels",
-                            formats={"per_step": ".1f", "per_layer": ".2f", "us_per_step": ".1f",
-                                     "own_us_per_step": ".1f", "share": ".1%"}))
+                            formats={**BREAKDOWN_FORMATS, "share": ".1%"}))
     if sweeps:
         tables.append(Table(sweeps, title="all_reduce sweep (bf16, same process group as the run)", name="sweep",
                             formats={"us": ".1f", "busbw_gbs": ".1f"}))

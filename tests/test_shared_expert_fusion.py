@@ -47,12 +47,14 @@ def test_dispatch_appends_the_shared_group(sort_from, t, k, e):
 def _stacked(gate, bias, gu, dn, shared):
     """The same weights with the shared expert copied into one more stack slot."""
     e = gu.shape[0]
-    big_gu = torch.empty(e + 1, *gu.shape[1:], dtype=gu.dtype, device=gu.device) if isinstance(gu, torch.Tensor) \
-        else BlockFP8.empty((e + 1, *gu.shape[1:]), gu.device)
-    big_dn = torch.empty(e + 1, *dn.shape[1:], dtype=dn.dtype, device=dn.device) if isinstance(dn, torch.Tensor) \
-        else BlockFP8.empty((e + 1, *dn.shape[1:]), dn.device)
-    big_gu[:e], big_dn[:e] = gu, dn
-    return moe_weights(gate, bias, big_gu, big_dn, shared, e, 0)
+
+    def grown(w):  # a stack of one slot more holding w's experts
+        shape = (e + 1, *w.shape[1:])
+        big = BlockFP8.empty(shape, w.device) if isinstance(w, BlockFP8) else w.new_empty(shape)
+        big[:e] = w
+        return big
+
+    return moe_weights(gate, bias, grown(gu), grown(dn), shared, e, 0)
 
 
 def test_bf16_experts_keep_the_shared_expert_s_own_products(monkeypatch):
